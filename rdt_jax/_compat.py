@@ -1,0 +1,109 @@
+"""Version gates and third-party imports, in one place.
+
+Every place where rdt_jax depends on a specific version of Ray, JAX or NIXL is
+here, with a comment saying why. The rest of the package imports from this
+module instead of testing versions itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any, Final
+
+# Ray minor versions whose RDT internals we have read and tested. RDT is alpha:
+# `patch_ray_serialization` relies on `SerializationContext.serialize_rdt_objects`
+# and `RDTManager.register_custom_transports_on_actor` keeping their 2.60 shape.
+TESTED_RAY_MINORS: Final = frozenset({(2, 60)})
+
+# jax/jaxlib ranges we test: 0.10 on Python 3.11 (CPU, here); 0.11 is what
+# GPU images commonly ship on Python 3.12 (untested here, see README).
+TESTED_JAX_MINORS: Final = frozenset({(0, 10), (0, 11)})
+
+
+def _minor(version: str) -> tuple[int, int]:
+  major, minor = version.split(".")[:2]
+  return int(major), int(minor)
+
+
+def ray_version_tested() -> bool:
+  """True if the installed Ray is a minor version we test against."""
+  import ray
+
+  return _minor(ray.__version__) in TESTED_RAY_MINORS
+
+
+@functools.lru_cache(maxsize=1)
+def nixl_api() -> ModuleType:
+  """Returns NIXL's `_api` module, whichever distribution provides it.
+
+  `import nixl` needs the `nixl` meta package (CUDA 12 and 13 builds, ~450 MB);
+  `nixl-cu12` / `nixl-cu13` alone provide `nixl_cu12` / `nixl_cu13`. We accept
+  any of them, preferring the meta package's choice when it is installed.
+
+  Raises:
+    ImportError: if no NIXL distribution is installed, naming what to install.
+  """
+  errors = []
+  for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+    try:
+      return importlib.import_module(name)
+    except ImportError as e:  # noqa: PERF203
+      errors.append(f"{name}: {e}")
+  raise ImportError(
+      "NIXL is not installed in this process, so the `jax_nixl` transport "
+      "cannot run here. Install it with `pip install nixl-cu12` (CPU and CUDA "
+      "12) or `pip install nixl-cu13` (CUDA 13), in every actor's environment. "
+      f"Tried: {'; '.join(errors)}"
+  )
+
+
+def nixl_available() -> bool:
+  """True if some NIXL distribution can be imported in this process."""
+  try:
+    nixl_api()
+  except ImportError:
+    return False
+  return True
+
+
+def has_jax_transfer() -> bool:
+  """True if the installed jax has `jax.experimental.transfer`."""
+  try:
+    importlib.import_module("jax.experimental.transfer")
+  except ImportError:
+    return False
+  return True
+
+
+def array_impl_type() -> type:
+  """The concrete class of live `jax.Array`s (`jaxlib._jax.ArrayImpl` in 0.10).
+
+  Ray matches serializers on the exact class, so this, not `jax.Array`, is
+  what a transport's `data_type` must name.
+  """
+  import jax.numpy as jnp
+
+  return type(jnp.zeros(()))
+
+
+def prng_key_array_type() -> type | None:
+  """The class of `jax.random.key(...)` arrays, or None if jax moved it."""
+  try:
+    from jax._src.prng import PRNGKeyArray
+  except ImportError:  # jax reorganised its internals
+    return None
+  return PRNGKeyArray
+
+
+def ray_serialization_context_class() -> Any:
+  from ray._private.serialization import SerializationContext
+
+  return SerializationContext
+
+
+def ray_cloudpickler() -> Any:
+  from ray import cloudpickle
+
+  return cloudpickle.CloudPickler
