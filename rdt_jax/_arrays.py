@@ -91,6 +91,17 @@ class UnsupportedLeafError(ValueError):
     where = f"Leaf {path}" if path else "A leaf"
     super().__init__(f"{where} {problem}. {fix}")
 
+  def __reduce__(self):
+    # Crosses processes inside Ray's task errors.
+    return _restore_leaf_error, (type(self), self.path, self.args[0])
+
+
+def _restore_leaf_error(cls: type, path: str, message: str) -> UnsupportedLeafError:
+  err = cls.__new__(cls)
+  ValueError.__init__(err, message)
+  err.path = path
+  return err
+
 
 # --------------------------------------------------------------------------
 # Array types: the one dispatch point.

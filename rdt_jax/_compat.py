@@ -83,18 +83,22 @@ def array_impl_type() -> type:
   Ray matches serializers on the exact class, so this, not `jax.Array`, is
   what a transport's `data_type` must name.
   """
-  import jax.numpy as jnp
+  # Imported from jax's internals rather than built with jnp.zeros(()), which
+  # would start jax's backend (and its threads) before the user asked for it.
+  from jax._src.array import ArrayImpl
 
-  return type(jnp.zeros(()))
+  return ArrayImpl
 
 
 def prng_key_array_type() -> type | None:
   """The class of `jax.random.key(...)` arrays, or None if jax moved it."""
-  try:
-    from jax._src.prng import PRNGKeyArray
-  except ImportError:  # jax reorganised its internals
-    return None
-  return PRNGKeyArray
+  # jax 0.10 keeps it in jax._src.random.prng; earlier releases in jax._src.prng.
+  for modname in ("jax._src.random.prng", "jax._src.prng"):
+    try:
+      return importlib.import_module(modname).PRNGKeyArray
+    except (ImportError, AttributeError):
+      continue
+  return None
 
 
 def ray_serialization_context_class() -> Any:

@@ -1,0 +1,37 @@
+"""Shared fixtures: one local Ray session per test module."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import ray
+
+TESTS_DIR = pathlib.Path(__file__).parent
+REPO = TESTS_DIR.parent
+# Workers import the test modules' actor and transport classes by reference.
+WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO)])
+
+
+def start_ray(**kwargs) -> None:
+  """Starts a local Ray for one test module, workers able to import tests."""
+  import rdt_jax
+
+  rdt_jax.register()
+  runtime_env = kwargs.pop("runtime_env", {})
+  env_vars = {"PYTHONPATH": WORKER_PYTHONPATH, **runtime_env.pop("env_vars", {})}
+  ray.init(
+      num_cpus=kwargs.pop("num_cpus", 8),
+      include_dashboard=False,
+      logging_level="warning",
+      runtime_env={"env_vars": env_vars, **runtime_env},
+      **kwargs,
+  )
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+  start_ray()
+  yield
+  ray.shutdown()

@@ -1,0 +1,380 @@
+"""The `jax_nixl` transport end to end, on one local Ray session."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import ray
+
+import rdt_jax
+from conftest import start_ray
+
+# Before the classes below: @ray.method checks the transport name on definition.
+rdt_jax.register()
+
+X64 = {"env_vars": {"JAX_ENABLE_X64": "1"}}
+
+JAX_DTYPES = [
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+    "uint64", "float16", "bfloat16", "float32", "float64", "complex64",
+    "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3",
+    "float8_e8m0fnu",
+]
+
+
+def dtype_of(name: str) -> np.dtype:
+  return rdt_jax._arrays.np_dtype_from_name(name)
+
+
+def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
+  """Deterministic values of any dtype, as a numpy array."""
+  rng = np.random.default_rng(seed)
+  dtype = dtype_of(dtype_name)
+  if dtype == np.bool_:
+    return rng.integers(0, 2, shape).astype(bool)
+  if dtype.kind in "iu":
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), shape).astype(dtype)
+  if dtype.kind == "c":
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+  return (rng.standard_normal(shape) * 2).astype(dtype)
+
+
+def fingerprint(x) -> tuple:
+  """(framework, dtype name, shape, sha256 of the bytes) of one array."""
+  fw = rdt_jax._arrays.framework_of(x)
+  host = rdt_jax.to_numpy(x)
+  digest = hashlib.sha256(np.ascontiguousarray(host).view(np.uint8).tobytes()).hexdigest()
+  return fw, host.dtype.name, tuple(host.shape), digest
+
+
+def tree_fingerprint(tree):
+  return jax.tree_util.tree_map(
+      lambda x: fingerprint(x) if rdt_jax._arrays.is_array(x) else x,
+      tree,
+      is_leaf=rdt_jax._arrays.is_array,
+  )
+
+
+def nixl_transport():
+  from ray.experimental.rdt.util import get_tensor_transport_manager
+
+  return get_tensor_transport_manager("JAX_NIXL")
+
+
+@ray.remote(enable_tensor_transport=True)
+class Producer:
+  """Makes values with a builder function and returns them over jax_nixl."""
+
+  def __init__(self):
+    self.kept = None
+
+  @ray.method(tensor_transport="jax_nixl")
+  def make(self, build, *args):
+    return build(*args)
+
+  @ray.method(tensor_transport="jax_nixl")
+  def make_and_keep(self, build, *args):
+    self.kept = build(*args)
+    return self.kept
+
+  @ray.method(tensor_transport="jax_nixl")
+  def return_kept(self):
+    return self.kept
+
+  def put(self, build, *args):
+    return [ray.put(build(*args), _tensor_transport="jax_nixl")]
+
+  def stats(self):
+    t = nixl_transport()
+    return t.num_registrations(), t.num_objects()
+
+  def rss(self):
+    import psutil
+
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+@ray.remote(enable_tensor_transport=True)
+class Consumer:
+  def fingerprint(self, value):
+    return tree_fingerprint(value)
+
+  def get(self, refs):
+    return tree_fingerprint(ray.get(refs[0]))
+
+  def first_action_put(self, n):
+    ref = ray.put({"x": jnp.arange(n, dtype=jnp.float32)}, _tensor_transport="jax_nixl")
+    return [ref]
+
+  def stats(self):
+    return nixl_transport().num_registrations()
+
+  def rss(self):
+    import psutil
+
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+# Builders run on the producer (pickled by reference; tests/ is on PYTHONPATH).
+
+
+def params_tree(n: int = 256):
+  return {
+      "w": jnp.ones((n, n), jnp.float32) * 0.5,
+      "b": jnp.arange(n, dtype=jnp.float32),
+      "step": 3,
+      "layers": [jnp.full((4,), i, jnp.int32) for i in range(3)],
+      "name": "learner",
+  }
+
+
+def jax_leaf(shape, dtype_name, seed=0):
+  return {"x": jnp.asarray(sample(shape, dtype_name, seed))}
+
+
+def one_array(nbytes: int, seed: int = 0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8))
+
+
+def deleted_leaf():
+  x = jnp.ones(3)
+  x.delete()
+  return {"params": {"w": x}}
+
+
+def int4_leaf():
+  return {"q": jnp.zeros(8, jnp.int4)}
+
+
+def prng_leaf():
+  return {"key": jax.random.key(0)}
+
+
+def object_leaf():
+  return {"o": np.array([{"a": 1}], dtype=object)}
+
+
+def meta_device_leaf():
+  import torch
+
+  return {"meta": torch.empty(3, device="meta")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray():
+  start_ray()
+  yield
+  ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def producer():
+  return Producer.options(runtime_env=X64).remote()
+
+
+@pytest.fixture(scope="module")
+def consumer():
+  return Consumer.options(runtime_env=X64).remote()
+
+
+def expected(build, *args):
+  with jax.enable_x64(True):
+    return tree_fingerprint(build(*args))
+
+
+def test_register_is_idempotent():
+  assert rdt_jax.register() == ["jax_nixl"]
+  assert rdt_jax.register() == ["jax_nixl"]
+
+
+def test_pytree_reaches_consumer_bit_exact(producer, consumer):
+  ref = producer.make.remote(params_tree)
+  got = ray.get(consumer.fingerprint.remote(ref))
+  assert got == expected(params_tree)
+  assert got["w"][0] == "jax" and got["step"] == 3 and got["name"] == "learner"
+
+
+@pytest.mark.parametrize("dtype_name", JAX_DTYPES)
+def test_every_dtype(producer, consumer, dtype_name):
+  ref = producer.make.remote(jax_leaf, (3, 5), dtype_name)
+  assert ray.get(consumer.fingerprint.remote(ref)) == expected(jax_leaf, (3, 5), dtype_name)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (4, 0, 3), (1,)])
+def test_zero_d_and_empty(producer, consumer, shape):
+  ref = producer.make.remote(jax_leaf, shape, "float32")
+  got = ray.get(consumer.fingerprint.remote(ref))
+  assert got == expected(jax_leaf, shape, "float32")
+  assert got["x"][2] == shape
+
+
+def test_256_mib_array(producer, consumer):
+  nbytes = 256 << 20
+  ref = producer.make.remote(one_array, nbytes)
+  assert ray.get(consumer.fingerprint.remote(ref)) == expected(one_array, nbytes)
+
+
+def test_driver_get(producer):
+  ref = producer.make.remote(params_tree, 64)
+  value = ray.get(ref)
+  assert isinstance(value["w"], jax.Array)
+  assert tree_fingerprint(value) == expected(params_tree, 64)
+
+
+def test_driver_put_to_actor(consumer):
+  value = {"a": jnp.arange(10, dtype=jnp.float32), "n": np.arange(4, dtype=np.int32)}
+  ref = ray.put(value, _tensor_transport="jax_nixl")
+  assert ray.get(consumer.fingerprint.remote(ref)) == tree_fingerprint(value)
+  # The driver reading its own object gets the stored objects back.
+  assert ray.get(ref)["a"] is value["a"]
+
+
+def test_actor_put_then_driver_get(producer):
+  [ref] = ray.get(producer.put.remote(params_tree, 32))
+  assert tree_fingerprint(ray.get(ref)) == expected(params_tree, 32)
+
+
+def test_put_is_a_fresh_actors_first_action():
+  for _ in range(3):
+    fresh = Consumer.remote()
+    [ref] = ray.get(fresh.first_action_put.remote(5))
+    assert ray.get(ref)["x"].tolist() == [0, 1, 2, 3, 4]
+    ray.kill(fresh)
+
+
+def test_eight_refs_in_one_get(producer):
+  refs = [producer.make.remote(one_array, 1 << 20, seed) for seed in range(8)]
+  values = ray.get(refs)
+  for seed, v in enumerate(values):
+    assert fingerprint(v) == expected(one_array, 1 << 20, seed)
+
+
+def test_three_consumers_of_one_ref(producer):
+  consumers = [Consumer.remote() for _ in range(3)]
+  ref = producer.make.remote(params_tree, 128)
+  got = ray.get([c.fingerprint.remote(ref) for c in consumers])
+  assert got == [expected(params_tree, 128)] * 3
+  for c in consumers:
+    ray.kill(c)
+
+
+def test_batched_get_while_producer_frees_objects(producer):
+  for round_ in range(10):
+    keep = [producer.make.remote(one_array, 256 << 10, round_ * 16 + i) for i in range(8)]
+    drop = [producer.make.remote(one_array, 256 << 10, 999) for _ in range(8)]
+    ray.wait(drop, num_returns=len(drop))
+    del drop  # frees race with the fetches below
+    values = ray.get(keep)
+    assert [fingerprint(v) for v in values] == [
+        expected(one_array, 256 << 10, round_ * 16 + i) for i in range(8)
+    ]
+
+
+def wait_for(predicate, timeout=30.0):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(0.2)
+  return predicate()
+
+
+def test_same_array_twice_registers_once():
+  p = Producer.remote()
+  ref1 = p.make_and_keep.remote(params_tree, 16)
+  ray.get(ref1)  # fetch once so the object exists
+  base = ray.get(p.stats.remote())
+  ref2 = p.return_kept.remote()  # the same arrays in a second object
+  assert tree_fingerprint(ray.get(ref2)) == expected(params_tree, 16)
+  assert ray.get(p.stats.remote()) == (base[0], 2)
+  del ref1, ref2
+  assert wait_for(lambda: ray.get(p.stats.remote()) == (0, 0))
+  ray.kill(p)
+
+
+def test_registrations_released_and_rss_bounded():
+  p, c = Producer.remote(), Consumer.remote()
+  for i in range(20):  # warm up: agents, connections, allocator pools
+    ray.get(c.fingerprint.remote(p.make.remote(one_array, 1 << 20, i)))
+  rss_p, rss_c = ray.get(p.rss.remote()), ray.get(c.rss.remote())
+  for i in range(200):
+    ref = p.make.remote(one_array, 1 << 20, i)
+    ray.get(c.fingerprint.remote(ref))
+    del ref
+  assert wait_for(lambda: ray.get(p.stats.remote()) == (0, 0))
+  assert ray.get(c.stats.remote()) == 0
+  # 200 MiB moved; each side may keep allocator slack but not the payloads.
+  assert ray.get(p.rss.remote()) - rss_p < 64 << 20
+  assert ray.get(c.rss.remote()) - rss_c < 64 << 20
+  ray.kill(p)
+  ray.kill(c)
+
+
+# ---- errors
+
+
+def test_deleted_array_names_the_leaf(producer):
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['params'\]\['w'\].*deleted"):
+    ray.get(producer.make.remote(deleted_leaf))
+
+
+def test_sub_byte_dtype_names_leaf_and_dtype(producer):
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['q'\].*int4.*int8"):
+    ray.get(producer.make.remote(int4_leaf))
+
+
+def test_prng_key_is_refused(producer):
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['key'\].*key_data"):
+    ray.get(producer.make.remote(prng_leaf))
+
+
+def test_object_dtype_is_refused(producer):
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['o'\].*object"):
+    ray.get(producer.make.remote(object_leaf))
+
+
+def test_unsupported_device_is_refused(producer):
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['meta'\].*meta"):
+    ray.get(producer.make.remote(meta_device_leaf))
+
+
+def test_nixl_missing_on_consumer(producer):
+  hidden = {"env_vars": {"PYTHONPATH": f"{_no_nixl_dir()}:{_worker_path()}"}}
+  from _blind import BlindConsumer
+
+  blind = BlindConsumer.options(runtime_env=hidden).remote()
+  ref = producer.make.remote(params_tree, 8)
+  with pytest.raises(Exception, match=r"NIXL is not installed.*pip install nixl-cu12"):
+    ray.get(blind.leaf_types.remote(ref), timeout=60)
+  ray.kill(blind)
+
+
+def test_x64_off_consumer_refuses_64_bit_jax_leaf(producer):
+  plain = Consumer.remote()  # jax_enable_x64 off
+  ref = producer.make.remote(jax_leaf, (3,), "int64")
+  with pytest.raises(Exception, match=r"\['x'\].*int64.*receive_as\('numpy'\)"):
+    ray.get(plain.fingerprint.remote(ref), timeout=60)
+  ray.kill(plain)
+
+
+def _no_nixl_dir() -> str:
+  import conftest
+
+  return str(conftest.TESTS_DIR / "_no_nixl")
+
+
+def _worker_path() -> str:
+  import conftest
+
+  return conftest.WORKER_PYTHONPATH
