@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs rdt_jax with everything the demo,
+# tests, benchmark and docs use. Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.rdt-jax-setup
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  python -m pip install -q --upgrade pip
+  # The CPU build of torch first: nixl-cu12 requires `torch` and an unpinned
+  # install would pull a multi-GB CUDA build.
+  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q -e ".[torch,test,bench,docs]"
+  # `import nixl` (Ray's built-in NIXL transport, our benchmark's baseline)
+  # needs the `nixl` meta package; --no-deps keeps it from pulling the CUDA 13
+  # build: the meta package then uses the nixl-cu12 we already have.
+  python -m pip install -q --no-deps "nixl==1.5.1"
+  touch "$stamp"
+fi
