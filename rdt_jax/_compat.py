@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import os
 from types import ModuleType
 from typing import Any, Final
 
@@ -48,9 +50,15 @@ def nixl_api() -> ModuleType:
   errors = []
   for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
     try:
-      return importlib.import_module(name)
+      api = importlib.import_module(name)
     except ImportError as e:  # noqa: PERF203
       errors.append(f"{name}: {e}")
+      continue
+    if "NIXL_LOG_LEVEL" not in os.environ:
+      # NIXL logs every agent and backend creation at INFO on stdout; keep
+      # actors' output quiet unless the user asks (NIXL_LOG_LEVEL=INFO).
+      logging.getLogger("nixl").setLevel(logging.WARNING)
+    return api
   raise ImportError(
       "NIXL is not installed in this process, so the `jax_nixl` transport "
       "cannot run here. Install it with `pip install nixl-cu12` (CPU and CUDA "
