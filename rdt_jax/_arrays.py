@@ -249,8 +249,12 @@ def parse_device(device: Any) -> Device:
   )
 
 
-def jax_device(device: Device, position: int = 0) -> "jax.Device":
-  """The local jax device for `device` (for cpu, the `position`-th one)."""
+def jax_device(device: Device) -> "jax.Device":
+  """The local jax device for `device`.
+
+  Raises:
+    UnsupportedLeafError: if this process's jax has no such platform.
+  """
   import jax
 
   platform = "cpu" if device.kind == "cpu" else "gpu"
@@ -264,10 +268,8 @@ def jax_device(device: Device, position: int = 0) -> "jax.Device":
         "Receive it as numpy or torch, or set a target device "
         "(rdt_jax.set_target_device_for_ref).",
     ) from None
-  if device.kind == "cpu":
-    return devices[min(position, len(devices) - 1)]
   for d in devices:
-    if d.local_hardware_id == device.index:
+    if (d.id if device.kind == "cpu" else d.local_hardware_id) == device.index:
       return d
   return devices[0]
 

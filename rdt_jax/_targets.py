@@ -118,7 +118,7 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
 
   Raises:
     ValueError: naming the first leaf whose target is missing, has another
-      shape or dtype, or is not C-contiguous.
+      shape or dtype, is not C-contiguous, or is a read-only numpy array.
   """
   import numpy as np
 
@@ -146,6 +146,11 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
       raise ValueError(
           f"Target for leaf {leaf.path} is not C-contiguous; pass a "
           "contiguous array to receive into."
+      )
+    if _arrays.framework_of(buf) == "numpy" and not buf.flags.writeable:
+      raise ValueError(
+          f"Target for leaf {leaf.path} is a read-only numpy array (arrays "
+          "from Ray's object store are); pass a writable copy (x.copy())."
       )
     aligned.append(buf)
   return aligned

@@ -43,12 +43,15 @@ class Destination:
     device: the device the memory is on.
     array: the framework object owning the memory (a uint8 numpy view, a
       torch tensor or a jax array), for backends that need one.
+    region: `(pointer, nbytes)` of the whole allocation the chunk lies in
+      (chunks of one object share a host buffer): what a backend registers.
   """
 
   pointer: int
   nbytes: int
   device: _arrays.Device
   array: Any
+  region: tuple[int, int]
 
 
 @dataclass
@@ -129,14 +132,15 @@ class ReceivePlan:
       t = plan.target
       fw = _arrays.framework_of(t)
       pointer = t.ctypes.data if fw == "numpy" else t.data_ptr()
-      return Destination(pointer, nbytes, plan.device, t)
+      return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes))
     if plan.device.kind == "cpu":
       offset = plan.host_offsets[i]
       view = self.host[offset : offset + nbytes]
-      return Destination(self.host.ctypes.data + offset, nbytes, plan.device, view)
+      base = self.host.ctypes.data
+      return Destination(base + offset, nbytes, plan.device, view, (base, self.host.nbytes))
     buf = _arrays.allocate_device_buffer(nbytes, plan.device)
     plan.device_buffers.append(buf)
-    return Destination(buf.pointer, nbytes, plan.device, buf.array)
+    return Destination(buf.pointer, nbytes, plan.device, buf.array, (buf.pointer, buf.nbytes))
 
   def build(self) -> list[Any]:
     """The received leaves, as each plan's framework (after the bytes moved)."""

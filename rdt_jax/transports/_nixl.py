@@ -259,20 +259,9 @@ class NixlTransport(DlpackTransport):
     return receive
 
   def _register_destinations(self, dests: list[Destination]) -> list[tuple]:
-    """Registers the receive memory: each distinct buffer once."""
-    keys, seen = [], set()
-    for d in dests:
-      base = d.array.base if _arrays.framework_of(d.array) == "numpy" and d.array.base is not None else None
-      if base is not None and base.dtype.itemsize == 1 and base.ndim == 1:
-        # A view into one host receive buffer: register the whole buffer once.
-        region = (base.ctypes.data, base.nbytes)
-      else:
-        region = (d.pointer, d.nbytes)
-      if region in seen:
-        continue
-      seen.add(region)
-      keys.append(self._register(region[0], region[1], d.device))
-    return keys
+    """Registers the receive memory: each distinct allocation once."""
+    regions = {(d.region, d.device): None for d in dests}
+    return [self._register(ptr, nbytes, device) for (ptr, nbytes), device in regions]
 
   def wait_receive(self, handle: _Receive | None, obj_id: str, timeout: float) -> None:
     if handle is None:
