@@ -1,6 +1,6 @@
 """Quickstart: a JAX actor returns a pytree over `jax_nixl`; a consumer gets it.
 
-Run: python examples/quickstart.py   (a local Ray, CPU only, a few seconds)
+Run: python examples/quickstart.py   (starts a local Ray; CPU is enough)
 """
 
 import jax
@@ -28,7 +28,10 @@ class Worker:
   def summarize(self, params):
     # `params` arrived over jax_nixl: the same pytree, jax.Array leaves.
     w = params["w"]
-    return f"jax.Array: {isinstance(w, jax.Array)}, {w.dtype}{w.shape}, sum {float(w.sum())}, step {params['step']}"
+    return (
+        f"jax.Array: {isinstance(w, jax.Array)}, {w.dtype}{w.shape}, "
+        f"sum {float(w.sum())}, step {params['step']}"
+    )
 
 
 if __name__ == "__main__":
