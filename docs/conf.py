@@ -1,0 +1,92 @@
+"""Sphinx configuration for the rdt_jax docs (MyST Markdown + autodoc).
+
+Build (warnings are errors, as tests/test_docs.py runs it):
+
+  sphinx-build -W --keep-going -b html docs docs/_build/html
+  sphinx-build -W --keep-going -b doctest docs docs/_build/doctest
+"""
+
+from __future__ import annotations
+
+import doctest
+import pathlib
+import re
+import sys
+
+DOCS = pathlib.Path(__file__).resolve().parent
+REPO = DOCS.parent
+# Document the checkout these docs live in, even if another copy is installed.
+sys.path.insert(0, str(REPO))
+
+import rdt_jax  # noqa: E402
+
+project = "rdt_jax"
+author = "rdt_jax contributors"
+copyright = "rdt_jax contributors"
+release = rdt_jax.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",
+]
+
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+# docs/benchmarks/ holds files `rdt-jax bench` writes; benchmarks.md includes
+# them, so they are not documents of their own.
+exclude_patterns = ["_build", "benchmarks/**", "Thumbs.db", ".DS_Store"]
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# Docstrings follow Google style with `single backticks` for code (as jax's
+# do); render them as inline code rather than as cross-reference attempts.
+default_role = "code"
+
+autodoc_default_options = {"members": True, "member-order": "bysource"}
+autodoc_typehints = "signature"
+# "Attributes:" sections become field lists, not attribute directives that
+# would clash with the dataclass fields autodoc already documents.
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True
+
+# Cross-references inside these docs must resolve; types of other projects
+# (we use no intersphinx: the build must work offline) are not checked.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(ray|jax|jaxlib|numpy|np|torch|ml_dtypes|typing|collections)(\..*)?"),
+    (r"py:.*", r"(Any|Callable|ClassVar|Final|Literal|Framework|DeviceKind)"),
+    (r"py:.*", r"(CommunicatorMetadata|FetchRequest|TensorTransport\w*)"),
+    # Private types that appear in public signatures.
+    (r"py:.*", r"(DescribedLeaf|LeafSpec|_arrays\..*|_targets\..*|rdt_jax\._.*|rdt_jax\.transports\..*)"),
+]
+
+# sphinx.ext.doctest: every `{doctest}` block in the docs runs in the doctest
+# build. Exception messages are compared too (no IGNORE_EXCEPTION_DETAIL).
+doctest_default_flags = (
+    doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.DONT_ACCEPT_TRUE_FOR_1
+)
+doctest_global_setup = """
+import rdt_jax
+"""
+
+# A docstring may write `jax.Array`s; reST ends inline markup only before
+# whitespace or punctuation, so end it explicitly ("`jax.Array`\\ s").
+_BACKTICK_THEN_WORD = re.compile(r"(?<![`\\])(`[^`\s][^`]*`)(?=[A-Za-z0-9])")
+
+
+def _close_inline_code(app, what, name, obj, options, lines):
+  lines[:] = [_BACKTICK_THEN_WORD.sub(r"\1\\ ", line) for line in lines]
+
+
+def setup(app):
+  app.connect("autodoc-process-docstring", _close_inline_code)
+
+
+html_theme = "alabaster"
+html_title = f"rdt_jax {release}"
+html_static_path: list[str] = []
