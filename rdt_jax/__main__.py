@@ -1,0 +1,40 @@
+"""The `rdt-jax` command line (also `python -m rdt_jax`).
+
+Subcommands:
+  bench   measure every way of moving arrays between Ray actors, side by side
+          (see `rdt-jax bench --help` and `rdt_jax.bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Entry point of the `rdt-jax` console script; returns the exit status."""
+  parser = argparse.ArgumentParser(prog="rdt-jax", description="rdt_jax command line tools.")
+  commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+  bench = commands.add_parser(
+      "bench",
+      help="benchmark rdt_jax transports against Ray's paths",
+      description="Measure rdt_jax transports, Ray's nixl (torch), the object store "
+                  "(NumPy, jax.Array) and memcpy in one interleaved run; write JSON, "
+                  "Markdown and a PNG plot.",
+  )
+  from rdt_jax.bench import add_arguments, config_from_args, run, validate
+
+  add_arguments(bench)
+  args = parser.parse_args(argv)
+  if args.command == "bench":
+    try:
+      config = config_from_args(args)
+      validate(config)
+    except ValueError as e:
+      bench.error(str(e))
+    run(config)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,263 @@
+"""`rdt-jax bench`: every way of moving arrays between Ray actors, side by side.
+
+In one run it measures, per case and interleaved: every registered rdt_jax
+transport, Ray's built-in `nixl` transport with torch tensors, the object
+store with NumPy arrays and with jax.Arrays, and the memcpy limit; plus the
+plain-method check of issue 3 and the peak memory of each side. It writes
+`bench-<label>.json` (every sample and the summary), `bench-<label>.md` (also
+printed) and `bench-<label>.png` (bandwidth vs size) under `--out`.
+
+Run it as `rdt-jax bench [--quick]` or `python -m rdt_jax bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import sys
+import time
+from typing import Any
+
+from rdt_jax.bench._runner import BenchConfig
+
+__all__ = ["BenchConfig", "add_arguments", "config_from_args", "main", "run", "validate"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds `rdt-jax bench`'s options to `parser`."""
+  parser.add_argument("--quick", action="store_true",
+                      help="a short case set and fewer repetitions (under 2 minutes on 2 cores)")
+  parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                      help="gpu adds device-to-device cases (skipped with a reason without a GPU)")
+  parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+  parser.add_argument("--paths", type=_csv, default=None,
+                      help="comma-separated path ids to run: rdt_jax transport names "
+                           "(jax_nixl, ...), ray_nixl_torch, object_store_numpy, "
+                           "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax")
+  parser.add_argument("--cases", type=_csv, default=None,
+                      help="comma-separated cases: sizes (4KiB, 256MiB, 1GiB), treeN[xSIZE], "
+                           "refsN[xSIZE], fanoutN[xSIZE], plain[SIZE]; prefix gpu: for device cases")
+  parser.add_argument("--reps", type=int, default=None,
+                      help="measured repetitions per path and case (default: by size)")
+  parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
+  parser.add_argument("--no-pause", action="store_true",
+                      help="do not SIGSTOP the actors of paths not being measured")
+  parser.add_argument("--label", default=None,
+                      help="output file suffix (default: quick, full or custom)")
+
+
+def _csv(text: str) -> tuple[str, ...]:
+  return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+  """The BenchConfig that parsed `rdt-jax bench` arguments ask for."""
+  return BenchConfig(
+      quick=args.quick,
+      device=args.device,
+      out=args.out,
+      paths=args.paths,
+      cases=args.cases,
+      reps=args.reps,
+      warmup=args.warmup,
+      pause=not args.no_pause,
+      idle_window_s=0.5 if args.quick else 1.0,
+      label=args.label,
+  )
+
+
+def validate(config: BenchConfig) -> None:
+  """Checks the cases and path names `config` asks for, before anything starts.
+
+  Raises:
+    ValueError: naming an unknown case or path and what is accepted.
+  """
+  import rdt_jax
+  from rdt_jax.bench import _runner
+
+  cases = config.case_list()
+  _runner.select_paths(_runner.make_paths(rdt_jax.register(), cases), config.paths)
+
+
+def _versions() -> dict[str, str | None]:
+  from importlib import metadata
+
+  out: dict[str, str | None] = {}
+  for name in ("ray", "jax", "jaxlib", "numpy", "torch", "nixl", "nixl-cu12", "rdt-jax"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  out["nixl"] = out["nixl"] or out.pop("nixl-cu12", None)
+  out.pop("nixl-cu12", None)
+  out["python"] = platform.python_version()
+  return out
+
+
+def _git_state() -> dict[str, Any]:
+  """The commit of the rdt_jax being measured, and its uncommitted files."""
+  import subprocess
+
+  root = pathlib.Path(__file__).resolve().parents[2]
+
+  def git(*args: str) -> str | None:
+    try:
+      out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+      return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+  status = git("status", "--porcelain", "--", "rdt_jax")
+  return {
+      "commit": git("rev-parse", "HEAD"),
+      "uncommitted_rdt_jax_files": status.splitlines() if status else [],
+  }
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+  """Runs the benchmark and writes its outputs; returns the JSON document.
+
+  Starts a private local Ray (unless Ray is already initialized in this
+  process) and shuts it down at the end.
+
+  Raises:
+    ValueError: for unknown case or path names.
+  """
+  t0 = time.perf_counter()
+  os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+  import ray
+
+  import rdt_jax
+  from rdt_jax.bench import _report, _runner
+
+  progress = _runner.Progress()
+  cases = config.case_list()
+  registered = rdt_jax.register()
+  state = _runner.RunState(config, cases, registered=registered)
+  state.paths = _runner.select_paths(_runner.make_paths(registered, cases), config.paths)
+  stem = pathlib.Path(config.out) / f"bench-{config.file_label()}"
+  load_start = _runner.loadavg()
+  date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+  git = _git_state()
+  progress.line(f"rdt-jax bench: {len(cases)} cases, load average {load_start}")
+  t_ray = time.perf_counter()
+  started = _runner.start_ray()
+  state.timings["ray_start_s"] = time.perf_counter() - t_ray
+  try:
+    _runner.setup(state, progress)
+    state.timings["setup_s"] = time.perf_counter() - t0
+    for i, case in enumerate(cases):
+      _runner.run_case(state, case, i, progress)
+      doc = _document(state, config, date, git, load_start, time.perf_counter() - t0, partial=True)
+      _report.write_json(doc, stem.with_suffix(".json"))
+      _print_case(progress, doc, case.id)
+  finally:
+    _runner.teardown(state)
+    if started:
+      ray.shutdown()
+  wall = time.perf_counter() - t0
+  doc = _document(state, config, date, git, load_start, wall, partial=False)
+  _report.write_json(doc, stem.with_suffix(".json"))
+  text = _report.markdown(doc)
+  stem.with_suffix(".md").write_text(text)
+  drawn = _report.plot(doc, stem.with_suffix(".png"))
+  sys.stdout.write(text)
+  sys.stdout.flush()
+  progress.line(
+      f"done in {wall:.0f} s: {stem.with_suffix('.json')}, {stem.with_suffix('.md')}"
+      + (f", {stem.with_suffix('.png')}" if drawn else " (no plot: matplotlib is not installed)")
+  )
+  return doc
+
+
+def _print_case(progress: Any, doc: dict[str, Any], case_id: str) -> None:
+  for s in doc["summary"]:
+    if s["case"] != case_id:
+      continue
+    name = s["path"] + (f"/{s['variant']}" if s["variant"] else "")
+    progress.line(
+        f"  {case_id:<10} {name:<28} median {s['median_s'] * 1e3:9.3f} ms "
+        f"[{s['min_s'] * 1e3:.3f}-{s['max_s'] * 1e3:.3f}]  {s['gbps']:7.2f} GB/s  n={s['n']}"
+    )
+
+
+def _document(
+    state: Any,
+    config: BenchConfig,
+    date: str,
+    git: dict[str, Any],
+    load_start: list[float],
+    wall: float,
+    partial: bool,
+) -> dict[str, Any]:
+  """The JSON document of a run (see the module docstring)."""
+  from rdt_jax.bench import _runner, _stats
+
+  summaries = _stats.summarize(state.samples, state.cases)
+  plain = next((c for c in state.cases if c.kind == "plain"), None)
+  plain_check = _stats.plain_check(summaries, plain.id) if plain else None
+  if plain_check:
+    plain_check["nbytes"] = plain.object_nbytes
+  return {
+      "schema": "rdt-jax-bench/1",
+      "partial": partial,
+      "wall_s": wall,
+      "config": {
+          "label": config.file_label(), "quick": config.quick, "device": config.device,
+          "paths": config.paths, "cases": config.cases, "reps": config.reps,
+          "warmup": config.warmup, "pause": config.pause,
+          "memory_min_bytes": config.memory_min_bytes,
+          "sample_timeout_s": config.sample_timeout_s, "argv": sys.argv,
+      },
+      "environment": {
+          "date": date,
+          "host": platform.node(),
+          "platform": platform.platform(),
+          "cpus": os.cpu_count(),
+          "versions": _versions(),
+          "git": git,
+          "loadavg_start": load_start,
+          "loadavg_end": _runner.loadavg(),
+          "load_per_case": state.load,
+          "note": "shared host: other jobs may run during the benchmark; see the load averages",
+      },
+      "timings": state.timings,
+      "registered_transports": state.registered,
+      "rdt_jax_paths": [p.id for p in state.paths if p.kind == "rdt_jax"],
+      "paths": [
+          {"id": p.id, "label": p.label, "kind": p.kind, "skip_reason": p.skip_reason,
+           "note": getattr(p, "refs_getter", None)}
+          for p in state.paths
+      ],
+      "groups": state.groups,
+      "idle_cpu": state.idle_cpu,
+      "cases": [
+          {"id": c.id, "kind": c.kind, "device": c.device, "leaves": c.leaves,
+           "leaf_nbytes": c.leaf_nbytes, "count": c.count, "object_nbytes": c.object_nbytes,
+           "variants": list(c.variants), "description": c.describe(),
+           "reps": state.reps.get(c.id)}
+          for c in state.cases
+      ],
+      "skips": state.skips,
+      "summary": [s.to_json() for s in summaries],
+      "targets": [t.to_json() for t in _stats.targets(summaries)],
+      "plain_check": plain_check,
+      "samples": [dict(s.__dict__) for s in state.samples],
+  }
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`rdt-jax bench` without the `bench`: parses `argv` and runs."""
+  parser = argparse.ArgumentParser(prog="rdt-jax bench", description=__doc__.splitlines()[0])
+  add_arguments(parser)
+  args = parser.parse_args(argv)
+  try:
+    config = config_from_args(args)
+    validate(config)
+  except ValueError as e:
+    parser.error(str(e))
+  run(config)
+  return 0

@@ -1,0 +1,183 @@
+"""The actor behind every benchmark path: it produces, consumes, and measures.
+
+One class plays each role (producer, consumer, extra fan-out consumer, or a
+getter standing in for the driver); the path chooses the transport per call
+with `.options(tensor_transport=...)`, so the class needs no transport names
+at definition time. Memory is measured with Linux's peak-RSS counter
+(`VmHWM`), which writing "5" to `/proc/self/clear_refs` resets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from rdt_jax.bench import _cases
+
+
+def rss_now() -> int:
+  """This process's resident set size in bytes."""
+  return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+  """This process's peak resident set size since the last `reset_peak_rss`."""
+  return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> int:
+  """Resets the peak-RSS counter to the current RSS; returns the RSS.
+
+  Returns -1 where the kernel does not support the reset (not Linux).
+  """
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    return -1
+  return rss_now()
+
+
+def _status_kib(field: str) -> int:
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return -1
+
+
+def make_value(case: _cases.Case, framework: str, index: int) -> Any:
+  """The `index`-th object of `case`, built as `framework` arrays on its device."""
+  seed = index * 100_003
+  if case.kind == "tree":
+    leaves = {f"l{i:05d}": _cases.host_leaf(case.leaf_nbytes, seed + i) for i in range(case.leaves)}
+    return {k: _to_framework(v, framework, case.device) for k, v in leaves.items()}
+  return _to_framework(_cases.host_leaf(case.leaf_nbytes, seed), framework, case.device)
+
+
+def _to_framework(x: np.ndarray, framework: str, device: str) -> Any:
+  if framework == "numpy":
+    return x
+  if framework == "torch":
+    import torch
+
+    t = torch.from_numpy(x)
+    return t.cuda() if device == "cuda" else t
+  import jax
+
+  platform = "gpu" if device == "cuda" else "cpu"
+  return jax.block_until_ready(jax.device_put(x, jax.devices(platform)[0]))
+
+
+class BenchActor:
+  """Producer and consumer of benchmark values (wrapped by `ray.remote`)."""
+
+  def __init__(self, preload: tuple[str, ...] = ()) -> None:
+    """Registers rdt_jax's transports and imports the `preload` modules
+    ("jax", "torch") now, so that actors starting together import them in
+    parallel rather than inside the first measurement."""
+    import importlib
+
+    import rdt_jax
+
+    rdt_jax.register()
+    for name in preload:
+      importlib.import_module(name)
+    self._values: dict[str, list[Any]] = {}
+
+  def info(self) -> dict[str, Any]:
+    """pid, and which frameworks and devices this process can use."""
+    import sys
+
+    return {"pid": os.getpid(), "rdt_jax": "rdt_jax" in sys.modules}
+
+  def ping(self) -> None:
+    """Returns at once; a barrier for the driver."""
+
+  def device_support(self, framework: str) -> str | None:
+    """None if `framework` can make cuda arrays here, else why not."""
+    try:
+      if framework == "torch":
+        import torch
+
+        return None if torch.cuda.is_available() else "torch.cuda.is_available() is False"
+      import jax
+
+      jax.devices("gpu")
+      return None
+    except Exception as e:  # noqa: BLE001 - any failure means no device
+      return f"{framework} has no cuda device here: {e}"
+
+  # ---- producer
+
+  def prepare(self, key: str, case: _cases.Case, framework: str) -> list[int]:
+    """Builds and keeps the objects of `case`; returns their checksums."""
+    values = [make_value(case, framework, i) for i in range(case.objects)]
+    self._values[key] = values
+    return [_cases.value_checksum(v) for v in values]
+
+  def drop(self, key: str) -> None:
+    """Forgets the objects `prepare` kept under `key`."""
+    self._values.pop(key, None)
+
+  def send(self, key: str, index: int = 0) -> Any:
+    """Returns a kept object; the caller picks the transport with `.options`."""
+    return self._values[key][index]
+
+  def device_memcpy(self, key: str, copies: int) -> float:
+    """Seconds to copy the kept cuda torch objects `copies` times into ready buffers."""
+    import torch
+
+    sources = [x for v in self._values[key] for x in _cases.value_leaves(v)]
+    targets = [torch.empty_like(x) for x in sources]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(copies):
+      for s, d in zip(sources, targets):
+        d.copy_(s)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+  # ---- consumer
+
+  def consume(self, value: Any) -> tuple[int, float]:
+    """Reads every byte of `value`: (checksum, seconds the reading took)."""
+    t0 = time.perf_counter()
+    checksum = _cases.value_checksum(value)
+    return checksum, time.perf_counter() - t0
+
+  def call_and_get(
+      self, producer: Any, key: str, count: int, transport: str | None, batch: bool
+  ) -> tuple[list[int], float]:
+    """Plays the driver: calls `producer.send` `count` times, gets and reads the refs.
+
+    The refs are created here, so this process owns them as the driver owns
+    its own (Ray cannot lend an RDT ref whose metadata is not known yet).
+    `batch` gets them in one `ray.get`, else one by one.
+
+    Returns the checksums and the seconds spent reading.
+    """
+    import ray
+
+    send = producer.send.options(tensor_transport=transport) if transport else producer.send
+    refs = [send.remote(key, i) for i in range(count)]
+    values = ray.get(refs) if batch else [ray.get(r) for r in refs]
+    t0 = time.perf_counter()
+    sums = [_cases.value_checksum(v) for v in values]
+    return sums, time.perf_counter() - t0
+
+  # ---- memory
+
+  def reset_peak(self) -> int:
+    """Resets the peak-RSS counter; returns the RSS it starts from (-1: unsupported)."""
+    return reset_peak_rss()
+
+  def peak(self) -> int:
+    """Peak RSS in bytes since `reset_peak`."""
+    return peak_rss()

@@ -1,0 +1,263 @@
+"""Benchmark cases: what is sent, how often, and how to build and check it.
+
+A case names one shape of traffic (one array of a size, a pytree of many
+leaves, many refs in one `ray.get`, one ref read by several consumers, or the
+plain-method check of issue 3). Case ids double as the `--cases` grammar:
+
+* `4KiB`, `256MiB`, `1GiB`: one array of that size;
+* `tree1000` (64 MiB in all) or `tree100x4KiB`: a dict of that many leaves;
+* `refs8` (1 MiB each) or `refs8x4MiB`: that many refs, got in one
+  `ray.get` (variant `batch`) and one by one (variant `loop`);
+* `fanout4` (64 MiB) or `fanout4x1MiB`: one ref read by 1 (`x1`) and by N
+  (`xN`) consumers at once;
+* `plain` (64 MiB) or `plain16MiB`: a NumPy array returned by a method
+  without `tensor_transport`, from a process without and with rdt_jax;
+* a `gpu:` prefix (`gpu:256MiB`) moves device-to-device (cuda).
+
+The payload functions here run on the producer and consumer; they import
+nothing but NumPy (and torch or jax for device leaves, lazily).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+KiB: Final = 1 << 10
+MiB: Final = 1 << 20
+GiB: Final = 1 << 30
+
+_UNITS: Final = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
+_SIZE_RE: Final = re.compile(r"^(\d+)(B|KiB|MiB|GiB)$")
+
+#: Cases `rdt-jax bench` runs by default, and with `--quick`.
+FULL_CASES: Final = (
+    "4KiB", "16KiB", "64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB",
+    "256MiB", "1GiB", "tree1000", "tree10000", "refs8", "refs64", "fanout4",
+    "plain",
+)
+# The quick set keeps every case a target needs; fan-out (6 more actors to
+# start) is in the full set only.
+QUICK_CASES: Final = ("4KiB", "1MiB", "64MiB", "256MiB", "tree1000", "refs8", "plain")
+#: Device-to-device cases `--device gpu` adds.
+FULL_GPU_CASES: Final = ("gpu:4KiB", "gpu:1MiB", "gpu:64MiB", "gpu:256MiB", "gpu:1GiB", "gpu:tree1000")
+QUICK_GPU_CASES: Final = ("gpu:1MiB", "gpu:64MiB", "gpu:256MiB")
+
+#: Total bytes of a `treeN` case without an explicit leaf size.
+TREE_BYTES: Final = 64 * MiB
+REF_BYTES: Final = 1 * MiB
+FANOUT_BYTES: Final = 64 * MiB
+PLAIN_BYTES: Final = 64 * MiB
+
+
+@dataclass(frozen=True)
+class Case:
+  """One benchmark case.
+
+  Attributes:
+    id: the name given on the command line (`256MiB`, `tree1000`, ...).
+    kind: "single", "tree", "refs", "fanout" or "plain".
+    leaves: arrays per object (1 except for trees).
+    leaf_nbytes: bytes of each array; a multiple of 8.
+    count: refs per get ("refs") or consumers ("fanout"); 1 otherwise.
+    device: "cpu" or "cuda".
+  """
+
+  id: str
+  kind: str
+  leaves: int
+  leaf_nbytes: int
+  count: int = 1
+  device: str = "cpu"
+
+  @property
+  def object_nbytes(self) -> int:
+    """Bytes in one object (one ref)."""
+    return self.leaves * self.leaf_nbytes
+
+  @property
+  def objects(self) -> int:
+    """Objects the producer holds for this case."""
+    return self.count if self.kind == "refs" else 1
+
+  @property
+  def variants(self) -> tuple[str, ...]:
+    """The ways each path runs this case, measured side by side."""
+    if self.kind == "refs":
+      return ("batch", "loop")
+    if self.kind == "fanout":
+      return ("x1", f"x{self.count}")
+    return ("",)
+
+  def moved_nbytes(self, variant: str) -> int:
+    """Payload bytes that reach a reader in one sample of `variant`."""
+    if self.kind == "refs":
+      return self.count * self.object_nbytes
+    if self.kind == "fanout":
+      return int(variant[1:]) * self.object_nbytes
+    return self.object_nbytes
+
+  def describe(self) -> str:
+    """A short human description, for tables."""
+    where = "gpu " if self.device == "cuda" else ""
+    if self.kind == "single":
+      return f"{where}one {format_bytes(self.leaf_nbytes)} array"
+    if self.kind == "tree":
+      return f"{where}{self.leaves:,} leaves, {format_bytes(self.object_nbytes)}"
+    if self.kind == "refs":
+      return f"{where}{self.count} refs x {format_bytes(self.object_nbytes)}"
+    if self.kind == "fanout":
+      return f"{where}one {format_bytes(self.object_nbytes)} ref"
+    return f"plain method, {format_bytes(self.object_nbytes)} NumPy"
+
+
+def parse_size(text: str) -> int:
+  """Bytes in a size such as `4KiB` or `1GiB`.
+
+  Raises:
+    ValueError: for anything else, naming the accepted units.
+  """
+  m = _SIZE_RE.match(text)
+  if not m:
+    raise ValueError(f"Bad size {text!r}: write an integer and a unit, e.g. 4KiB, 64MiB, 1GiB.")
+  return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def format_bytes(n: int) -> str:
+  """`n` bytes in the largest unit that divides it (4 KiB, 64 MiB, 6,704 B)."""
+  for unit in ("GiB", "MiB", "KiB"):
+    if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+      return f"{n // _UNITS[unit]} {unit}"
+  if n >= MiB:
+    return f"{n / MiB:.1f} MiB"
+  return f"{n:,} B"
+
+
+def _leaf_bytes(total: int, leaves: int) -> int:
+  return max(8, total // leaves // 8 * 8)
+
+
+def parse_case(text: str) -> Case:
+  """The Case a `--cases` item names (see the module docstring).
+
+  Raises:
+    ValueError: for an unknown case, listing the accepted forms.
+  """
+  device = "cpu"
+  body = text
+  if body.startswith("gpu:"):
+    device, body = "cuda", body[4:]
+  m = re.match(r"^(tree|refs|fanout)(\d+)(?:x(\w+))?$", body)
+  if m:
+    kind, n = m.group(1), int(m.group(2))
+    if n < 1:
+      raise ValueError(f"Bad case {text!r}: the count must be at least 1.")
+    explicit = parse_size(m.group(3)) if m.group(3) else None
+    if kind == "tree":
+      return Case(text, "tree", n, explicit or _leaf_bytes(TREE_BYTES, n), 1, device)
+    default = REF_BYTES if kind == "refs" else FANOUT_BYTES
+    return Case(text, kind, 1, explicit or default, n, device)
+  m = re.match(r"^plain(\w+)?$", body)
+  if m:
+    if device != "cpu":
+      raise ValueError(f"Bad case {text!r}: the plain-method check runs on cpu only.")
+    return Case(text, "plain", 1, parse_size(m.group(1)) if m.group(1) else PLAIN_BYTES)
+  try:
+    nbytes = parse_size(body)
+  except ValueError:
+    raise ValueError(
+        f"Unknown case {text!r}. Use a size (4KiB, 256MiB, 1GiB), treeN[xSIZE], "
+        "refsN[xSIZE], fanoutN[xSIZE] or plain[SIZE], optionally prefixed with gpu:."
+    ) from None
+  if nbytes % 8:
+    raise ValueError(f"Bad case {text!r}: sizes must be a multiple of 8 bytes.")
+  return Case(text, "single", 1, nbytes, 1, device)
+
+
+def default_reps(case: Case, quick: bool) -> int:
+  """Measured repetitions per path for `case` (after the warm-up)."""
+  total = case.object_nbytes * case.objects
+  if total <= 4 * MiB:
+    n = 25
+  elif total <= 64 * MiB:
+    n = 9
+  elif total <= 256 * MiB:
+    n = 7
+  else:
+    n = 3
+  return max(3, n * 3 // 5) if quick else n
+
+
+# --------------------------------------------------------------------------
+# Payloads (run on the producer and consumers).
+
+
+def host_leaf(nbytes: int, seed: int) -> np.ndarray:
+  """A deterministic int32 array of `nbytes` (a multiple of 4), freshly allocated."""
+  n = nbytes // 4
+  x = np.arange(n, dtype=np.uint32)
+  x *= np.uint32(2654435761)
+  x += np.uint32((seed * 40503 + 1) % (1 << 32))
+  return x.view(np.int32)
+
+
+def host_checksum(x: np.ndarray) -> int:
+  """Sum of the bytes of `x` read as uint64 words, modulo 2**64 (reads every byte)."""
+  flat = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+  words = flat.size // 8 * 8
+  total = int(flat[:words].view(np.uint64).sum(dtype=np.uint64)) if words else 0
+  return (total + int(flat[words:].sum())) % (1 << 64)
+
+
+def host_view(x: Any) -> np.ndarray:
+  """A NumPy view of a host array of any framework, without a copy."""
+  if isinstance(x, np.ndarray):
+    return x
+  module = type(x).__module__
+  if module.startswith("torch"):
+    return x.detach().numpy()
+  return np.asarray(x)
+
+
+def device_checksum(x: Any) -> int:
+  """`host_checksum`'s counterpart for a cuda leaf, computed on the device.
+
+  Sums the leaf's int32 words in int64 on the GPU (through torch when it is
+  importable, else jax), so reading the data does not copy it to the host.
+  """
+  try:
+    import torch
+
+    t = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+    return int(t.reshape(-1).view(torch.int32).sum(dtype=torch.int64).item()) % (1 << 64)
+  except ImportError:
+    import jax.numpy as jnp
+
+    return int(jnp.sum(x.reshape(-1).view(jnp.int32), dtype=jnp.int32)) % (1 << 64)
+
+
+def leaf_checksum(x: Any) -> int:
+  """Checksum of one leaf of any framework on any device."""
+  device = getattr(x, "device", None)
+  if device is not None and not isinstance(x, np.ndarray):
+    kind = getattr(device, "type", None) or getattr(device, "platform", None)
+    if callable(kind):
+      kind = None
+    if kind in ("cuda", "gpu"):
+      return device_checksum(x)
+  return host_checksum(host_view(x))
+
+
+def value_leaves(value: Any) -> list[Any]:
+  """The arrays of a benchmark value: itself, or a dict's values in key order."""
+  if isinstance(value, dict):
+    return [value[k] for k in sorted(value)]
+  return [value]
+
+
+def value_checksum(value: Any) -> int:
+  """Checksum of a whole benchmark value (sum of its leaves', modulo 2**64)."""
+  return sum(leaf_checksum(x) for x in value_leaves(value)) % (1 << 64)

@@ -1,0 +1,577 @@
+"""Benchmark paths: the ways of moving a case's data that are compared.
+
+* every registered rdt_jax transport (jax.Array values; one-sided ones are
+  used as is, two-sided ones get a collective group over their actors);
+* `ray_nixl_torch`: Ray's built-in `nixl` transport with torch tensors;
+* `object_store_numpy` / `object_store_jax`: a method without
+  `tensor_transport` returning NumPy arrays / jax.Arrays;
+* `memcpy`: NumPy copies of the same bytes in the driver, into buffers that
+  are already faulted in (the limit for any path on one host);
+* `plain_without_rdt_jax` / `plain_with_rdt_jax`: the plain-method check.
+
+A path's actors live in an `ActorGroup`. Groups not being measured are paused
+with SIGSTOP: on this 2-core host, the spinning NIXL progress thread of Ray's
+`nixl` transport (~0.7 core per idle process) would otherwise slow every other
+path measured after it. `--no-pause` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Final
+
+import numpy as np
+
+from rdt_jax.bench import _actors, _cases
+
+#: Baseline path ids, in table order.
+RAY_NIXL: Final = "ray_nixl_torch"
+OS_NUMPY: Final = "object_store_numpy"
+OS_JAX: Final = "object_store_jax"
+MEMCPY: Final = "memcpy"
+PLAIN_WITHOUT: Final = "plain_without_rdt_jax"
+PLAIN_WITH: Final = "plain_with_rdt_jax"
+BASELINES: Final = (OS_NUMPY, OS_JAX, RAY_NIXL, MEMCPY)
+
+_ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
+
+#: Group backends of two-sided rdt_jax transports, by transport name, for
+#: transports that do not say so themselves (DESIGN.md: jax_gloo uses a
+#: "torch_gloo" group, jax_nccl an "nccl" one).
+_KNOWN_GROUP_BACKENDS: Final = {"jax_gloo": "torch_gloo", "jax_nccl": "nccl"}
+
+#: Ray options of actors that hold cuda memory: a share of the one GPU each,
+#: and no up-front reservation of most of its memory by jax.
+_GPU_ACTOR_OPTIONS: Final = {
+    "num_gpus": 0.1,
+    "runtime_env": {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}},
+}
+
+
+@dataclass
+class Measurement:
+  """What one sample measured.
+
+  Attributes:
+    seconds: end-to-end wall time in the driver.
+    read_seconds: time the reader(s) spent summing the data (the longest one).
+    memory: peak RSS growth during the sample, in bytes, per side
+      ("producer", "consumer", "consumer1", ..., "driver").
+  """
+
+  seconds: float
+  read_seconds: float | None = None
+  memory: dict[str, int] | None = None
+
+
+class SampleError(RuntimeError):
+  """A sample that failed or returned wrong data."""
+
+
+# --------------------------------------------------------------------------
+# Actor groups.
+
+
+class ActorGroup:
+  """A producer and its consumers, shared by the paths that run on them.
+
+  Attributes:
+    name: for messages.
+    producer: the producing actor.
+    consumers: consumer actors; the first reads single cases, all of them
+      fan-out cases.
+  """
+
+  def __init__(self, name: str, actors: list[Any], pause: bool):
+    self.name = name
+    self.producer = actors[0]
+    self.consumers = actors[1:]
+    self._pause = pause
+    self._stopped: set[int] = set()
+    self.pids: list[int] = []
+    self.infos: list[dict[str, Any]] = []
+    self.prepared: dict[str, list[int]] = {}
+
+  @property
+  def actors(self) -> list[Any]:
+    return [self.producer, *self.consumers]
+
+  def start(self, timeout: float) -> None:
+    """Waits until every actor is up and records its pid.
+
+    Raises:
+      ray.exceptions.GetTimeoutError: if that takes longer than `timeout`.
+    """
+    import ray
+
+    infos = ray.get([a.info.remote() for a in self.actors], timeout=timeout)
+    self.pids = [i["pid"] for i in infos]
+    self.infos = infos
+
+  def pause(self) -> None:
+    """Stops the group's processes (SIGSTOP), if pausing is on."""
+    if self._pause:
+      self._signal(set(self.pids) - self._stopped, signal.SIGSTOP)
+
+  def resume(self, members: list[Any] | None = None) -> None:
+    """Continues (SIGCONT) the processes of `members` (default: all actors)."""
+    if members is None:
+      pids = set(self.pids)
+    else:
+      pids = {pid for a, pid in zip(self.actors, self.pids) if any(a is m for m in members)}
+    self._signal(pids & self._stopped, signal.SIGCONT)
+
+  def _signal(self, pids: set[int], sig: int) -> None:
+    for pid in pids:
+      try:
+        os.kill(pid, sig)
+      except ProcessLookupError:
+        pass
+      if sig == signal.SIGSTOP:
+        self._stopped.add(pid)
+      else:
+        self._stopped.discard(pid)
+
+  def prepare(self, key: str, call: Callable[[], Any], timeout: float) -> list[int]:
+    """Runs `call` (which returns a ref to checksums) once per key; cached."""
+    import ray
+
+    if key not in self.prepared:
+      self.prepared[key] = ray.get(call(), timeout=timeout)
+    return self.prepared[key]
+
+  def drop_all(self) -> None:
+    """Frees every value `prepare` built on the producer."""
+    import ray
+
+    if self.prepared:
+      ray.get([self.producer.drop.remote(k) for k in self.prepared])
+      self.prepared.clear()
+
+  def cpu_seconds(self) -> float:
+    """CPU seconds the group's processes have used so far."""
+    return sum(process_cpu_seconds(pid) for pid in self.pids)
+
+  def kill(self) -> None:
+    import ray
+
+    self.resume()
+    for a in self.actors:
+      try:
+        ray.kill(a)
+      except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+_RESUME_GUARD: Final = """
+import os, signal, sys
+sys.stdin.read()  # returns at EOF: when the benchmark's driver exits, however it exits
+for pid in sys.argv[1:]:
+  try:
+    os.kill(int(pid), signal.SIGCONT)
+  except OSError:
+    pass
+"""
+
+
+def start_resume_guard(pids: list[int]) -> Any:
+  """Starts a process that continues `pids` once this process exits.
+
+  A driver killed while it has actors paused would leave them stopped for
+  good (a stopped process cannot notice that Ray went away); the guard
+  continues them, and they exit as Ray's workers do when their driver dies.
+  """
+  import subprocess
+  import sys
+
+  return subprocess.Popen(
+      [sys.executable, "-c", _RESUME_GUARD, *map(str, pids)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+  )
+
+
+def stop_resume_guard(guard: Any) -> None:
+  """Ends the guard from `start_resume_guard` without it signalling anything.
+
+  Call it after continuing the actors and before killing them, so the guard
+  never signals a pid that a finished actor has given back to the system.
+  """
+  guard.kill()
+  guard.wait(timeout=10)
+  guard.stdin.close()
+
+
+def process_cpu_seconds(pid: int) -> float:
+  """User plus system CPU seconds of process `pid` (0.0 if it is gone)."""
+  try:
+    import psutil
+  except ImportError:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+      return 0.0
+  try:
+    t = psutil.Process(pid).cpu_times()
+  except psutil.Error:
+    return 0.0
+  return t.user + t.system
+
+
+def bench_actor_class(gpu: bool) -> Any:
+  """The BenchActor as a Ray actor class, with GPU options when `gpu`."""
+  import ray
+
+  cls = ray.remote(enable_tensor_transport=True)(_actors.BenchActor)
+  options: dict[str, Any] = {"num_cpus": 0}
+  if gpu:
+    options.update(_GPU_ACTOR_OPTIONS)
+  return cls.options(**options)
+
+
+def make_group(
+    name: str, consumers: int, pause: bool, gpu: bool = False, preload: tuple[str, ...] = ()
+) -> ActorGroup:
+  """Creates a group of BenchActors: a producer and `consumers` consumers.
+
+  Each actor imports the `preload` modules as it starts.
+  """
+  cls = bench_actor_class(gpu)
+  return ActorGroup(name, [cls.remote(preload) for _ in range(1 + consumers)], pause)
+
+
+def make_plain_group(name: str, use_rdt_jax: bool, pause: bool) -> ActorGroup:
+  """Creates a producer/consumer pair of PlainActors (see `_plain`)."""
+  import ray
+
+  from rdt_jax.bench import _plain
+
+  cls = ray.remote(_plain.plain_actor_class()).options(num_cpus=0)
+  return ActorGroup(name, [cls.remote(use_rdt_jax), cls.remote(use_rdt_jax)], pause)
+
+
+# --------------------------------------------------------------------------
+# Paths.
+
+
+@dataclass
+class Path:
+  """One way of moving a case's bytes, as compared by the benchmark.
+
+  Attributes:
+    id: the name used in `--paths`, the JSON and the tables.
+    label: a human label for tables and the plot.
+    kind: "rdt_jax" (a transport of ours), "baseline" or "check".
+    skip_reason: why the path does not run at all (None if it runs).
+    groups: the path's actors, by device kind ("cpu", "cuda").
+    gpu_skip: why the path cannot run cuda cases (None if it can).
+  """
+
+  id: str
+  label: str
+  kind: str
+  skip_reason: str | None = None
+  groups: dict[str, ActorGroup] = field(default_factory=dict)
+  gpu_skip: str | None = None
+
+  def applies(self, case: _cases.Case) -> bool:
+    """Whether `case` is one this path is compared on at all."""
+    return case.kind != "plain"
+
+  def case_skip(self, case: _cases.Case) -> str | None:
+    """Why this applicable path cannot run `case` (None if it can)."""
+    if self.skip_reason:
+      return self.skip_reason
+    if case.device not in self.groups:
+      if case.device == "cuda" and self.gpu_skip:
+        return self.gpu_skip
+      if self.groups:
+        return f"no {case.device} actors for this path"
+    return None
+
+  def group(self, case: _cases.Case) -> ActorGroup | None:
+    return self.groups.get(case.device)
+
+  def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
+    """The actors one sample uses, to be continued while it runs (None: all)."""
+    return None
+
+  def prepare(self, case: _cases.Case, timeout: float) -> None:
+    """Builds the case's data where this path needs it (untimed)."""
+
+  def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
+    """Runs one sample of `case`.
+
+    Raises:
+      SampleError: if the data that arrived is wrong, or the sample failed.
+    """
+    raise NotImplementedError
+
+  def release(self) -> None:
+    """Frees what `prepare` kept in the driver."""
+
+
+class ActorPath(Path):
+  """A path between BenchActors: a transport, or the object store (None)."""
+
+  def __init__(
+      self,
+      id: str,
+      label: str,
+      kind: str,
+      framework: str,
+      transport: str | None,
+      devices: tuple[str, ...] = ("cpu",),
+      refs_getter: str | None = None,
+      refs_skip: str | None = None,
+  ):
+    """See the attributes of `Path`; besides them:
+
+    Args:
+      framework: the array type the producer returns ("numpy", "jax", "torch").
+      transport: the `tensor_transport` of the producing call (None: the
+        object store).
+      devices: the device kinds the path moves.
+      refs_getter: for "refs" cases, why a getter actor gets the refs
+        instead of the driver (None: the driver gets them).
+      refs_skip: why the path cannot run "refs" cases at all (None: it can).
+    """
+    super().__init__(id, label, kind)
+    self.framework = framework
+    self.transport = transport
+    self.devices = devices
+    self.refs_getter = refs_getter
+    self.refs_skip = refs_skip
+    self.one_sided = True
+    self.transport_class: type | None = None
+
+  def case_skip(self, case: _cases.Case) -> str | None:
+    if case.device not in self.devices:
+      return f"{self.label} does not move {case.device} memory"
+    reason = super().case_skip(case)
+    if reason:
+      return reason
+    if case.kind == "refs" and self.refs_skip:
+      return self.refs_skip
+    return None
+
+  def _key(self, case: _cases.Case) -> str:
+    return f"{case.id}/{self.framework}"
+
+  def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
+    g = self.group(case)
+    if case.kind == "refs":
+      return [g.producer] if self.refs_getter is None else [g.producer, g.consumers[-1]]
+    return [g.producer, *self._readers(case, variant, g)]
+
+  @staticmethod
+  def _readers(case: _cases.Case, variant: str, g: ActorGroup) -> list[Any]:
+    return g.consumers[: int(variant[1:])] if case.kind == "fanout" else g.consumers[:1]
+
+  def prepare(self, case: _cases.Case, timeout: float) -> None:
+    g = self.group(case)
+    key = self._key(case)
+    g.prepare(key, lambda: g.producer.prepare.remote(key, case, self.framework), timeout)
+
+  def _send(self, g: ActorGroup) -> Any:
+    method = g.producer.send
+    return method.options(tensor_transport=self.transport) if self.transport else method
+
+  def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
+    import ray
+
+    g = self.group(case)
+    key = self._key(case)
+    expected = g.prepared[key]
+    send = self._send(g)
+    if case.kind == "refs":
+      return self._run_refs(case, variant, g, key, send, expected, timeout, memory)
+    readers = self._readers(case, variant, g)
+    sides = {"producer": g.producer, **_reader_sides(readers)}
+    baseline = _reset_peaks(sides) if memory else None
+    t0 = time.perf_counter()
+    ref = send.remote(key)
+    out = ray.get([c.consume.remote(ref) for c in readers], timeout=timeout)
+    seconds = time.perf_counter() - t0
+    del ref
+    for checksum, _ in out:
+      _check(checksum, expected[0])
+    return Measurement(seconds, max(s for _, s in out), _peaks(sides, baseline) if memory else None)
+
+  def _run_refs(self, case, variant, g, key, send, expected, timeout, memory) -> Measurement:
+    import ray
+
+    batch = variant == "batch"
+    if self.refs_getter is None:
+      sides: dict[str, Any] = {"producer": g.producer}
+      baseline = _reset_peaks(sides) if memory else None
+      driver_base = _actors.reset_peak_rss() if memory else None
+      t0 = time.perf_counter()
+      refs = [send.remote(key, i) for i in range(case.count)]
+      values = ray.get(refs, timeout=timeout) if batch else [ray.get(r, timeout=timeout) for r in refs]
+      t1 = time.perf_counter()
+      sums = [_cases.value_checksum(v) for v in values]
+      seconds = time.perf_counter() - t0
+      read = time.perf_counter() - t1
+      mem = None
+      if memory:
+        mem = _peaks(sides, baseline)
+        mem["driver"] = _actors.peak_rss() - driver_base
+      del refs, values
+    else:
+      # A getter actor stands in for the driver (see refs_getter).
+      getter = g.consumers[-1]
+      sides = {"producer": g.producer, "getter": getter}
+      baseline = _reset_peaks(sides) if memory else None
+      t0 = time.perf_counter()
+      call = getter.call_and_get.remote(g.producer, key, case.count, self.transport, batch)
+      sums, read = ray.get(call, timeout=timeout)
+      seconds = time.perf_counter() - t0
+      mem = _peaks(sides, baseline) if memory else None
+    for got, want in zip(sums, expected):
+      _check(got, want)
+    return Measurement(seconds, read, mem)
+
+
+class MemcpyPath(Path):
+  """NumPy copies of the same bytes in one process: the limit for any path."""
+
+  def __init__(self) -> None:
+    super().__init__(MEMCPY, "memcpy", "baseline")
+    self._buffers: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+
+  def case_skip(self, case: _cases.Case) -> str | None:
+    if case.device == "cpu":
+      return None
+    return super().case_skip(case)
+
+  def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
+    return None if case.device == "cpu" else [self.group(case).producer]
+
+  def prepare(self, case: _cases.Case, timeout: float) -> None:
+    if case.device != "cpu":
+      g = self.group(case)
+      key = f"{case.id}/torch"
+      g.prepare(key, lambda: g.producer.prepare.remote(key, case, "torch"), timeout)
+      return
+    self._buffers.clear()
+    sources = [
+        x
+        for i in range(case.objects)
+        for x in _cases.value_leaves(_actors.make_value(case, "numpy", i))
+    ]
+    targets = [np.empty_like(x) for x in sources]
+    for t in targets:
+      t.fill(0)  # fault the pages in
+    self._buffers[case.id] = (sources, targets)
+
+  def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
+    import ray
+
+    copies = int(variant[1:]) if case.kind == "fanout" else 1
+    if case.device != "cpu":
+      g = self.group(case)
+      seconds = ray.get(g.producer.device_memcpy.remote(f"{case.id}/torch", copies), timeout=timeout)
+      return Measurement(seconds)
+    sources, targets = self._buffers[case.id]
+    t0 = time.perf_counter()
+    for _ in range(copies):
+      for s, d in zip(sources, targets):
+        np.copyto(d, s)
+    return Measurement(time.perf_counter() - t0)
+
+  def release(self) -> None:
+    self._buffers.clear()
+
+
+class PlainPath(Path):
+  """A NumPy array from a method without `tensor_transport` (issue 3's check)."""
+
+  def __init__(self, use_rdt_jax: bool):
+    if use_rdt_jax:
+      super().__init__(PLAIN_WITH, "plain method, rdt_jax registered", "check")
+    else:
+      super().__init__(PLAIN_WITHOUT, "plain method, no rdt_jax", "check")
+    self.use_rdt_jax = use_rdt_jax
+
+  def applies(self, case: _cases.Case) -> bool:
+    return case.kind == "plain"
+
+  def prepare(self, case: _cases.Case, timeout: float) -> None:
+    g = self.group(case)
+    g.prepare("plain", lambda: g.producer.prepare.remote(case.object_nbytes), timeout)
+
+  def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
+    import ray
+
+    g = self.group(case)
+    sides = {"producer": g.producer, "consumer": g.consumers[0]}
+    baseline = _reset_peaks(sides) if memory else None
+    t0 = time.perf_counter()
+    ref = g.producer.send.remote()
+    checksum, read = ray.get(g.consumers[0].consume.remote(ref), timeout=timeout)
+    seconds = time.perf_counter() - t0
+    del ref
+    _check(checksum, g.prepared["plain"][0])
+    return Measurement(seconds, read, _peaks(sides, baseline) if memory else None)
+
+
+# --------------------------------------------------------------------------
+# Helpers.
+
+
+def _reader_sides(readers: list[Any]) -> dict[str, Any]:
+  if len(readers) == 1:
+    return {"consumer": readers[0]}
+  return {f"consumer{i}": r for i, r in enumerate(readers)}
+
+
+def _reset_peaks(sides: dict[str, Any]) -> dict[str, int]:
+  import ray
+
+  names = list(sides)
+  values = ray.get([sides[n].reset_peak.remote() for n in names])
+  return dict(zip(names, values))
+
+
+def _peaks(sides: dict[str, Any], baseline: dict[str, int]) -> dict[str, int]:
+  import ray
+
+  names = list(sides)
+  values = ray.get([sides[n].peak.remote() for n in names])
+  return {n: v - baseline[n] for n, v in zip(names, values) if baseline[n] >= 0}
+
+
+def _check(got: int, want: int) -> None:
+  if got != want:
+    raise SampleError(f"wrong data arrived: checksum {got:#x}, expected {want:#x}")
+
+
+def group_backend(name: str, cls: type) -> str | None:
+  """The collective-group backend a two-sided transport needs, if known."""
+  for attr in ("group_backend", "collective_backend"):
+    value = getattr(cls, attr, None)
+    if isinstance(value, str):
+      return value
+  return _KNOWN_GROUP_BACKENDS.get(name)
+
+
+def first_line(e: BaseException) -> str:
+  """A one-line summary of an exception, for skip reasons and the JSON.
+
+  For an error raised in an actor, summarizes the actor's exception.
+  """
+  cause = getattr(e, "cause", None)
+  if isinstance(cause, BaseException) and cause is not e:
+    return first_line(cause)
+  lines = [l.strip() for l in _ANSI.sub("", str(e)).splitlines() if l.strip()]
+  if lines and lines[0].startswith("ray::"):
+    lines = lines[-1:]  # a remote traceback: its last line names the error
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]

@@ -1,0 +1,287 @@
+"""The outputs of a run: a JSON document, a Markdown report, and a PNG plot.
+
+Every figure in the Markdown and the plot is computed from the JSON document's
+`summary`, so the three always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any, Final
+
+from rdt_jax.bench import _cases, _paths
+
+#: Column order of the tables: our transports first, then the baselines.
+_BASELINE_ORDER: Final = (_paths.RAY_NIXL, _paths.OS_NUMPY, _paths.OS_JAX, _paths.MEMCPY)
+
+
+def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
+  """Writes `doc` (all samples and the summary) as indented JSON."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=_json_default) + "\n")
+  tmp.replace(path)
+
+
+def _json_default(x: Any) -> Any:
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  return str(x)
+
+
+# --------------------------------------------------------------------------
+# Markdown.
+
+
+def _ms(seconds: float | None) -> str:
+  if seconds is None:
+    return ""
+  if seconds >= 1:
+    return f"{seconds:.3g} s"
+  return f"{seconds * 1e3:.3g} ms"
+
+
+def _spread(s: dict[str, Any]) -> str:
+  """`median [min-max] unit` in one unit chosen by the median."""
+  scale, unit = (1.0, "s") if s["median_s"] >= 1 else (1e3, "ms")
+  return f"{s['median_s'] * scale:.3g} [{s['min_s'] * scale:.3g}-{s['max_s'] * scale:.3g}] {unit}"
+
+
+def _column_order(doc: dict[str, Any]) -> list[str]:
+  present = {s["path"] for s in doc["summary"]}
+  ours = [p["id"] for p in doc["paths"] if p["kind"] == "rdt_jax" and p["id"] in present]
+  return ours + [b for b in _BASELINE_ORDER if b in present]
+
+
+def _labels(doc: dict[str, Any]) -> dict[str, str]:
+  return {p["id"]: p["label"] for p in doc["paths"]}
+
+
+def _rows(doc: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+  """(case, variant) rows in run order, excluding the plain check."""
+  rows = []
+  for case in doc["cases"]:
+    if case["kind"] == "plain":
+      continue
+    for v in case["variants"]:
+      rows.append((case, v))
+  return rows
+
+
+def _row_name(case: dict[str, Any], variant: str) -> str:
+  name = case["description"]
+  if variant == "batch":
+    return f"{name}, one ray.get"
+  if variant == "loop":
+    return f"{name}, get one by one"
+  if variant:
+    n = int(variant[1:])
+    return f"{name} -> {n} consumer{'s' if n > 1 else ''}"
+  return name
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+  out += ["| " + " | ".join(r) + " |" for r in rows]
+  return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+  """The report as Markdown: times, bandwidth, ratios, targets, checks."""
+  index = {(s["case"], s["path"], s["variant"]): s for s in doc["summary"]}
+  cols = _column_order(doc)
+  labels = _labels(doc)
+  skip_index = {(k["case"], k["path"]): k["reason"] for k in doc["skips"]}
+  env = doc["environment"]
+  lines = [
+      f"# rdt-jax bench ({doc['config']['label']})",
+      "",
+      f"{env['date']} · {env['cpus']} CPUs · Ray {env['versions'].get('ray')} · "
+      f"jax {env['versions'].get('jax')} · torch {env['versions'].get('torch')} · "
+      f"nixl {env['versions'].get('nixl')} · load average at start {_load(env['loadavg_start'])}, "
+      f"at end {_load(env['loadavg_end'])} · wall time {doc['wall_s']:.0f} s · "
+      f"{_git(env.get('git') or {})}",
+      "",
+      "End to end: producer method call -> ref passed to a consumer actor that sums "
+      "every byte -> result in the driver. Paths interleaved per repetition in "
+      "rotating order; actors of the paths not being measured are paused"
+      f"{'' if doc['config']['pause'] else ' (off in this run)'}. "
+      "Median [min-max] over the measured repetitions (warm-up excluded).",
+      "",
+      "## End-to-end time",
+      "",
+  ]
+
+  def cell(case, variant, col, fmt) -> str:
+    s = index.get((case["id"], col, variant))
+    if s is not None:
+      return fmt(s)
+    return "skipped" if (case["id"], col) in skip_index else ""
+
+  rows = _rows(doc)
+  lines += _table(
+      ["case", *(labels[c] for c in cols)],
+      [
+          [_row_name(c, v), *(cell(c, v, col, _spread) for col in cols)]
+          for c, v in rows
+      ],
+  )
+  lines += ["", "## Bandwidth (GB/s: payload bytes read / median time)", ""]
+  lines += _table(
+      ["case", *(labels[c] for c in cols)],
+      [[_row_name(c, v), *(cell(c, v, col, lambda s: f"{s['gbps']:.2f}") for col in cols)] for c, v in rows],
+  )
+  ours = [p["id"] for p in doc["paths"] if p["kind"] == "rdt_jax" and p["id"] in cols]
+  baselines = [b for b in _BASELINE_ORDER if b in cols]
+  for t in ours:
+    lines += ["", f"## {t}: ratio of medians to each baseline (below 1: {t} is faster)", ""]
+    table_rows = []
+    for c, v in rows:
+      s = index.get((c["id"], t, v))
+      if s is None:
+        continue
+      table_rows.append([_row_name(c, v), *(f"{s['ratios'][b]:.2f}x" if b in s["ratios"] else "" for b in baselines)])
+    lines += _table(["case", *(f"vs {labels[b]}" for b in baselines)], table_rows)
+  lines += ["", "## Targets (issue 5, ratios of medians in this run)", ""]
+  lines += _table(
+      ["target", "goal", "measured", "met", "from"],
+      [
+          [t["name"], t["goal"], "" if t["value"] is None else f"{t['value']:.2f}x",
+           {True: "met", False: "NOT met", None: "n/a"}[t["met"]], t["detail"]]
+          for t in doc["targets"]
+      ],
+  )
+  if doc.get("plain_check"):
+    p = doc["plain_check"]
+    lines += [
+        "",
+        "## Plain method without tensor_transport (issue 3)",
+        "",
+        f"A {_cases.format_bytes(p['nbytes'])} NumPy array returned by a method without "
+        "`tensor_transport`, producer and consumer processes that never imported rdt_jax "
+        f"vs ones that imported it and called `register()`: {_ms(p['without_rdt_jax_median_s'])} "
+        f"without, {_ms(p['with_rdt_jax_median_s'])} with, ratio {p['ratio']:.2f}x.",
+    ]
+  mem_rows = _memory_rows(doc, cols, labels)
+  if mem_rows:
+    lines += [
+        "",
+        "## Peak extra memory per side (peak-RSS growth during a transfer / payload)",
+        "",
+        "First: the first transfer of the case (warm-up). Warm: the largest over the "
+        "measured repetitions, when buffers a path keeps for reuse already exist. "
+        "RSS counts object-store pages a process maps.",
+        "",
+    ]
+    lines += _table(["case", "path", "first", "warm"], mem_rows)
+  if doc["idle_cpu"]:
+    lines += [
+        "",
+        "## Idle CPU per actor group (cores, after each path ran once)",
+        "",
+        ", ".join(f"{k}: {v:.2f}" for k, v in doc["idle_cpu"].items()),
+    ]
+  if doc["skips"]:
+    lines += ["", "## Skipped", ""]
+    seen = set()
+    for k in doc["skips"]:
+      key = (k["path"], k["reason"])
+      cases = [x["case"] for x in doc["skips"] if (x["path"], x["reason"]) == key]
+      if key in seen:
+        continue
+      seen.add(key)
+      lines.append(f"* {k['path']} on {', '.join(dict.fromkeys(cases))}: {k['reason']}")
+  notes = [p for p in doc["paths"] if p.get("note")]
+  if notes:
+    lines += ["", "## Notes", ""]
+    lines += [f"* {p['id']}: {p['note']}" for p in notes]
+  return "\n".join(lines) + "\n"
+
+
+def _git(git: dict[str, Any]) -> str:
+  commit = (git.get("commit") or "unknown")[:10]
+  dirty = len(git.get("uncommitted_rdt_jax_files") or [])
+  return f"rdt_jax at {commit}" + (f" + {dirty} uncommitted file(s)" if dirty else "")
+
+
+def _load(values: list[float]) -> str:
+  return " / ".join(f"{v:.2f}" for v in values) if values else "n/a"
+
+
+def _memory_rows(doc: dict[str, Any], cols: list[str], labels: dict[str, str]) -> list[list[str]]:
+  rows = []
+  for s in doc["summary"]:
+    if not s["memory_peak"]:
+      continue
+    case = next(c for c in doc["cases"] if c["id"] == s["case"])
+    payload = case["object_nbytes"] * (case["count"] if case["kind"] == "refs" else 1)
+
+    def sides(mem: dict[str, int] | None) -> str:
+      return ", ".join(f"{side} {max(0, v) / payload:.2f}x" for side, v in (mem or {}).items())
+
+    rows.append([_row_name(case, s["variant"]), labels.get(s["path"], s["path"]),
+                 sides(s["memory_first"]), sides(s["memory_peak"])])
+  return rows
+
+
+# --------------------------------------------------------------------------
+# Plot.
+
+
+def plot(doc: dict[str, Any], path: pathlib.Path) -> bool:
+  """Draws bandwidth vs payload size per path (single-array cases, log axes).
+
+  Returns False (and draws nothing) if matplotlib is not installed.
+  """
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  labels = _labels(doc)
+  devices = [d for d in ("cpu", "cuda") if any(
+      c["kind"] == "single" and c["device"] == d for c in doc["cases"])]
+  fig, axes = plt.subplots(1, max(1, len(devices)), figsize=(7.5 * max(1, len(devices)), 5), squeeze=False)
+  for ax, device in zip(axes[0], devices or ["cpu"]):
+    singles = {c["id"]: c for c in doc["cases"] if c["kind"] == "single" and c["device"] == device}
+    for pid in _column_order(doc):
+      pts = sorted(
+          (singles[s["case"]]["object_nbytes"], s)
+          for s in doc["summary"]
+          if s["case"] in singles and s["path"] == pid
+      )
+      if not pts:
+        continue
+      x = [n for n, _ in pts]
+      y = [s["gbps"] for _, s in pts]
+      lo = [max(0.0, s["gbps"] - n / s["max_s"] / 1e9) for n, s in pts]
+      hi = [n / s["min_s"] / 1e9 - s["gbps"] for n, s in pts]
+      style = "-" if pid in doc.get("rdt_jax_paths", []) else "--"
+      ax.errorbar(x, y, yerr=[lo, hi], fmt="o" + style, capsize=3, label=labels.get(pid, pid),
+                  linewidth=2.2 if style == "-" else 1.2, markersize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("payload (bytes)")
+    ax.set_ylabel("GB/s (payload / median end-to-end time)")
+    ax.set_title(f"{'device-to-device' if device == 'cuda' else 'host'} arrays, one ref, one consumer")
+    ax.grid(True, which="both", alpha=0.3)
+    ticks = sorted(singles[c]["object_nbytes"] for c in singles)
+    if ticks:
+      ax.set_xticks(ticks)
+      ax.set_xticklabels([_cases.format_bytes(t).replace(" ", "") for t in ticks], rotation=45)
+    ax.legend(fontsize=8)
+  env = doc["environment"]
+  fig.suptitle(
+      f"rdt-jax bench ({doc['config']['label']}), {env['date']}, {env['cpus']} CPUs, "
+      f"load {_load(env['loadavg_start'])}", fontsize=10)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True

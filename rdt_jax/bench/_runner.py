@@ -1,0 +1,469 @@
+"""The benchmark loop: set up every path, then measure them case by case.
+
+Within a case every (path, variant) pair runs once per repetition, in an
+order that rotates by one each repetition, so drift of this shared machine
+hits every path alike. The first `warmup` repetitions are recorded but left
+out of the statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from rdt_jax.bench import _cases, _paths
+from rdt_jax.bench._paths import ActorGroup, ActorPath, Path
+
+#: Seconds allowed for all actors to start.
+_START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class BenchConfig:
+  """What one `rdt-jax bench` run measures and where it writes.
+
+  Attributes:
+    quick: the short case set and fewer repetitions.
+    device: "cpu", or "gpu" to add device-to-device cases.
+    out: directory for the JSON, PNG and Markdown outputs.
+    paths: path ids to run (None: all); see `rdt-jax bench --help`.
+    cases: case ids to run (None: the default set for `quick`/`device`).
+    reps: measured repetitions per path and case (None: by payload size).
+    warmup: unmeasured repetitions before them.
+    pause: SIGSTOP the actors of paths not being measured.
+    memory_min_bytes: measure peak memory in cases moving at least this.
+    sample_timeout_s: a sample taking longer fails (its path is skipped for
+      the rest of the case).
+    idle_window_s: seconds over which each group's idle CPU use is measured.
+    label: the output file stem's suffix (None: "quick", "full" or "custom").
+  """
+
+  quick: bool = False
+  device: str = "cpu"
+  out: str = "bench-out"
+  paths: tuple[str, ...] | None = None
+  cases: tuple[str, ...] | None = None
+  reps: int | None = None
+  warmup: int = 1
+  pause: bool = True
+  memory_min_bytes: int = 16 * _cases.MiB
+  sample_timeout_s: float = 180.0
+  idle_window_s: float = 1.0
+  label: str | None = None
+
+  def file_label(self) -> str:
+    if self.label:
+      return self.label
+    if self.cases is not None or self.paths is not None or self.reps is not None:
+      return "custom"
+    return "quick" if self.quick else "full"
+
+  def case_list(self) -> list[_cases.Case]:
+    """The cases to run, parsed (raises ValueError for an unknown id)."""
+    if self.cases is not None:
+      ids = list(self.cases)
+    else:
+      ids = list(_cases.QUICK_CASES if self.quick else _cases.FULL_CASES)
+      if self.device == "gpu":
+        ids += list(_cases.QUICK_GPU_CASES if self.quick else _cases.FULL_GPU_CASES)
+    return [_cases.parse_case(i) for i in ids]
+
+
+@dataclass
+class Sample:
+  """One measured (or failed) run of a path on a case."""
+
+  case: str
+  path: str
+  variant: str
+  rep: int
+  warmup: bool
+  position: int
+  seconds: float | None
+  read_seconds: float | None = None
+  memory: dict[str, int] | None = None
+  error: str | None = None
+
+
+@dataclass
+class RunState:
+  """Everything one run produced, for the report."""
+
+  config: BenchConfig
+  cases: list[_cases.Case]
+  paths: list[Path] = field(default_factory=list)
+  samples: list[Sample] = field(default_factory=list)
+  skips: list[dict[str, str]] = field(default_factory=list)
+  idle_cpu: dict[str, float] = field(default_factory=dict)
+  groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+  load: list[dict[str, Any]] = field(default_factory=list)
+  reps: dict[str, int] = field(default_factory=dict)
+  timings: dict[str, float] = field(default_factory=dict)
+  registered: list[str] = field(default_factory=list)
+  gpu_reason: str | None = None
+  actor_groups: list[ActorGroup] = field(default_factory=list)
+  resume_guard: Any = None
+
+
+class Progress:
+  """Progress on stderr: a live line on a terminal, plus permanent lines."""
+
+  def __init__(self, stream: Any = None):
+    self._stream = stream or sys.stderr
+    self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
+    self._start = time.perf_counter()
+    self._live = False
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self._start
+
+  def live(self, text: str) -> None:
+    """Replaces the live line (terminals only)."""
+    if self._tty:
+      self._stream.write(f"\r\x1b[K[{self.elapsed():5.0f} s] {text}")
+      self._stream.flush()
+      self._live = True
+
+  def line(self, text: str) -> None:
+    """Prints a permanent line."""
+    if self._live:
+      self._stream.write("\r\x1b[K")
+      self._live = False
+    self._stream.write(f"[{self.elapsed():5.0f} s] {text}\n")
+    self._stream.flush()
+
+
+def loadavg() -> list[float]:
+  """The 1, 5 and 15 minute load averages ([] where unavailable)."""
+  try:
+    with open("/proc/loadavg") as f:
+      return [float(x) for x in f.read().split()[:3]]
+  except OSError:
+    return []
+
+
+@contextlib.contextmanager
+def resumed(group: ActorGroup | None, members: list[Any] | None = None) -> Iterator[None]:
+  """Runs the body with `members` of `group` (default all) continued, pausing after."""
+  if group is None:
+    yield
+    return
+  group.resume(members)
+  try:
+    yield
+  finally:
+    group.pause()
+
+
+# --------------------------------------------------------------------------
+# Set-up.
+
+
+def start_ray() -> bool:
+  """Starts a private local Ray unless one is running here; True if started."""
+  import ray
+
+  if ray.is_initialized():
+    return False
+  package_parent = str(pathlib.Path(__file__).resolve().parents[2])
+  pythonpath = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+  ray.init(
+      address="local",
+      num_cpus=os.cpu_count() or 2,
+      include_dashboard=False,
+      logging_level="error",
+      log_to_driver=False,
+      runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "NIXL_LOG_LEVEL": "WARN"}},
+  )
+  return True
+
+
+def gpu_unavailable() -> str | None:
+  """None if the Ray cluster has a GPU, else a reason to skip GPU cases."""
+  import ray
+
+  if ray.cluster_resources().get("GPU", 0) > 0:
+    return None
+  return "no GPU on this host (ray.cluster_resources() has no 'GPU')"
+
+
+def _transport_paths(registered: list[str]) -> list[ActorPath]:
+  from ray.experimental.rdt import util
+
+  paths = []
+  for name in registered:
+    info = util.transport_manager_info[name.upper()]
+    cls = info.transport_manager_class
+    one_sided = bool(cls.is_one_sided())
+    path = ActorPath(
+        name,
+        f"{name} (jax.Array)",
+        "rdt_jax",
+        "jax",
+        name,
+        tuple("cuda" if d in ("cuda", "gpu") else d for d in info.devices),
+        refs_skip=None if one_sided else (
+            "two-sided transport: the driver is not a member of the collective group"
+        ),
+    )
+    path.one_sided = one_sided
+    path.transport_class = cls
+    paths.append(path)
+  return paths
+
+
+def make_paths(registered: list[str], cases: list[_cases.Case]) -> list[Path]:
+  """Every path the benchmark knows, before any actor exists."""
+  paths: list[Path] = list(_transport_paths(registered))
+  paths.append(ActorPath(
+      _paths.RAY_NIXL, "Ray nixl (torch)", "baseline", "torch", "nixl", ("cpu", "cuda"),
+      refs_getter=(
+          "in refs cases a getter actor plays the driver (calls the producer, gets "
+          "and reads the refs; one more actor call per sample): Ray's NIXL agent "
+          "spins a core in every process that has one, and the driver cannot be paused"
+      ),
+  ))
+  paths.append(ActorPath(_paths.OS_NUMPY, "object store (NumPy)", "baseline", "numpy", None, ("cpu",)))
+  paths.append(ActorPath(_paths.OS_JAX, "object store (jax.Array)", "baseline", "jax", None, ("cpu", "cuda")))
+  paths.append(_paths.MemcpyPath())
+  if any(c.kind == "plain" for c in cases):
+    paths += [_paths.PlainPath(False), _paths.PlainPath(True)]
+  return paths
+
+
+def select_paths(paths: list[Path], wanted: tuple[str, ...] | None) -> list[Path]:
+  """The paths named in `wanted` (all if None).
+
+  Raises:
+    ValueError: for a name that is not a path here, listing those that are.
+  """
+  if wanted is None:
+    return paths
+  known = {p.id for p in paths} | {_paths.PLAIN_WITH, _paths.PLAIN_WITHOUT}
+  unknown = [w for w in wanted if w not in known]
+  if unknown:
+    raise ValueError(
+        f"Unknown path(s) {', '.join(unknown)}; this host has: {', '.join(sorted(known))}."
+    )
+  return [p for p in paths if p.id in wanted]
+
+
+def setup(state: RunState, progress: Progress) -> None:
+  """Creates every path's actors, groups and collective groups; smoke-tests each path.
+
+  Paths that cannot run get a `skip_reason`; nothing here raises for them.
+  The groups go to `state.actor_groups` as they are made, so `teardown`
+  finds them even if set-up fails part way.
+  """
+  config = state.config
+  cases = state.cases
+  paths = state.paths
+  fan = max([c.count for c in cases if c.kind == "fanout"], default=1)
+  devices = {c.device for c in cases if c.kind != "plain"}
+  gpu_reason = gpu_unavailable() if "cuda" in devices else None
+  actor_devices = sorted(d for d in devices if d == "cpu" or gpu_reason is None)
+  groups = state.actor_groups
+  by_name: dict[str, ActorGroup] = {}
+
+  def group(name: str, device: str, maker) -> ActorGroup:
+    key = f"{name}@{device}"
+    if key not in by_name:
+      by_name[key] = maker()
+      by_name[key].name = key
+      groups.append(by_name[key])
+    return by_name[key]
+
+  for p in paths:
+    if isinstance(p, _paths.PlainPath):
+      p.groups["cpu"] = group(p.id, "cpu", lambda p=p: _paths.make_plain_group(p.id, p.use_rdt_jax, config.pause))
+      continue
+    if isinstance(p, _paths.MemcpyPath):
+      if "cuda" in actor_devices:
+        p.groups["cuda"] = group(
+            "main", "cuda", lambda: _paths.make_group("main", fan, config.pause, True, ("jax",))
+        )
+      continue
+    for device in actor_devices:
+      if device not in p.devices:
+        continue
+      name = "ray_nixl" if p.id == _paths.RAY_NIXL else "main"
+      preload = ("torch",) if p.id == _paths.RAY_NIXL else ("jax",)
+      p.groups[device] = group(
+          name,
+          device,
+          lambda name=name, device=device, preload=preload: _paths.make_group(
+              name, fan, config.pause, device == "cuda", preload
+          ),
+      )
+  progress.line(f"starting {sum(len(g.actors) for g in groups)} actors in {len(groups)} groups")
+  t0 = time.perf_counter()
+  for g in groups:
+    g.start(_START_TIMEOUT_S)
+    state.groups[g.name] = {"pids": g.pids, "infos": g.infos}
+  state.timings["actors_start_s"] = time.perf_counter() - t0
+  if config.pause:
+    state.resume_guard = _paths.start_resume_guard([pid for g in groups for pid in g.pids])
+  for p in paths:
+    if isinstance(p, ActorPath) and not p.one_sided:
+      p.skip_reason = _make_collective_groups(p)
+    if isinstance(p, _paths.PlainPath):
+      info = p.groups["cpu"].infos
+      if any(i["rdt_jax"] != p.use_rdt_jax for i in info):
+        p.skip_reason = f"rdt_jax imported in the actors is {info[0]['rdt_jax']}, expected {p.use_rdt_jax}"
+  if gpu_reason is None and "cuda" in actor_devices:
+    _check_gpu_frameworks(paths)
+  for p in paths:
+    p.gpu_skip = p.gpu_skip or gpu_reason
+  for g in groups:
+    g.pause()
+  t0 = time.perf_counter()
+  _smoke_test(state, progress)
+  state.timings["smoke_test_s"] = time.perf_counter() - t0
+  progress.line(
+      f"actors up in {state.timings['actors_start_s']:.1f} s, "
+      f"smoke tests {state.timings['smoke_test_s']:.1f} s"
+  )
+  _measure_idle(state, groups, progress)
+  state.gpu_reason = gpu_reason
+
+
+def teardown(state: RunState) -> None:
+  """Continues every actor `setup` made, stops the resume guard, kills the actors."""
+  for g in state.actor_groups:
+    g.resume()
+  if state.resume_guard is not None:
+    _paths.stop_resume_guard(state.resume_guard)
+    state.resume_guard = None
+  for g in state.actor_groups:
+    g.kill()
+
+
+def _make_collective_groups(path: ActorPath) -> str | None:
+  """Creates the collective group a two-sided path needs; returns a skip reason."""
+  from ray.experimental.collective import create_collective_group
+
+  backend = _paths.group_backend(path.id, path.transport_class)
+  if backend is None:
+    return f"two-sided transport with no known collective backend (set `group_backend` on {path.transport_class.__name__})"
+  for device, g in path.groups.items():
+    try:
+      with resumed(g):
+        create_collective_group(g.actors, backend=backend)
+    except Exception as e:  # noqa: BLE001 - reported as the skip reason
+      return f"create_collective_group(backend={backend!r}) failed on {device}: {_paths.first_line(e)}"
+  return None
+
+
+def _check_gpu_frameworks(paths: list[Path]) -> None:
+  import ray
+
+  for p in paths:
+    if not isinstance(p, ActorPath) or "cuda" not in p.groups:
+      continue
+    g = p.groups["cuda"]
+    framework = "torch" if p.framework == "torch" else "jax"
+    reason = ray.get(g.producer.device_support.remote(framework))
+    if reason:
+      del p.groups["cuda"]
+      p.gpu_skip = reason
+
+
+def _smoke_test(state: RunState, progress: Progress) -> None:
+  """One small transfer per path and device; a failure becomes the skip reason."""
+  for p in state.paths:
+    if p.skip_reason or isinstance(p, (_paths.MemcpyPath, _paths.PlainPath)):
+      continue
+    for device, g in list(p.groups.items()):
+      case = _cases.parse_case("gpu:4KiB" if device == "cuda" else "4KiB")
+      try:
+        with resumed(g):
+          p.prepare(case, state.config.sample_timeout_s)
+          p.run(case, "", min(120.0, state.config.sample_timeout_s), False)
+          g.drop_all()
+      except Exception as e:  # noqa: BLE001 - reported as the skip reason
+        reason = f"smoke test failed: {_paths.first_line(e)}"
+        if device == "cpu":
+          p.skip_reason = reason
+        else:
+          del p.groups[device]
+          p.gpu_skip = reason
+        progress.line(f"skipping {p.id} on {device}: {reason}")
+
+
+def _measure_idle(state: RunState, groups: list[ActorGroup], progress: Progress) -> None:
+  """CPU cores each group uses while idle (after its paths ran once)."""
+  window = state.config.idle_window_s
+  for g in groups:
+    with resumed(g):
+      before = g.cpu_seconds()
+      time.sleep(window)
+      state.idle_cpu[g.name] = (g.cpu_seconds() - before) / window
+  progress.line(
+      "idle CPU (cores) per group: "
+      + ", ".join(f"{k} {v:.2f}" for k, v in state.idle_cpu.items())
+  )
+
+
+# --------------------------------------------------------------------------
+# Measuring.
+
+
+def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress) -> None:
+  """Measures every path on `case`, interleaved; appends to `state.samples`."""
+  config = state.config
+  active: list[Path] = []
+  for p in state.paths:
+    if not p.applies(case):
+      continue
+    reason = p.case_skip(case)
+    if not reason:
+      try:
+        with resumed(p.group(case)):
+          p.prepare(case, config.sample_timeout_s)
+      except Exception as e:  # noqa: BLE001 - reported as the skip reason
+        reason = f"preparing the data failed: {_paths.first_line(e)}"
+    if reason:
+      state.skips.append({"case": case.id, "path": p.id, "reason": reason})
+      continue
+    active.append(p)
+  units = [(p, v) for p in active for v in case.variants]
+  reps = config.reps or _cases.default_reps(case, config.quick)
+  state.reps[case.id] = reps
+  memory = case.device == "cpu" and case.object_nbytes * case.objects >= config.memory_min_bytes
+  failed: dict[tuple[str, str], str] = {}
+  title = f"[{index + 1}/{len(state.cases)}] {case.id}"
+  for r in range(-config.warmup, reps):
+    if not units:
+      break
+    k = (r + config.warmup) % len(units)
+    for pos, (p, v) in enumerate(units[k:] + units[:k]):
+      if (p.id, v) in failed:
+        continue
+      name = f"{p.id}{'/' + v if v else ''}"
+      what = "warm-up" if r < 0 else f"rep {r + 1}/{reps}"
+      progress.live(f"{title} {what} {name} ...")
+      sample = Sample(case.id, p.id, v, r, r < 0, pos, None)
+      try:
+        with resumed(p.group(case), p.actors_for(case, v)):
+          m = p.run(case, v, config.sample_timeout_s, memory and not isinstance(p, _paths.MemcpyPath))
+        sample.seconds, sample.read_seconds, sample.memory = m.seconds, m.read_seconds, m.memory
+        progress.live(f"{title} {what} {name}: {m.seconds * 1e3:.2f} ms")
+      except Exception as e:  # noqa: BLE001 - recorded; the path stops for this case
+        sample.error = _paths.first_line(e)
+        failed[(p.id, v)] = sample.error
+        progress.line(f"{title} {name} failed: {sample.error}")
+      state.samples.append(sample)
+  for (pid, v), err in failed.items():
+    state.skips.append({"case": case.id, "path": pid, "variant": v, "reason": f"failed: {err}"})
+  for p in active:
+    p.release()
+    g = p.group(case)
+    if g is not None and g.prepared:
+      with resumed(g):
+        g.drop_all()
+  state.load.append({"case": case.id, "loadavg": loadavg(), "elapsed_s": progress.elapsed()})

@@ -1,0 +1,208 @@
+"""Statistics of a run: per-path summaries, ratios to baselines, and targets.
+
+All ratios are of medians from the same run. A ratio "x to baseline B" is
+`median(x) / median(B)` (below 1: x is faster); "speed-up" targets are
+written the other way round and say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Final
+
+import numpy as np
+
+from rdt_jax.bench import _cases, _paths
+
+#: The rdt_jax transport the issue-5 targets are about.
+TARGET_TRANSPORT: Final = "jax_nixl"
+
+
+@dataclass(frozen=True)
+class Summary:
+  """Statistics of the measured samples of one (case, path, variant).
+
+  `memory_peak` is the largest peak-RSS growth per side over the measured
+  samples (warm: buffers a transport keeps for reuse are already there);
+  `memory_first` the growth in the first sample, warm-up included (cold).
+  """
+
+  case: str
+  path: str
+  variant: str
+  n: int
+  median_s: float
+  min_s: float
+  max_s: float
+  q1_s: float
+  q3_s: float
+  moved_bytes: int
+  gbps: float
+  read_median_s: float | None
+  memory_peak: dict[str, int] | None
+  memory_first: dict[str, int] | None
+  ratios: dict[str, float]
+
+  def to_json(self) -> dict[str, Any]:
+    return dict(self.__dict__)
+
+
+def summarize(samples: list[Any], cases: list[_cases.Case]) -> list[Summary]:
+  """One Summary per (case, path, variant) with at least one good sample."""
+  by_case = {c.id: c for c in cases}
+  groups: dict[tuple[str, str, str], list[Any]] = {}
+  first: dict[tuple[str, str, str], Any] = {}
+  for s in samples:
+    if s.seconds is None or s.error:
+      continue
+    key = (s.case, s.path, s.variant)
+    first.setdefault(key, s)
+    if not s.warmup:
+      groups.setdefault(key, []).append(s)
+  medians = {k: float(np.median([s.seconds for s in v])) for k, v in groups.items()}
+  out = []
+  for (case_id, path, variant), ss in groups.items():
+    t = np.array([s.seconds for s in ss])
+    reads = [s.read_seconds for s in ss if s.read_seconds is not None]
+    moved = by_case[case_id].moved_nbytes(variant)
+    median = medians[(case_id, path, variant)]
+    ratios = {}
+    for b in _paths.BASELINES:
+      base = medians.get((case_id, b, variant))
+      if base and b != path:
+        ratios[b] = median / base
+    out.append(Summary(
+        case=case_id,
+        path=path,
+        variant=variant,
+        n=len(ss),
+        median_s=median,
+        min_s=float(t.min()),
+        max_s=float(t.max()),
+        q1_s=float(np.percentile(t, 25)),
+        q3_s=float(np.percentile(t, 75)),
+        moved_bytes=moved,
+        gbps=moved / median / 1e9 if median > 0 else float("inf"),
+        read_median_s=float(np.median(reads)) if reads else None,
+        memory_peak=_memory_peak(ss),
+        memory_first=first[(case_id, path, variant)].memory,
+        ratios=ratios,
+    ))
+  return out
+
+
+def _memory_peak(samples: list[Any]) -> dict[str, int] | None:
+  """The largest peak-RSS growth per side over the samples."""
+  peaks: dict[str, int] = {}
+  for s in samples:
+    for side, v in (s.memory or {}).items():
+      peaks[side] = max(peaks.get(side, v), v)
+  return peaks or None
+
+
+# --------------------------------------------------------------------------
+# Targets (issue 5).
+
+
+@dataclass(frozen=True)
+class Target:
+  """One performance target, evaluated on one run.
+
+  Attributes:
+    name: what is compared, in words.
+    goal: the condition, e.g. "<= 1.0x".
+    value: the measured ratio (None if it could not be computed).
+    met: whether `value` satisfies `goal` (None if not computable).
+    detail: the medians it came from, or why it is missing.
+  """
+
+  name: str
+  goal: str
+  value: float | None
+  met: bool | None
+  detail: str
+
+  def to_json(self) -> dict[str, Any]:
+    return dict(self.__dict__)
+
+
+def _find(summaries: list[Summary], case: str, path: str, variant: str = "") -> Summary | None:
+  for s in summaries:
+    if s.case == case and s.path == path and s.variant == variant:
+      return s
+  return None
+
+
+def _ratio_target(
+    summaries: list[Summary],
+    name: str,
+    case: str,
+    num: tuple[str, str],
+    den: tuple[str, str],
+    goal: str,
+    ok: Callable[[float], bool],
+) -> Target:
+  a = _find(summaries, case, *num)
+  b = _find(summaries, case, *den)
+  if a is None or b is None:
+    missing = [f"{p}{'/' + v if v else ''}" for (p, v), s in ((num, a), (den, b)) if s is None]
+    return Target(name, goal, None, None, f"not measured in this run: {case} {', '.join(missing)}")
+  value = a.median_s / b.median_s
+  detail = (
+      f"{_ms(a.median_s)} / {_ms(b.median_s)} "
+      f"({num[0]}{'/' + num[1] if num[1] else ''} / {den[0]}{'/' + den[1] if den[1] else ''})"
+  )
+  return Target(name, goal, value, ok(value), detail)
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def targets(summaries: list[Summary], transport: str = TARGET_TRANSPORT) -> list[Target]:
+  """The issue-5 targets for `transport`, each met or not, from one run."""
+  t = transport
+  out = [
+      _ratio_target(summaries, f"{t} 256 MiB / object store NumPy", "256MiB",
+                    (t, ""), (_paths.OS_NUMPY, ""), "<= 1.0x", lambda r: r <= 1.0),
+      _ratio_target(summaries, f"{t} 256 MiB / Ray nixl torch", "256MiB",
+                    (t, ""), (_paths.RAY_NIXL, ""), "<= 0.5x", lambda r: r <= 0.5),
+      _ratio_target(summaries, f"object store jax.Array / {t}, 256 MiB (speed-up)", "256MiB",
+                    (_paths.OS_JAX, ""), (t, ""), ">= 10x", lambda r: r >= 10.0),
+      _ratio_target(summaries, f"{t} 1,000 leaves / 64 MiB / object store NumPy", "tree1000",
+                    (t, ""), (_paths.OS_NUMPY, ""), "<= 1.0x", lambda r: r <= 1.0),
+      _ratio_target(summaries, f"{t} 4 KiB / object store NumPy", "4KiB",
+                    (t, ""), (_paths.OS_NUMPY, ""), "<= 1.5x", lambda r: r <= 1.5),
+      _ratio_target(summaries, f"{t} 8 refs: one by one / one ray.get (speed-up)", "refs8",
+                    (t, "loop"), (t, "batch"), ">= 1.5x", lambda r: r >= 1.5),
+  ]
+  out.append(_memory_target(summaries, t))
+  return out
+
+
+def _memory_target(summaries: list[Summary], transport: str) -> Target:
+  name = f"{transport} peak extra memory per side / payload, 256 MiB"
+  s = _find(summaries, "256MiB", transport)
+  if s is None or not s.memory_peak:
+    return Target(name, "<= 1.0x", None, None, "not measured in this run: 256MiB memory")
+  per_side = {}
+  for mem in (s.memory_first or {}, s.memory_peak):
+    for side, v in mem.items():
+      per_side[side] = max(per_side.get(side, 0.0), max(0, v) / s.moved_bytes)
+  worst = max(per_side.values())
+  detail = ", ".join(f"{side} {r:.2f}x" for side, r in per_side.items())
+  return Target(name, "<= 1.0x", worst, worst <= 1.0, f"max over samples, first included: {detail}")
+
+
+def plain_check(summaries: list[Summary], case_id: str) -> dict[str, Any] | None:
+  """Issue 3's check: plain method with rdt_jax registered / without."""
+  without = _find(summaries, case_id, _paths.PLAIN_WITHOUT)
+  with_ = _find(summaries, case_id, _paths.PLAIN_WITH)
+  if without is None or with_ is None:
+    return None
+  return {
+      "case": case_id,
+      "without_rdt_jax_median_s": without.median_s,
+      "with_rdt_jax_median_s": with_.median_s,
+      "ratio": with_.median_s / without.median_s,
+  }
