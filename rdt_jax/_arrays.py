@@ -286,15 +286,31 @@ class DescribedLeaf:
     spec: the metadata sent to consumers.
     pointers: the address of each chunk's first byte.
     device_indices: the device index each chunk lives on (0 for host memory).
+    arrays: the framework array behind each chunk (the leaf, or a shard).
   """
 
   spec: LeafSpec
   pointers: tuple[int, ...]
   device_indices: tuple[int, ...]
+  arrays: tuple[Any, ...] = ()
 
   @property
   def device(self) -> DeviceKind:
     return self.spec.device
+
+
+def hold_buffer(array: Any) -> Any:
+  """A reference that keeps `array`'s buffer from being reused while held.
+
+  For a jax array this is an unconsumed DLPack capsule: while it is alive,
+  XLA cannot donate the buffer (a `jit(..., donate_argnums=...)` of the array
+  copies instead of writing in place), so a producer that donates an array
+  after returning it cannot change what consumers read. Returns None for
+  numpy and torch arrays, whose memory lives as long as the array does.
+  """
+  if framework_of(array) == "jax":
+    return array.__dlpack__()
+  return None
 
 
 def describe(x: Any, path: str = "") -> DescribedLeaf:
@@ -339,7 +355,7 @@ def _single_chunk(
       device=device.kind,
       chunks=(ChunkSpec(shape, nbytes),),
   )
-  return DescribedLeaf(spec, (ptr,), (device.index,))
+  return DescribedLeaf(spec, (ptr,), (device.index,), (x,))
 
 
 def _describe_numpy(x: np.ndarray, path: str) -> DescribedLeaf:
@@ -453,6 +469,7 @@ def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
   chunks: list[ChunkSpec] = []
   pointers: list[int] = []
   device_indices: list[int] = []
+  arrays: list[Any] = []
   device_chunks: list[int] = []
   for d in mesh.devices.flat:
     shard = by_device[d]
@@ -463,6 +480,7 @@ def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
       shape = tuple(int(n) for n in data.shape)
       chunks.append(ChunkSpec(shape, math.prod(shape) * dtype.itemsize))
       pointers.append(data.unsafe_buffer_pointer() if data.size else 0)
+      arrays.append(data)
       device_indices.append(parse_device(d).index)
     device_chunks.append(chunk_of_index[key])
   layout = ShardingLayout(
@@ -480,7 +498,7 @@ def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
       chunks=tuple(chunks),
       sharding=layout,
   )
-  return DescribedLeaf(spec, tuple(pointers), tuple(device_indices))
+  return DescribedLeaf(spec, tuple(pointers), tuple(device_indices), tuple(arrays))
 
 
 # --------------------------------------------------------------------------
@@ -492,6 +510,122 @@ def aligned_host_buffer(nbytes: int) -> np.ndarray:
   raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
   offset = (-raw.ctypes.data) % ALIGNMENT
   return raw[offset : offset + nbytes]
+
+
+#: Host memory a process keeps for reuse between transfers, by default.
+DEFAULT_POOL_BYTES: Final = 1 << 30
+
+
+class HostBufferPool:
+  """Reuses host buffers whose pages are already faulted in (and registered).
+
+  A fresh buffer costs a page fault per 4 KiB page on first write: receiving
+  256 MiB into fresh memory took over 10x longer here than into reused memory.
+  Received leaves are zero-copy views of their buffer, so a buffer is free
+  again only once no view of it is alive; the pool checks that by reference
+  count when a buffer is asked for, and never hands out one still in use.
+
+  Free buffers are kept up to `max_bytes` in total (env var
+  `RDT_JAX_HOST_POOL_BYTES`, default 1 GiB; 0 disables reuse); the least
+  recently used are dropped first, after telling every eviction listener (a
+  backend deregisters the memory).
+  """
+
+  def __init__(self, max_bytes: int | None = None):
+    import os
+    import threading
+
+    if max_bytes is None:
+      max_bytes = int(os.environ.get("RDT_JAX_HOST_POOL_BYTES", DEFAULT_POOL_BYTES))
+    self.max_bytes = max_bytes
+    self._buffers: list[np.ndarray] = []  # aligned uint8 views, oldest first
+    self._listeners: list[Callable[[int, int], None]] = []
+    self._lock = threading.Lock()
+
+  def add_eviction_listener(self, fn: Callable[[int, int], None]) -> None:
+    """Calls `fn(pointer, nbytes)` for each buffer the pool stops keeping."""
+    with self._lock:
+      self._listeners.append(fn)
+
+  def _free_at(self, i: int) -> bool:
+    # numpy views all reference the allocation's owner (`.base`) directly, so
+    # it is free when referenced only by the pooled view (plus the argument).
+    return sys.getrefcount(self._buffers[i].base) <= 2
+
+  def acquire(self, nbytes: int) -> np.ndarray:
+    """A 64-byte aligned uint8 buffer of exactly `nbytes`.
+
+    Reuses a free pooled buffer (the smallest that fits, up to 2x `nbytes`),
+    else allocates a fresh one and keeps it for later. The result is a view
+    of the pooled buffer, which stays in use while the view, or any array
+    built on it, is alive.
+    """
+    with self._lock:
+      best = None
+      for i, buf in enumerate(self._buffers):
+        del buf
+        size = self._buffers[i].nbytes
+        if nbytes <= size <= 2 * nbytes and self._free_at(i):
+          if best is None or size < self._buffers[best].nbytes:
+            best = i
+      if best is not None:
+        buf = self._buffers.pop(best)
+        self._buffers.append(buf)  # most recently used last
+        return buf[:nbytes]
+      buf = aligned_host_buffer(nbytes)
+      evicted = []
+      if 0 < nbytes <= self.max_bytes:
+        self._buffers.append(buf)
+        evicted = self._evict(self.max_bytes)
+      listeners = list(self._listeners)
+    self._notify(evicted, listeners)
+    return buf[:nbytes]
+
+  def _evict(self, limit: int) -> list[tuple[int, int]]:
+    """Drops free buffers, oldest first, until at most `limit` bytes are kept."""
+    evicted = []
+    total = sum(b.nbytes for b in self._buffers)
+    i = 0
+    while total > limit and i < len(self._buffers):
+      if self._free_at(i):
+        buf = self._buffers.pop(i)
+        total -= buf.nbytes
+        evicted.append((buf.ctypes.data, buf.nbytes))
+        del buf
+      else:
+        i += 1
+    return evicted
+
+  @staticmethod
+  def _notify(evicted: list[tuple[int, int]], listeners: list) -> None:
+    for pointer, nbytes in evicted:
+      for fn in listeners:
+        fn(pointer, nbytes)
+
+  def region_of(self, view: np.ndarray) -> tuple[int, int] | None:
+    """`(pointer, nbytes)` of the pooled buffer `view` lies in, if any."""
+    p, n = view.ctypes.data, view.nbytes
+    with self._lock:
+      for b in self._buffers:
+        if b.ctypes.data <= p and p + n <= b.ctypes.data + b.nbytes:
+          return b.ctypes.data, b.nbytes
+    return None
+
+  def clear(self) -> None:
+    """Drops every free buffer (telling the listeners)."""
+    with self._lock:
+      evicted = self._evict(0)
+      listeners = list(self._listeners)
+    self._notify(evicted, listeners)
+
+  def pooled_bytes(self) -> int:
+    """Bytes the pool keeps now, in use or free."""
+    with self._lock:
+      return sum(b.nbytes for b in self._buffers)
+
+
+#: The process's host buffer pool (receive buffers and send staging buffers).
+host_pool = HostBufferPool()
 
 
 def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
@@ -555,6 +689,55 @@ def _try_import(name: str) -> bool:
 
 
 # --------------------------------------------------------------------------
+# Byte views: raw memory as an array, for backends whose library takes arrays.
+
+
+class _HostBytes:
+  """`nbytes` of host memory at `pointer`, as numpy's array interface."""
+
+  def __init__(self, pointer: int, nbytes: int):
+    self.__array_interface__ = {
+        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
+    }
+
+
+class _CudaBytes:
+  """`nbytes` of cuda memory at `pointer`, as the CUDA Array Interface."""
+
+  def __init__(self, pointer: int, nbytes: int):
+    self.__cuda_array_interface__ = {
+        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
+        "strides": None,
+    }
+
+
+def host_bytes(pointer: int, nbytes: int) -> np.ndarray:
+  """A writable 1-D uint8 numpy view of `nbytes` of host memory at `pointer`.
+
+  Zero-copy and framework-neutral: the memory may belong to any framework's
+  array. The view does not own it; the caller keeps the owner alive while the
+  view is in use.
+  """
+  return np.asarray(_HostBytes(pointer, nbytes))
+
+
+def torch_bytes(pointer: int, nbytes: int, device: Device) -> Any:
+  """A 1-D `torch.uint8` tensor over `nbytes` at `pointer` on `device`.
+
+  Zero-copy, for backends whose library takes torch tensors (Ray's GLOO and
+  NCCL collective groups): host memory goes through DLPack from a
+  `host_bytes` view, cuda memory through the CUDA Array Interface (untested
+  here: no GPU). The tensor does not own the memory; the caller keeps the
+  owner alive while the tensor is in use.
+  """
+  import torch
+
+  if device.kind == "cpu":
+    return torch.from_dlpack(host_bytes(pointer, nbytes))
+  return torch.as_tensor(_CudaBytes(pointer, nbytes), device=str(device))
+
+
+# --------------------------------------------------------------------------
 # Consumer side: rebuild leaves. Conversion between frameworks lives here only.
 
 
@@ -579,16 +762,25 @@ def check_x64(dtype: np.dtype, path: str) -> None:
 def _host_to_jax(x: np.ndarray, path: str, device: "jax.Device | None" = None) -> Any:
   """A host numpy array as a jax.Array; zero-copy when 64-byte aligned."""
   import jax
-  import jax.numpy as jnp
 
   check_x64(x.dtype, path)
   if device is None:
     device = jax.local_devices(backend="cpu")[0]
-  if x.dtype in _NUMPY_NATIVE_DTYPES and device.platform == "cpu":
-    return jnp.from_dlpack(x, device=device)
-  # bfloat16/float8 have no numpy DLPack form; device_put aliases aligned
-  # host memory on cpu just the same (checked in tests/test_arrays.py).
+  # jax.device_put aliases 64-byte aligned host memory on the cpu backend for
+  # every dtype, bfloat16 and float8 included, which numpy's DLPack export
+  # refuses; tests/test_arrays.py checks that no copy happens.
   return jax.device_put(x, device)
+
+
+def host_to_jax_many(views: list[np.ndarray], device: Device) -> list[Any]:
+  """Host numpy arrays as jax.Arrays on `device`, in one call (zero-copy).
+
+  One `jax.device_put` of a list costs about half as much per array as one
+  call per array. The caller has checked 64-bit dtypes (`check_x64`).
+  """
+  import jax
+
+  return jax.device_put(views, jax_device(device))
 
 
 def _host_to_torch(x: np.ndarray, path: str) -> Any:
@@ -742,29 +934,72 @@ def _rebuild_sharded(chunk_views: list[np.ndarray], spec: LeafSpec) -> Any:
   """Rebuilds a sharded jax.Array with the producer's mesh shape, axis names
   and partition spec, on this process's first devices of the platform."""
   import jax
+
+  sharding = _mesh_sharding(
+      spec,
+      "cpu",
+      "Give the consumer at least as many devices (e.g. XLA_FLAGS="
+      f"--xla_force_host_platform_device_count={spec.sharding.num_devices} in "
+      "its runtime_env), or receive it as numpy (rdt_jax.receive_as('numpy')), "
+      "which assembles the global array.",
+  )
+  layout = spec.sharding
+  arrays = [
+      _host_to_jax(chunk_views[chunk_id], spec.path, device)
+      for device, chunk_id in zip(sharding.mesh.devices.flat, layout.device_chunks)
+  ]
+  return jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays)
+
+
+def _mesh_sharding(spec: LeafSpec, platform: str, fix: str) -> Any:
+  """The producer's mesh shape, axis names and partition spec, rebuilt on this
+  process's first devices of `platform` ("cpu" or "gpu").
+
+  Raises:
+    UnsupportedLeafError: if there are fewer such devices than the mesh has,
+      naming both counts; `fix` says what to do.
+  """
+  import jax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   layout = spec.sharding
-  available = jax.local_devices(backend="cpu")
+  available = jax.local_devices(backend=platform)
   if len(available) < layout.num_devices:
     raise UnsupportedLeafError(
         spec.path,
         f"is sharded over {layout.num_devices} devices (mesh "
         f"{dict(zip(layout.axis_names, layout.mesh_shape))}) but this process "
-        f"has only {len(available)} cpu device(s)",
-        "Give the consumer at least as many devices (e.g. XLA_FLAGS="
-        f"--xla_force_host_platform_device_count={layout.num_devices} in its "
-        "runtime_env), or receive it as numpy (rdt_jax.receive_as('numpy')), "
-        "which assembles the global array.",
+        f"has only {len(available)} {platform} device(s)",
+        fix,
     )
   devices = np.array(available[: layout.num_devices], dtype=object).reshape(layout.mesh_shape)
-  mesh = Mesh(devices, layout.axis_names)
-  sharding = NamedSharding(mesh, PartitionSpec(*layout.spec))
-  arrays = [
-      _host_to_jax(chunk_views[chunk_id], spec.path, device)
-      for device, chunk_id in zip(devices.flat, layout.device_chunks)
-  ]
-  return jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays)
+  return NamedSharding(Mesh(devices, layout.axis_names), PartitionSpec(*layout.spec))
+
+
+def receive_sharding(spec: LeafSpec, device: Device) -> Any:
+  """The `jax.sharding.Sharding` a leaf gets when a backend receives it as a
+  whole `jax.Array` (as `jax_transfer` pulls it).
+
+  A sharded leaf gets the producer's mesh shape, axis names and partition spec
+  on this process's first devices of `device`'s platform; any other leaf
+  lives on `device`.
+
+  Raises:
+    UnsupportedLeafError: if this process has fewer devices than the
+      producer's mesh, naming both counts, or no jax backend for `device`.
+  """
+  import jax
+
+  if spec.sharding is None:
+    return jax.sharding.SingleDeviceSharding(jax_device(device))
+  n = spec.sharding.num_devices
+  fix = (
+      "A whole-array backend moves each shard to its own device: give the "
+      "consumer at least as many devices (e.g. XLA_FLAGS="
+      f"--xla_force_host_platform_device_count={n} on cpu), or send it with "
+      "jax_nixl, which can assemble it for a numpy receiver."
+  )
+  return _mesh_sharding(spec, "cpu" if device.kind == "cpu" else "gpu", fix)
 
 
 # --------------------------------------------------------------------------
@@ -782,6 +1017,21 @@ def convert_leaf(x: Any, framework: Framework, path: str = "") -> Any:
       _describe_jax(x, path)
     return x
   return _CONVERTERS[(src, framework)](x, path)
+
+
+def to_jax_exact(x: Any, path: str = "") -> Any:
+  """`x` as a `jax.Array` of exactly its dtype, for backends that move jax
+  arrays (`jax_transfer`).
+
+  Like `convert_leaf(x, "jax")` (zero-copy where DLPack allows), except that a
+  64-bit leaf stays 64-bit even where this process has `jax_enable_x64` off:
+  the array only carries the bytes to a receiver, whose own setting decides
+  what it may become there.
+  """
+  import jax
+
+  with jax.enable_x64(True):
+    return convert_leaf(x, "jax", path)
 
 
 def _jax_to_torch(x: Any, path: str) -> Any:

@@ -98,6 +98,7 @@ def array_impl_type() -> type:
   return ArrayImpl
 
 
+@functools.lru_cache(maxsize=1)
 def prng_key_array_type() -> type | None:
   """The class of `jax.random.key(...)` arrays, or None if jax moved it."""
   # jax 0.10 keeps it in jax._src.random.prng; earlier releases in jax._src.prng.

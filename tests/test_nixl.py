@@ -86,6 +86,12 @@ class Producer:
     self.kept = build(*args)
     return self.kept
 
+  def donate_kept(self):
+    """A training step that donates the kept parameters (writes in place)."""
+    step = jax.jit(lambda w: w * 0 - 1, donate_argnums=0)
+    self.kept = {**self.kept, "w": step(self.kept["w"])}
+    return float(self.kept["w"].sum())
+
   @ray.method(tensor_transport="jax_nixl")
   def return_kept(self):
     return self.kept
@@ -118,6 +124,11 @@ class Consumer:
 
   def stats(self):
     return nixl_transport().num_registrations()
+
+  def pooled(self):
+    from rdt_jax import _arrays
+
+    return nixl_transport().num_pooled_registrations(), _arrays.host_pool.pooled_bytes()
 
   def rss(self):
     import psutil
@@ -194,8 +205,9 @@ def expected(build, *args):
 
 
 def test_register_is_idempotent():
-  assert rdt_jax.register() == ["jax_nixl"]
-  assert rdt_jax.register() == ["jax_nixl"]
+  names = rdt_jax.register()
+  assert "jax_nixl" in names and all(n == n.lower() for n in names)
+  assert rdt_jax.register() == names
 
 
 def test_pytree_reaches_consumer_bit_exact(producer, consumer):
@@ -303,6 +315,13 @@ def test_same_array_twice_registers_once():
   ray.kill(p)
 
 
+def test_donating_after_return_does_not_change_what_consumers_read(producer, consumer):
+  ref = producer.make_and_keep.remote(params_tree, 512)  # 1 MiB "w": read in place
+  ray.wait([ref])
+  assert ray.get(producer.donate_kept.remote()) == -512 * 512
+  assert ray.get(consumer.fingerprint.remote(ref)) == expected(params_tree, 512)
+
+
 def test_registrations_released_and_rss_bounded():
   p, c = Producer.remote(), Consumer.remote()
   for i in range(20):  # warm up: agents, connections, allocator pools
@@ -314,6 +333,9 @@ def test_registrations_released_and_rss_bounded():
     del ref
   assert wait_for(lambda: ray.get(p.stats.remote()) == (0, 0))
   assert ray.get(c.stats.remote()) == 0
+  # Receive buffers are pooled for reuse: a few 1 MiB buffers, not 200.
+  pooled_regs, pooled_bytes = ray.get(c.pooled.remote())
+  assert pooled_regs <= 4 and pooled_bytes <= 8 << 20
   # 200 MiB moved; each side may keep allocator slack but not the payloads.
   assert ray.get(p.rss.remote()) - rss_p < 64 << 20
   assert ray.get(c.rss.remote()) - rss_c < 64 << 20

@@ -10,7 +10,18 @@ the consumer's arrays. A backend subclass only moves bytes. It implements:
 * `start_receive` / `wait_receive` (consumer): move the bytes of every chunk
   into the given destinations;
 * `release` (producer): undo `export_buffers` when Ray frees the object;
-* optionally `send_buffers` (producer, two-sided backends only).
+* `send_buffers` (producer, two-sided backends only): push every chunk to the
+  consumer, whose `wait_receive` takes them in the same order.
+
+Two kinds of backend need one more hook each. A two-sided backend (its
+`is_one_sided()` is False) gets `send_buffers`; when the consumer cannot take
+an object (a 64-bit leaf where x64 is off, a target that does not fit), the
+base still receives the bytes, into scratch buffers, so the sender never
+blocks on a receive that will not come. A backend that receives whole arrays
+rather than bytes (`delivers_arrays = True`, e.g. `jax_transfer`) overrides
+`export_arrays` to see the producer's arrays, gets one `Destination` per leaf
+(a device and, for a jax target, the template array; no memory), and returns
+one array per leaf from `wait_receive`; the base converts them.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ class Destination:
       torch tensor or a jax array), for backends that need one.
     region: `(pointer, nbytes)` of the whole allocation the chunk lies in
       (chunks of one object share a host buffer): what a backend registers.
+    pooled: True if `region` belongs to the process's host buffer pool and
+      outlives this transfer (a backend may keep it registered until the
+      pool evicts it; see `rdt_jax._arrays.HostBufferPool`).
   """
 
   pointer: int
@@ -52,6 +66,15 @@ class Destination:
   device: _arrays.Device
   array: Any
   region: tuple[int, int]
+  pooled: bool = False
+
+
+@dataclass(frozen=True)
+class _JaxPending:
+  """A host view that build() turns into a jax.Array with its batch."""
+
+  view: Any
+  device: _arrays.Device
 
 
 @dataclass
@@ -78,6 +101,7 @@ class ReceivePlan:
       leaves: list[LeafSpec],
       mode: str,
       target: _targets.Target | None = None,
+      allocate: bool = True,
   ):
     targets = (
         _targets.align_targets(target.buffers, leaves)
@@ -90,7 +114,26 @@ class ReceivePlan:
     ]
     self.host: Any = None
     self.destinations: list[Destination] = []
-    self._allocate()
+    if allocate:
+      self._allocate()
+
+  def leaf_destinations(self) -> list[Destination]:
+    """One memory-less Destination per leaf: where it should arrive.
+
+    For backends that receive whole arrays (`delivers_arrays`): `device` is
+    the leaf's receive device and `array` its jax target (a placement
+    template) or None; `pointer` and `region` are 0.
+    """
+    return [
+        Destination(
+            0,
+            p.spec.nbytes,
+            p.device,
+            p.target if _arrays.framework_of(p.target) == "jax" else None,
+            (0, 0),
+        )
+        for p in self.plans
+    ]
 
   @staticmethod
   def _plan_leaf(
@@ -112,7 +155,8 @@ class ReceivePlan:
   def _allocate(self) -> None:
     host_plans = [p for p in self.plans if p.device.kind == "cpu" and not self._in_place(p)]
     offsets, total = _arrays.host_layout([p.spec for p in host_plans])
-    self.host = _arrays.aligned_host_buffer(total) if host_plans else None
+    self.host = _arrays.host_pool.acquire(total) if host_plans else None
+    self._host_region = _arrays.host_pool.region_of(self.host) if host_plans else None
     for plan, leaf_offsets in zip(host_plans, offsets):
       plan.host_offsets = leaf_offsets
     for plan in self.plans:
@@ -137,14 +181,41 @@ class ReceivePlan:
       offset = plan.host_offsets[i]
       view = self.host[offset : offset + nbytes]
       base = self.host.ctypes.data
+      if self._host_region is not None:  # a pooled buffer: faulted in, reusable
+        return Destination(base + offset, nbytes, plan.device, view, self._host_region, True)
       return Destination(base + offset, nbytes, plan.device, view, (base, self.host.nbytes))
     buf = _arrays.allocate_device_buffer(nbytes, plan.device)
     plan.device_buffers.append(buf)
     return Destination(buf.pointer, nbytes, plan.device, buf.array, (buf.pointer, buf.nbytes))
 
-  def build(self) -> list[Any]:
-    """The received leaves, as each plan's framework (after the bytes moved)."""
-    return [self._build_leaf(p) for p in self.plans]
+  def build(self, received: list[Any] | None = None) -> list[Any]:
+    """The received leaves, as each plan's framework (after the bytes moved).
+
+    Args:
+      received: for a backend that receives whole arrays, one array (of any
+        framework) per leaf; converted, or copied into numpy/torch targets.
+    """
+    if received is not None:
+      return [self._adopt_leaf(p, x) for p, x in zip(self.plans, received)]
+    leaves = [self._build_leaf(p) for p in self.plans]
+    # Host leaves arriving as jax are made in one call per device: jax's
+    # per-array overhead dominates objects of many small leaves.
+    batches: dict[_arrays.Device, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+      if isinstance(leaf, _JaxPending):
+        batches.setdefault(leaf.device, []).append(i)
+    for device, indices in batches.items():
+      arrays = _arrays.host_to_jax_many([leaves[i].view for i in indices], device)
+      for i, array in zip(indices, arrays):
+        leaves[i] = array
+    return leaves
+
+  @staticmethod
+  def _adopt_leaf(plan: _LeafPlan, leaf: Any) -> Any:
+    if plan.target is not None and plan.framework != "jax":
+      _arrays.copy_into(plan.target, leaf)
+      return plan.target
+    return _arrays.convert_leaf(leaf, plan.framework, plan.spec.path)
 
   def _build_leaf(self, plan: _LeafPlan) -> Any:
     spec = plan.spec
@@ -156,6 +227,8 @@ class ReceivePlan:
         _arrays.host_chunk(self.host, off, spec.dtype, chunk)
         for off, chunk in zip(plan.host_offsets, spec.chunks)
     ]
+    if plan.framework == "jax" and spec.sharding is None:
+      return _JaxPending(views[0], plan.device)  # made in build(), batched
     leaf = _arrays.rebuild_host(views, spec, plan.framework, plan.device)
     if plan.target is not None and plan.framework != "jax":
       # A sharded leaf received for a numpy/torch target: one copy into it.
@@ -190,6 +263,9 @@ class DlpackTransport(TensorTransportManager):
   name: ClassVar[str]
   devices: ClassVar[tuple[str, ...]] = ("cpu",)
   metadata_class: ClassVar[type[DlpackTransportMetadata]] = DlpackTransportMetadata
+  #: True if `wait_receive` returns whole arrays (one per leaf) instead of
+  #: writing bytes into allocated destinations; see the module docstring.
+  delivers_arrays: ClassVar[bool] = False
 
   def __init__(self) -> None:
     self._aborted: set[str] = set()
@@ -230,7 +306,7 @@ class DlpackTransport(TensorTransportManager):
         leaves=[d.spec for d in described],
     )
     if described:
-      self.export_buffers(obj_id, described, meta)
+      self.export_arrays(obj_id, rdt_object, described, meta)
     return meta
 
   def _common_device(self, described: list[_arrays.DescribedLeaf]) -> str | None:
@@ -277,18 +353,41 @@ class DlpackTransport(TensorTransportManager):
     target = _targets.pop_target(obj_id)
     if target is None and target_buffers:
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
-    plan = ReceivePlan(tensor_transport_metadata.leaves, _registry.receive_mode(), target)
+    leaves = tensor_transport_metadata.leaves
+    try:
+      plan = ReceivePlan(
+          leaves, _registry.receive_mode(), target, allocate=not self.delivers_arrays
+      )
+    except Exception:
+      if not self.is_one_sided():
+        # The producer is already sending: take its bytes so it does not block.
+        self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
+      raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
-    if plan.destinations:
+    destinations = plan.leaf_destinations() if self.delivers_arrays else plan.destinations
+    if destinations:
       request.handle = self._wrap_errors(
           obj_id,
           self.start_receive,
           obj_id,
           tensor_transport_metadata,
           communicator_metadata,
-          plan.destinations,
+          destinations,
       )
     return request
+
+  def _drain(
+      self,
+      obj_id: str,
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CommunicatorMetadata,
+  ) -> None:
+    """Receives an object this process cannot take into scratch buffers."""
+    scratch = ReceivePlan(meta.leaves, "numpy")
+    if scratch.destinations:
+      handle = self.start_receive(obj_id, meta, communicator_metadata, scratch.destinations)
+      self.wait_receive(handle, obj_id, -1)
+      self.finish_receive(handle)
 
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1
@@ -299,21 +398,23 @@ class DlpackTransport(TensorTransportManager):
       TimeoutError: if `timeout` (seconds, -1 for none) passes first.
       ray.exceptions.RayDirectTransportError: if the transfer failed.
     """
+    received = None
     if fetch_request.handle is not None:
-      try:
-        self._wrap_errors(
-            fetch_request.obj_id,
-            self.wait_receive,
-            fetch_request.handle,
-            fetch_request.obj_id,
-            timeout,
-        )
-      except TimeoutError:
-        raise
+      received = self._wrap_errors(
+          fetch_request.obj_id,
+          self.wait_receive,
+          fetch_request.handle,
+          fetch_request.obj_id,
+          timeout,
+      )
       fetch_request.done = True
       self.finish_receive(fetch_request.handle)
     fetch_request.done = True
-    return fetch_request.plan.build()
+    if not self.delivers_arrays:
+      received = None
+    elif received is None:  # an object without array leaves
+      received = []
+    return fetch_request.plan.build(received)
 
   def recv_multiple_tensors(
       self,
@@ -334,9 +435,19 @@ class DlpackTransport(TensorTransportManager):
       tensor_transport_metadata: DlpackTransportMetadata,
       communicator_metadata: CommunicatorMetadata,
   ) -> None:
-    raise NotImplementedError(
-        f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
-    )
+    """Ray calls this on the producer of a two-sided transport, per consumer.
+
+    `tensors` are the leaves this process stored for the object, in the order
+    of `tensor_transport_metadata.leaves`; they are described again (cheap:
+    no bytes move) and their buffers handed to `send_buffers`.
+    """
+    if self.is_one_sided():
+      raise NotImplementedError(
+          f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
+      )
+    leaves = tensor_transport_metadata.leaves
+    described = [_arrays.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
+    self.send_buffers(described, tensor_transport_metadata, communicator_metadata)
 
   def garbage_collect(
       self,
@@ -391,6 +502,30 @@ class DlpackTransport(TensorTransportManager):
   ) -> None:
     """Producer: make the leaves' buffers reachable; extend `meta` in place."""
 
+  def export_arrays(
+      self,
+      obj_id: str,
+      arrays: list[Any],
+      leaves: list[_arrays.DescribedLeaf],
+      meta: DlpackTransportMetadata,
+  ) -> None:
+    """Producer: like `export_buffers`, also given the leaves themselves.
+
+    Override it in a backend that moves whole arrays rather than buffers;
+    by default it calls `export_buffers`.
+    """
+    self.export_buffers(obj_id, leaves, meta)
+
+  def send_buffers(
+      self,
+      leaves: list[_arrays.DescribedLeaf],
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CommunicatorMetadata,
+  ) -> None:
+    """Producer of a two-sided backend: push every non-empty chunk, in leaf
+    order, to the consumer named by `communicator_metadata`."""
+    raise NotImplementedError(f"{self.name} is two-sided but has no send_buffers.")
+
   def start_receive(
       self,
       obj_id: str,
@@ -401,8 +536,11 @@ class DlpackTransport(TensorTransportManager):
     """Consumer: start moving every chunk into `destinations`; return a handle."""
     raise NotImplementedError
 
-  def wait_receive(self, handle: Any, obj_id: str, timeout: float) -> None:
+  def wait_receive(self, handle: Any, obj_id: str, timeout: float) -> Any:
     """Consumer: block until the move started by `start_receive` is done.
+
+    Returns:
+      None; or, for a backend with `delivers_arrays`, one array per leaf.
 
     Raises:
       TimeoutError: after `timeout` seconds (-1: no limit).

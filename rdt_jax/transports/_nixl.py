@@ -1,41 +1,47 @@
 """`jax_nixl`: one-sided transfers with NIXL (UCX), for cpu and cuda memory.
 
-The producer registers each leaf's buffer with its process's NIXL agent and
-puts the serialized descriptors and the agent's metadata in the RDT metadata.
-The consumer allocates its receive buffers, registers them, and issues one
-NIXL READ for the whole object; `ray.get` of many refs starts every READ
-before waiting on any.
+The producer makes each leaf's buffer readable through its process's NIXL
+agent and puts the chunk addresses and the agent's metadata in the RDT
+metadata. The consumer takes receive buffers, and issues one NIXL READ for the
+whole object; `ray.get` of many refs starts every READ before waiting on any.
 
-Choices, measured on this project's 2-core CPU host (see docs/performance.md):
+Choices, each measured on this project's 2-core CPU host (docs/performance.md):
 
 * One agent per process, created on first use, with NIXL's progress thread
   off: idle, that thread spins a core. The producer side is progressed
   instead by a thread that calls `get_new_notifs()` every 10 ms, and only
-  while this process has memory registered; otherwise it sleeps on a
-  condition and costs nothing.
-* Registrations are cached per buffer and reference-counted across objects:
-  sending the same array in two objects registers it once; `garbage_collect`
-  deregisters it when the last object holding it is freed.
-* Remote agents are added (or refreshed, when their registrations changed)
-  and never removed while the process runs: removing an agent kills its
+  while this process exports objects; otherwise it sleeps on a condition.
+* Small host leaves (up to `PACK_MAX_CHUNK` bytes) are copied into one pooled
+  staging buffer on the producer, so an object of a thousand small leaves costs
+  one registration and, on the consumer, one descriptor; large leaves are read
+  where they are, their registrations cached per buffer and reference-counted
+  across objects (sending the same array twice registers it once).
+* Receive (and staging) buffers come from the host buffer pool
+  (`rdt_jax._arrays.host_pool`): already faulted in, and registered once while
+  the pool keeps them.
+* Remote agents are added (or refreshed when their registrations changed) and
+  never removed while the process runs: removing an agent kills its
   in-flight transfers, which is how Ray's own NIXL transport fails batched
   gets while the producer frees objects. Re-adding an agent is safe.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from rdt_jax import _arrays, _compat
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Destination, DlpackTransport
 
-#: Seconds between progress polls of a process that has memory registered.
+#: Seconds between progress polls of a process that exports objects.
 PROGRESS_INTERVAL_S: Final = 0.01
+#: Host chunks up to this size are packed into one staging buffer.
+PACK_MAX_CHUNK: Final = 256 << 10
 
 
 @dataclass
@@ -47,13 +53,18 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     agent_meta: that agent's metadata (for `add_remote_agent`).
     agent_version: bumped whenever the producer registers new memory, so a
       consumer refreshes its view of the agent only when needed.
-    descs: the serialized NIXL descriptor list, one per non-empty chunk.
+    addresses: the address of each non-empty chunk, in leaf order.
+    device_ids: the device index of each non-empty chunk.
+    regions: for each non-empty chunk, the registered region it lies in
+      (chunks of one region may be read with one descriptor).
   """
 
   agent_name: str | None = None
   agent_meta: bytes | None = None
   agent_version: int = 0
-  descs: bytes | None = None
+  addresses: list[int] = field(default_factory=list)
+  device_ids: list[int] = field(default_factory=list)
+  regions: list[int] = field(default_factory=list)
 
   __eq__ = object.__eq__
   __hash__ = object.__hash__
@@ -63,29 +74,70 @@ def _mem_type(kind: str) -> str:
   return "DRAM" if kind == "cpu" else "VRAM"
 
 
+def _host_or(device: _arrays.Device) -> _arrays.Device:
+  """NIXL's view of a device: host memory is one region space (index 0)."""
+  return _arrays.Device("cpu") if device.kind == "cpu" else device
+
+
+def _aligned(n: int) -> int:
+  return -(-n // _arrays.ALIGNMENT) * _arrays.ALIGNMENT
+
+
+def coalesce(
+    local: list[tuple[int, int, int]],
+    remote: list[tuple[int, int, int]],
+    regions: list[int],
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+  """Merges neighbouring (address, nbytes, device) descriptor pairs.
+
+  Two chunks merge when they lie in the same remote region and both their
+  local and remote copies follow each other with the same 64-byte padding,
+  so one descriptor (padding included) moves both.
+  """
+  out_l: list[list[int]] = []
+  out_r: list[list[int]] = []
+  last_region = None
+  for (la, n, ld), (ra, _, rd), region in zip(local, remote, regions):
+    if (
+        out_l
+        and region == last_region
+        and out_l[-1][2] == ld
+        and out_r[-1][2] == rd
+        and out_l[-1][0] + _aligned(out_l[-1][1]) == la
+        and out_r[-1][0] + _aligned(out_r[-1][1]) == ra
+    ):
+      out_l[-1][1] = la + n - out_l[-1][0]
+      out_r[-1][1] = ra + n - out_r[-1][0]
+    else:
+      out_l.append([la, n, ld])
+      out_r.append([ra, n, rd])
+    last_region = region
+  return [tuple(d) for d in out_l], [tuple(d) for d in out_r]
+
+
 class _Poller:
-  """Progresses an agent's target side while memory is registered."""
+  """Progresses an agent's target side while the process exports objects."""
 
   def __init__(self, agent: Any):
     self._agent = agent
     self._cond = threading.Condition()
-    self._active = 0
+    self._active = False
     self._thread = threading.Thread(target=self._run, name="rdt-jax-nixl-progress", daemon=True)
     self._thread.start()
 
-  def set_active(self, count: int) -> None:
+  def set_active(self, active: bool) -> None:
     with self._cond:
-      self._active = count
+      self._active = active
       self._cond.notify()
 
   def _run(self) -> None:
     while True:
       with self._cond:
-        while self._active == 0:
+        while not self._active:
           self._cond.wait()
       try:
         self._agent.get_new_notifs()
-      except Exception:  # a broken peer must not kill progress for the others
+      except Exception:  # a broken peer must not stop progress for the others
         pass
       time.sleep(PROGRESS_INTERVAL_S)
 
@@ -93,7 +145,16 @@ class _Poller:
 @dataclass
 class _Registration:
   handle: Any
-  count: int
+  count: int  # 0 for a pooled buffer's registration: kept until evicted
+
+
+@dataclass
+class _Export:
+  """What the producer holds for one object until Ray frees it."""
+
+  keys: list[tuple] = field(default_factory=list)
+  staging: Any = None  # the pooled staging buffer of packed chunks
+  holds: list[Any] = field(default_factory=list)  # see _arrays.hold_buffer
 
 
 @dataclass
@@ -115,9 +176,10 @@ class NixlTransport(DlpackTransport):
     self._agent: Any = None
     self._poller: _Poller | None = None
     self._registrations: dict[tuple, _Registration] = {}
-    self._object_keys: dict[str, list[tuple]] = {}
+    self._exports: dict[str, _Export] = {}
     self._version = 0
     self._remote_versions: dict[str, int] = {}
+    self._agent_meta: tuple[int, bytes] | None = None
 
   @staticmethod
   def is_one_sided() -> bool:
@@ -153,45 +215,56 @@ class NixlTransport(DlpackTransport):
         )
         self._agent = api.nixl_agent(name, config)
         self._poller = _Poller(self._agent)
+        _arrays.host_pool.add_eviction_listener(self._on_pool_eviction)
       return self._agent
 
-  def _register(self, pointer: int, nbytes: int, device: _arrays.Device) -> tuple:
+  def _register(self, pointer: int, nbytes: int, device: _arrays.Device, pooled: bool = False) -> tuple:
+    """Registers a region (or takes another reference to its registration)."""
     key = (pointer, nbytes, device.kind, device.index)
     with self._lock:
       reg = self._registrations.get(key)
-      if reg is not None:
+      if reg is None:
+        handle = self.agent().register_memory(
+            [(pointer, nbytes, device.index, "")], mem_type=_mem_type(device.kind)
+        )
+        reg = self._registrations[key] = _Registration(handle, 0)
+        self._version += 1
+      if not pooled:
         reg.count += 1
-        return key
-      handle = self.agent().register_memory(
-          [(pointer, nbytes, device.index, "")], mem_type=_mem_type(device.kind)
-      )
-      self._registrations[key] = _Registration(handle, 1)
-      self._version += 1
-      self._poller.set_active(len(self._registrations))
       return key
 
   def _unregister(self, keys: list[tuple]) -> None:
     with self._lock:
       for key in keys:
         reg = self._registrations.get(key)
-        if reg is None:
+        if reg is None or reg.count == 0:
           continue
         reg.count -= 1
         if reg.count == 0:
           del self._registrations[key]
           self._agent.deregister_memory(reg.handle)
-      if self._poller is not None:
-        self._poller.set_active(len(self._registrations))
+
+  def _on_pool_eviction(self, pointer: int, nbytes: int) -> None:
+    with self._lock:
+      key = (pointer, nbytes, "cpu", 0)
+      reg = self._registrations.pop(key, None)
+      if reg is not None:
+        self._agent.deregister_memory(reg.handle)
 
   def num_registrations(self) -> int:
-    """How many distinct buffers this process has registered with NIXL now."""
+    """Registered regions outside the host buffer pool (0 when idle)."""
     with self._lock:
-      return len(self._registrations)
+      return sum(1 for r in self._registrations.values() if r.count > 0)
+
+  def num_pooled_registrations(self) -> int:
+    """Registered pooled buffers, kept for reuse (bounded by the pool)."""
+    with self._lock:
+      return sum(1 for r in self._registrations.values() if r.count == 0)
 
   def num_objects(self) -> int:
     """How many RDT objects this process currently exports."""
     with self._lock:
-      return len(self._object_keys)
+      return len(self._exports)
 
   # ---- producer
 
@@ -202,28 +275,77 @@ class NixlTransport(DlpackTransport):
       meta: NixlTransportMetadata,
   ) -> None:
     agent = self.agent()
-    keys, descs = [], []
-    mem = None
-    for leaf in leaves:
-      for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices):
-        if chunk.nbytes == 0:
-          continue
-        device = _arrays.Device(leaf.device, index)
-        keys.append(self._register(pointer, chunk.nbytes, device))
-        descs.append((pointer, chunk.nbytes, index))
-        mem = _mem_type(leaf.device)
+    chunks = [
+        (pointer, chunk.nbytes, _host_or(_arrays.Device(leaf.device, index)))
+        for leaf in leaves
+        for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices)
+        if chunk.nbytes
+    ]
+    arrays = [
+        array
+        for leaf in leaves
+        for chunk, array in zip(leaf.spec.chunks, leaf.arrays)
+        if chunk.nbytes
+    ]
+    export = _Export()
+    packed = self._pack(chunks, export)
+    for i, (pointer, nbytes, device) in enumerate(chunks):
+      if i in packed:  # a copy: later changes to the array cannot reach it
+        address, region = packed[i]
+      else:  # read in place: keep the buffer from being donated meanwhile
+        export.keys.append(self._register(pointer, nbytes, device))
+        export.holds.append(_arrays.hold_buffer(arrays[i]) if i < len(arrays) else None)
+        address, region = pointer, -1 - i
+      meta.addresses.append(address)
+      meta.device_ids.append(device.index)
+      meta.regions.append(region)
     with self._lock:
-      self._object_keys[obj_id] = self._object_keys.get(obj_id, []) + keys
+      self._exports[obj_id] = export
       meta.agent_version = self._version
+      self._poller.set_active(True)
     meta.agent_name = agent.name
-    meta.agent_meta = agent.get_agent_metadata()
-    if descs:
-      meta.descs = agent.get_serialized_descs(agent.get_xfer_descs(descs, mem_type=mem))
+    meta.agent_meta = self._agent_metadata()
+
+  def _agent_metadata(self) -> bytes:
+    """This agent's metadata, fetched again only after new registrations."""
+    with self._lock:
+      if self._agent_meta is None or self._agent_meta[0] != self._version:
+        self._agent_meta = (self._version, self._agent.get_agent_metadata())
+      return self._agent_meta[1]
+
+  def _pack(self, chunks: list[tuple[int, int, _arrays.Device]], export: _Export) -> dict[int, tuple[int, int]]:
+    """Copies small host chunks into one pooled staging buffer.
+
+    Returns, per packed chunk index, its address in the staging buffer and
+    the staging buffer's region id (0).
+    """
+    small = [i for i, (_, n, d) in enumerate(chunks) if d.kind == "cpu" and n <= PACK_MAX_CHUNK]
+    if len(small) < 2:
+      return {}
+    total = sum(_aligned(chunks[i][1]) for i in small)
+    staging = _arrays.host_pool.acquire(total)
+    base = staging.ctypes.data
+    region = _arrays.host_pool.region_of(staging)
+    if region is not None:
+      self._register(region[0], region[1], _arrays.Device("cpu"), pooled=True)
+    else:
+      export.keys.append(self._register(base, total, _arrays.Device("cpu")))
+    packed, offset = {}, 0
+    for i in small:
+      pointer, nbytes, _ = chunks[i]
+      ctypes.memmove(base + offset, pointer, nbytes)
+      packed[i] = (base + offset, 0)
+      offset += _aligned(nbytes)
+    export.staging = staging
+    return packed
 
   def release(self, obj_id: str) -> None:
     with self._lock:
-      keys = self._object_keys.pop(obj_id, [])
-    self._unregister(keys)
+      export = self._exports.pop(obj_id, None)
+      if not self._exports and self._poller is not None:
+        self._poller.set_active(False)
+    if export is not None:
+      self._unregister(export.keys)
 
   # ---- consumer
 
@@ -245,11 +367,18 @@ class NixlTransport(DlpackTransport):
         self._remote_versions[remote] = meta.agent_version
     keys = self._register_destinations(dests)
     try:
-      local = agent.get_xfer_descs(
-          [(d.pointer, d.nbytes, d.device.index) for d in dests],
-          mem_type=_mem_type(dests[0].device.kind),
+      local, remote_descs = coalesce(
+          [(d.pointer, d.nbytes, _host_or(d.device).index) for d in dests],
+          [(a, d.nbytes, i) for a, d, i in zip(meta.addresses, dests, meta.device_ids)],
+          meta.regions,
       )
-      xfer = agent.initialize_xfer("READ", local, agent.deserialize_descs(meta.descs), remote, b"")
+      xfer = agent.initialize_xfer(
+          "READ",
+          agent.get_xfer_descs(local, mem_type=_mem_type(dests[0].device.kind)),
+          agent.get_xfer_descs(remote_descs, mem_type=_mem_type(meta.tensor_device or "cpu")),
+          remote,
+          b"",
+      )
       receive = _Receive(xfer, keys)
       if agent.transfer(xfer) == "ERR":
         raise RuntimeError("NIXL transfer entered the error state on start.")
@@ -259,9 +388,17 @@ class NixlTransport(DlpackTransport):
     return receive
 
   def _register_destinations(self, dests: list[Destination]) -> list[tuple]:
-    """Registers the receive memory: each distinct allocation once."""
-    regions = {(d.region, d.device): None for d in dests}
-    return [self._register(ptr, nbytes, device) for (ptr, nbytes), device in regions]
+    """Registers the receive memory, each distinct allocation once.
+
+    Pooled buffers stay registered for reuse and need no release; the keys
+    of the others are returned for `finish_receive`.
+    """
+    keys = []
+    for (pointer, nbytes), device, pooled in {(d.region, _host_or(d.device), d.pooled): None for d in dests}:
+      key = self._register(pointer, nbytes, device, pooled=pooled)
+      if not pooled:
+        keys.append(key)
+    return keys
 
   def wait_receive(self, handle: _Receive | None, obj_id: str, timeout: float) -> None:
     if handle is None:
@@ -291,7 +428,7 @@ class NixlTransport(DlpackTransport):
     handle.keys = []
 
   def cancel_receive(self, handle: _Receive | None) -> None:
-    if handle is None or not handle.keys:
+    if handle is None:
       return
     try:
       self._agent.release_xfer_handle(handle.xfer)
