@@ -139,6 +139,5 @@ def test_checksum_matches_plain_actor():
   from rdt_jax.bench import _plain
 
   x = _cases.host_leaf(4096 + 12, 0)
-  namespace_cls = _plain.plain_actor_class()
-  checksum = namespace_cls.consume.__globals__["_checksum"]
+  checksum = _plain.plain_actor_class().prepare.__globals__["_checksum"]
   assert checksum(x) == _cases.host_checksum(x)

@@ -180,8 +180,10 @@ def parse_case(text: str) -> Case:
 def default_reps(case: Case, quick: bool) -> int:
   """Measured repetitions per path for `case` (after the warm-up)."""
   total = case.object_nbytes * case.objects
-  if total <= 4 * MiB:
-    n = 25
+  if case.leaves >= 10_000:
+    n = 5  # seconds per sample on the slow paths
+  elif total <= 4 * MiB:
+    n = 21
   elif total <= 64 * MiB:
     n = 9
   elif total <= 256 * MiB:

@@ -248,13 +248,13 @@ def make_group(
 
 
 def make_plain_group(name: str, use_rdt_jax: bool, pause: bool) -> ActorGroup:
-  """Creates a producer/consumer pair of PlainActors (see `_plain`)."""
+  """Creates one PlainActor producer (see `_plain`); the driver reads its values."""
   import ray
 
   from rdt_jax.bench import _plain
 
   cls = ray.remote(_plain.plain_actor_class()).options(num_cpus=0)
-  return ActorGroup(name, [cls.remote(use_rdt_jax), cls.remote(use_rdt_jax)], pause)
+  return ActorGroup(name, [cls.remote(use_rdt_jax)], pause)
 
 
 # --------------------------------------------------------------------------
@@ -492,7 +492,12 @@ class MemcpyPath(Path):
 
 
 class PlainPath(Path):
-  """A NumPy array from a method without `tensor_transport` (issue 3's check)."""
+  """A NumPy array from a method without `tensor_transport` (issue 3's check).
+
+  rdt_jax's reducers act where a value is serialized, so the check varies the
+  producer: one process that never imported rdt_jax, one that imported it
+  and called `register()`. The driver gets and reads the array.
+  """
 
   def __init__(self, use_rdt_jax: bool):
     if use_rdt_jax:
@@ -512,15 +517,22 @@ class PlainPath(Path):
     import ray
 
     g = self.group(case)
-    sides = {"producer": g.producer, "consumer": g.consumers[0]}
+    sides = {"producer": g.producer}
     baseline = _reset_peaks(sides) if memory else None
+    driver_base = _actors.reset_peak_rss() if memory else None
     t0 = time.perf_counter()
     ref = g.producer.send.remote()
-    checksum, read = ray.get(g.consumers[0].consume.remote(ref), timeout=timeout)
+    value = ray.get(ref, timeout=timeout)
+    t1 = time.perf_counter()
+    checksum = _cases.host_checksum(value)
     seconds = time.perf_counter() - t0
-    del ref
+    del ref, value
     _check(checksum, g.prepared["plain"][0])
-    return Measurement(seconds, read, _peaks(sides, baseline) if memory else None)
+    mem = None
+    if memory:
+      mem = _peaks(sides, baseline)
+      mem["driver"] = _actors.peak_rss() - driver_base
+    return Measurement(seconds, seconds - (t1 - t0), mem)
 
 
 # --------------------------------------------------------------------------

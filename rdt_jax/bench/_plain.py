@@ -2,7 +2,8 @@
 
 The check compares a method *without* `tensor_transport` returning a NumPy
 array from a process that never imported rdt_jax with one that imported it and
-called `register()` (which installs rdt_jax's pickling reducers). A class from
+called `register()` (which installs rdt_jax's pickling reducers); the driver
+gets and reads the array. A class from
 an importable module would be pickled by reference, and unpickling it on a
 worker would import that module's package, rdt_jax included. So the class is
 compiled here from source into a module name that does not exist; cloudpickle
@@ -18,7 +19,6 @@ _MODULE: Final = "rdt_jax_bench_plain_actor"
 _SOURCE: Final = '''
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -51,11 +51,6 @@ class PlainActor:
 
   def send(self):
     return self._value
-
-  def consume(self, value):
-    t0 = time.perf_counter()
-    checksum = _checksum(value)
-    return checksum, time.perf_counter() - t0
 
   def reset_peak(self):
     try:
@@ -91,8 +86,8 @@ def _status_kib(field):
 def plain_actor_class() -> Any:
   """The PlainActor class, defined in a module no worker can import.
 
-  Its checksum matches `rdt_jax.bench._cases.host_checksum`, and `prepare`
-  builds the same bytes as `host_leaf(nbytes, 0)`.
+  `prepare` returns the checksum `rdt_jax.bench._cases.host_checksum` gives
+  for the array it builds.
   """
   namespace: dict[str, Any] = {"__name__": _MODULE}
   exec(compile(_SOURCE, f"<{_MODULE}>", "exec"), namespace)  # noqa: S102 - fixed source

@@ -162,9 +162,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "## Plain method without tensor_transport (issue 3)",
         "",
         f"A {_cases.format_bytes(p['nbytes'])} NumPy array returned by a method without "
-        "`tensor_transport`, producer and consumer processes that never imported rdt_jax "
-        f"vs ones that imported it and called `register()`: {_ms(p['without_rdt_jax_median_s'])} "
-        f"without, {_ms(p['with_rdt_jax_median_s'])} with, ratio {p['ratio']:.2f}x.",
+        "`tensor_transport` and read by the driver, from a producer process that never "
+        "imported rdt_jax vs one that imported it and called `register()`: "
+        f"{_ms(p['without_rdt_jax_median_s'])} without, {_ms(p['with_rdt_jax_median_s'])} "
+        f"with, ratio {p['ratio']:.2f}x (medians).",
     ]
   mem_rows = _memory_rows(doc, cols, labels)
   if mem_rows:
