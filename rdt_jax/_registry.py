@@ -311,6 +311,38 @@ def _wrap_register_on_actor() -> None:
   cls.register_custom_transports_on_actor = register_custom_transports_on_actor
 
 
+def _wrap_default_registration() -> None:
+  """Registers rdt_jax's transports in a Ray worker on its first RDT use.
+
+  Ray registers custom transports on an actor only if it was created with
+  `enable_tensor_transport=True` after the creator registered them. A
+  consumer-only actor created without it still receives rdt_jax refs (their
+  metadata imports rdt_jax there), so Ray's first RDT lookup in that worker
+  registers rdt_jax's transports instead of failing with `KeyError: JAX_NIXL`.
+  """
+  from ray.experimental.rdt import util
+
+  original = util._ensure_default_transports_registered
+  if getattr(original, "_rdt_jax", False):
+    return
+  done = []
+
+  def _ensure_default_transports_registered():
+    original()
+    if not done and _in_ray_worker():
+      done.append(True)
+      register()
+
+  _ensure_default_transports_registered._rdt_jax = True
+  util._ensure_default_transports_registered = _ensure_default_transports_registered
+
+
+def _in_ray_worker() -> bool:
+  import ray
+
+  return getattr(ray._private.worker.global_worker, "mode", None) == ray.WORKER_MODE
+
+
 def install() -> None:
   """Installs the reducers and Ray wrappers in this process, once."""
   global _installed
@@ -330,6 +362,7 @@ def install() -> None:
     _install_reducers()
     _wrap_serialize_rdt_objects()
     _wrap_register_on_actor()
+    _wrap_default_registration()
     _installed = True
 
 
