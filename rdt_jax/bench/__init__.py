@@ -65,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
       warmup=args.warmup,
       pause=not args.no_pause,
       idle_window_s=0.5 if args.quick else 1.0,
+      path_budget_s=6.0 if args.quick else 40.0,
       label=args.label,
   )
 
@@ -210,6 +211,7 @@ def _document(
           "paths": config.paths, "cases": config.cases, "reps": config.reps,
           "warmup": config.warmup, "pause": config.pause,
           "memory_min_bytes": config.memory_min_bytes,
+          "path_budget_s": config.path_budget_s, "min_reps": config.min_reps,
           "sample_timeout_s": config.sample_timeout_s, "argv": sys.argv,
       },
       "environment": {

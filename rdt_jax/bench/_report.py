@@ -110,7 +110,9 @@ def markdown(doc: dict[str, Any]) -> str:
       "every byte -> result in the driver. Paths interleaved per repetition in "
       "rotating order; actors of the paths not being measured are paused"
       f"{'' if doc['config']['pause'] else ' (off in this run)'}. "
-      "Median [min-max] over the measured repetitions (warm-up excluded).",
+      "Median [min-max] over the measured repetitions (warm-up excluded); "
+      "(n=...) marks a slow path that ran fewer repetitions than the others, to "
+      "stay within its time budget per case.",
       "",
       "## End-to-end time",
       "",
@@ -122,11 +124,17 @@ def markdown(doc: dict[str, Any]) -> str:
       return fmt(s)
     return "skipped" if (case["id"], col) in skip_index else ""
 
+  def timed(case: dict[str, Any]):
+    def fmt(s: dict[str, Any]) -> str:
+      fewer = case["reps"] is not None and s["n"] < case["reps"]
+      return _spread(s) + (f" (n={s['n']})" if fewer else "")
+    return fmt
+
   rows = _rows(doc)
   lines += _table(
       ["case", *(labels[c] for c in cols)],
       [
-          [_row_name(c, v), *(cell(c, v, col, _spread) for col in cols)]
+          [_row_name(c, v), *(cell(c, v, col, timed(c)) for col in cols)]
           for c, v in rows
       ],
   )

@@ -41,6 +41,10 @@ class BenchConfig:
       the rest of the case).
     idle_window_s: seconds over which each group's idle CPU use is measured.
     label: the output file stem's suffix (None: "quick", "full" or "custom").
+    path_budget_s: about how many seconds one path may spend on one case: a
+      path whose first sample is slow runs fewer repetitions (None: no limit;
+      ignored when `reps` is given).
+    min_reps: the fewest measured repetitions a slow path gets.
   """
 
   quick: bool = False
@@ -55,6 +59,8 @@ class BenchConfig:
   sample_timeout_s: float = 180.0
   idle_window_s: float = 1.0
   label: str | None = None
+  path_budget_s: float | None = 60.0
+  min_reps: int = 3
 
   def file_label(self) -> str:
     if self.label:
@@ -413,6 +419,18 @@ def _measure_idle(state: RunState, groups: list[ActorGroup], progress: Progress)
 # Measuring.
 
 
+def _allowed_reps(first_s: float, reps: int, config: BenchConfig) -> int:
+  """Repetitions for a unit whose first sample took `first_s` seconds.
+
+  A slow path gets fewer (at least `config.min_reps`) so that it spends about
+  `config.path_budget_s` per case; `--reps` given explicitly is kept as is.
+  """
+  if config.reps is not None or config.path_budget_s is None:
+    return reps
+  fit = int(config.path_budget_s / max(first_s, 1e-6))
+  return max(min(config.min_reps, reps), min(reps, fit))
+
+
 def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress) -> None:
   """Measures every path on `case`, interleaved; appends to `state.samples`."""
   config = state.config
@@ -436,13 +454,14 @@ def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress)
   state.reps[case.id] = reps
   memory = case.device == "cpu" and case.object_nbytes * case.objects >= config.memory_min_bytes
   failed: dict[tuple[str, str], str] = {}
+  allowed: dict[tuple[str, str], int] = {}  # reps per unit, once its first sample is in
   title = f"[{index + 1}/{len(state.cases)}] {case.id}"
   for r in range(-config.warmup, reps):
     if not units:
       break
     k = (r + config.warmup) % len(units)
     for pos, (p, v) in enumerate(units[k:] + units[:k]):
-      if (p.id, v) in failed:
+      if (p.id, v) in failed or r >= allowed.get((p.id, v), reps):
         continue
       name = f"{p.id}{'/' + v if v else ''}"
       what = "warm-up" if r < 0 else f"rep {r + 1}/{reps}"
@@ -453,6 +472,7 @@ def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress)
           m = p.run(case, v, config.sample_timeout_s, memory and not isinstance(p, _paths.MemcpyPath))
         sample.seconds, sample.read_seconds, sample.memory = m.seconds, m.read_seconds, m.memory
         progress.live(f"{title} {what} {name}: {m.seconds * 1e3:.2f} ms")
+        allowed.setdefault((p.id, v), _allowed_reps(m.seconds, reps, config))
       except Exception as e:  # noqa: BLE001 - recorded; the path stops for this case
         sample.error = _paths.first_line(e)
         failed[(p.id, v)] = sample.error
