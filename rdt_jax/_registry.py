@@ -56,11 +56,19 @@ _state = _SerializationState()
 
 def _transport_classes() -> dict[str, type]:
   """The rdt_jax transports this process can run, by lower-case name."""
+  from rdt_jax.transports import _collective
   from rdt_jax.transports._nixl import NixlTransport
 
   classes: dict[str, type] = {}
   if _compat.nixl_available():
     classes[NixlTransport.name] = NixlTransport
+  if _collective.torch_importable():  # Ray's collective groups move torch tensors
+    classes[_collective.GlooTransport.name] = _collective.GlooTransport
+    classes[_collective.NcclTransport.name] = _collective.NcclTransport
+  if _compat.has_jax_transfer():
+    from rdt_jax.transports._transfer import TransferTransport
+
+    classes[TransferTransport.name] = TransferTransport
   return classes
 
 

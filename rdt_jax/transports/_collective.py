@@ -1,0 +1,283 @@
+"""`jax_gloo` and `jax_nccl`: two-sided transfers over Ray's collective groups.
+
+One backend, two communicators, chosen by the transport's name:
+
+| name        | devices | group made with                                         |
+| ----------- | ------- | ------------------------------------------------------- |
+| `jax_gloo`  | cpu     | `create_collective_group(actors, backend="torch_gloo")` |
+| `jax_nccl`  | cuda    | `create_collective_group(actors, backend="nccl")`       |
+
+The group comes from `ray.experimental.collective.create_collective_group`,
+as for Ray's own GLOO and NCCL transports. Ray asks the transport for the
+group by the transport's name ("JAX_GLOO"), which is no collective backend, so
+the transport maps its name to the group's backend (`GROUP_BACKENDS`).
+
+Two-sided means what Ray documents for GLOO and NCCL: an object moves only as
+an argument of a task on another actor of the same group. Ray runs
+`send_multiple_tensors` on the producer and `recv_multiple_tensors` on the
+consumer; each non-empty chunk crosses as one uint8 message, in leaf order,
+zero-copy on both sides (`_arrays.torch_bytes`: host memory through DLPack,
+cuda memory through the CUDA Array Interface). `ray.get` of such a ref and
+`ray.put(..., _tensor_transport="jax_gloo")` are refused, naming the fixes.
+
+What of `jax_nccl` is untested here (no GPU on the development machine): the
+cuda branch of `_arrays.torch_bytes`, the two `torch.cuda.synchronize` calls
+in `NcclTransport`, and Ray's NCCL group itself. Everything else (metadata,
+ordering, ranks, scratch receives, rebuilding) is the code `jax_gloo` runs in
+the tests.
+
+Dependencies: both need torch (Ray's collective groups move torch tensors),
+and both are registered wherever torch is importable, a CPU-only driver
+included: the driver only names the transport, the actors move the bytes.
+NCCL additionally needs cupy and a GPU on the actors; Ray's
+`create_collective_group(..., backend="nccl")` reports their absence there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, ClassVar, Final
+
+from ray.experimental.rdt.collective_tensor_transport import CollectiveCommunicatorMetadata
+
+from rdt_jax import _arrays
+from rdt_jax._metadata import DlpackTransportMetadata
+from rdt_jax.transports._base import Destination, DlpackTransport
+
+#: The collective backend whose group each transport uses.
+GROUP_BACKENDS: Final[dict[str, str]] = {"jax_gloo": "torch_gloo", "jax_nccl": "nccl"}
+
+
+def torch_importable() -> bool:
+  """True if torch can be imported here (checked without importing it)."""
+  return importlib.util.find_spec("torch") is not None
+
+
+class CollectiveTransport(DlpackTransport):
+  """The shared two-sided backend; subclasses only pick name and devices."""
+
+  name: ClassVar[str]
+
+  @staticmethod
+  def is_one_sided() -> bool:
+    return False
+
+  @staticmethod
+  def can_abort_transport() -> bool:
+    # A blocked send/recv cannot be interrupted: on failure Ray kills both
+    # actors and destroys the group, as for its own GLOO and NCCL.
+    return False
+
+  @classmethod
+  def available_in_process(cls) -> bool:
+    return torch_importable()
+
+  @property
+  def group_backend(self) -> str:
+    """The backend of the collective group this transport needs."""
+    return GROUP_BACKENDS[self.name]
+
+  # ---- groups
+
+  def _groups(self, actors: list[Any]) -> list[Any]:
+    from ray.experimental.collective import get_collective_groups
+
+    return get_collective_groups(actors, backend=self.group_backend)
+
+  def _no_group(self, actors: str) -> ValueError:
+    return ValueError(
+        f"The {self.name} transport moves objects only between actors of one "
+        f"collective group, and {actors} in none with backend "
+        f"{self.group_backend!r}. Create one in this process before calling "
+        "the actors' methods: ray.experimental.collective."
+        f"create_collective_group([producer, consumer, ...], "
+        f"backend={self.group_backend!r}). Or use jax_nixl, which needs no group."
+    )
+
+  def actor_has_tensor_transport(self, actor: Any) -> bool:
+    """Ray calls this in the caller before an RDT method runs on `actor`.
+
+    Raises:
+      ValueError: if `actor` is in no group of this transport's backend, saying
+        how to create one (Ray's own message names only "nccl" and "gloo").
+    """
+    if not self._groups([actor]):
+      raise self._no_group(f"actor {actor} is")
+    return True
+
+  def get_communicator_metadata(
+      self, src_actor: Any, dst_actor: Any, backend: str | None = None
+  ) -> CollectiveCommunicatorMetadata:
+    """The group holding both actors and their ranks in it.
+
+    Ray passes this transport's name as `backend`; the group is looked up by
+    `group_backend` instead. Returns Ray's own metadata class, so Ray's
+    failure handling destroys the group as it does for its GLOO and NCCL.
+
+    Raises:
+      ValueError: if no group, or more than one, holds both actors.
+    """
+    groups = self._groups([src_actor, dst_actor])
+    if not groups:
+      raise self._no_group(f"actors {src_actor} and {dst_actor} are")
+    if len(groups) > 1:
+      raise ValueError(
+          f"{len(groups)} {self.group_backend!r} groups hold both {src_actor} "
+          f"and {dst_actor}; the {self.name} transport needs exactly one. "
+          "Destroy the others with ray.experimental.collective."
+          "destroy_collective_group."
+      )
+    group = groups[0]
+    return CollectiveCommunicatorMetadata(
+        communicator_name=group.name,
+        src_rank=group.get_rank(src_actor),
+        dst_rank=group.get_rank(dst_actor),
+    )
+
+  # ---- producer
+
+  def send_buffers(
+      self,
+      leaves: list[_arrays.DescribedLeaf],
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CollectiveCommunicatorMetadata,
+  ) -> None:
+    from ray.util import collective
+
+    self._before_send()
+    for leaf in leaves:
+      for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices):
+        if chunk.nbytes == 0:
+          continue
+        tensor = _arrays.torch_bytes(pointer, chunk.nbytes, _arrays.Device(leaf.device, index))
+        collective.send(
+            tensor,
+            communicator_metadata.dst_rank,
+            communicator_metadata.communicator_name,
+        )
+
+  # ---- consumer
+
+  def start_receive(
+      self,
+      obj_id: str,
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CollectiveCommunicatorMetadata,
+      destinations: list[Destination],
+  ) -> tuple[CollectiveCommunicatorMetadata, list[Destination]]:
+    # Two-sided: the bytes arrive when the consumer asks; wait_receive asks.
+    return communicator_metadata, [d for d in destinations if d.nbytes > 0]
+
+  def wait_receive(
+      self,
+      handle: tuple[CollectiveCommunicatorMetadata, list[Destination]],
+      obj_id: str,
+      timeout: float,
+  ) -> None:
+    from ray.util import collective
+
+    communicator_metadata, destinations = handle
+    for d in destinations:
+      collective.recv(
+          _arrays.torch_bytes(d.pointer, d.nbytes, d.device),
+          communicator_metadata.src_rank,
+          communicator_metadata.communicator_name,
+      )
+    self._after_receive(destinations)
+
+  # ---- device hooks (no-ops on cpu)
+
+  def _before_send(self) -> None:
+    """Makes pending device writes to the leaves visible to the communicator."""
+
+  def _after_receive(self, destinations: list[Destination]) -> None:
+    """Waits until received bytes are visible to the arrays built from them."""
+
+
+class GlooTransport(CollectiveTransport):
+  """`jax_gloo`: cpu arrays over a `torch_gloo` collective group."""
+
+  name = "jax_gloo"
+  devices = ("cpu",)
+
+
+class NcclTransport(CollectiveTransport):
+  """`jax_nccl`: cuda arrays over an `nccl` collective group.
+
+  Untested here (no GPU): the two synchronizations below and the cuda branch
+  of `_arrays.torch_bytes`; the rest is `jax_gloo`'s code.
+  """
+
+  name = "jax_nccl"
+  devices = ("cuda",)
+
+  @classmethod
+  def available_in_process(cls) -> bool:
+    if not torch_importable() or importlib.util.find_spec("cupy") is None:
+      return False
+    import torch
+
+    return torch.cuda.is_available()
+
+  def _before_send(self) -> None:
+    # jax leaves are ready (describe waits on them); torch kernels may still
+    # be queued on torch's streams, which Ray's NCCL stream does not wait on.
+    import torch
+
+    torch.cuda.synchronize()
+
+  def _after_receive(self, destinations: list[Destination]) -> None:
+    # Ray's NCCL recv is asynchronous on its own stream; jax and torch read
+    # the buffers on theirs.
+    import torch
+
+    for index in sorted({d.device.index for d in destinations}):
+      torch.cuda.synchronize(index)
+
+
+# --------------------------------------------------------------------------
+# ray.get of a two-sided ref: Ray refuses it; say what to do instead.
+
+
+def get_refused_message(transport: str) -> str:
+  """The error `ray.get` raises for a ref of a two-sided rdt_jax transport."""
+  name = transport.lower()
+  return (
+      f"ray.get cannot fetch an object of the two-sided transport {name}: its "
+      "bytes move only as an argument of a task on another actor of the same "
+      "collective group. Pass the ref to such an actor's method; or fetch it "
+      "through Ray's object store with ray.get(ref, _use_object_store=True); "
+      f"or return the value with tensor_transport='jax_nixl' instead of {name!r}, "
+      "which ray.get can fetch in any process."
+  )
+
+
+def _install_get_refusal() -> None:
+  """Wraps Ray's fetch so its refusal names `jax_nixl` and the object store.
+
+  Ray 2.60 raises "ray.get is not allowed on RDT objects using the two-sided
+  transport JAX_GLOO ..." from `RDTManager._trigger_fetch`, which suggests "a
+  one-sided transport" without naming one. Installed once per process, when
+  this module is imported (by `rdt_jax.register()` and on every actor that
+  receives the transport classes).
+  """
+  from ray.experimental.rdt import rdt_manager
+
+  cls = rdt_manager.RDTManager
+  original = cls._trigger_fetch
+  if getattr(original, "_rdt_jax", False):
+    return
+
+  def _trigger_fetch(self, obj_id, use_object_store):
+    if not use_object_store:
+      meta = self.get_rdt_metadata(obj_id)
+      transport = meta.tensor_transport_backend if meta is not None else ""
+      if transport.lower() in GROUP_BACKENDS:
+        raise ValueError(get_refused_message(transport))
+    return original(self, obj_id, use_object_store)
+
+  _trigger_fetch._rdt_jax = True
+  cls._trigger_fetch = _trigger_fetch
+
+
+_install_get_refusal()
