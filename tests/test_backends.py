@@ -1,0 +1,383 @@
+"""Every backend through one suite: jax_nixl, jax_gloo, jax_transfer and the
+example shared-memory transport (examples/shm_transport.py).
+
+One Ray session and three actors for the module: a producer and a "wide"
+consumer (x64 on, 4 cpu devices) and a "narrow" one (x64 off, 1 device), all
+in one `torch_gloo` collective group. Every transport method is chosen per
+call with `.options(tensor_transport=...)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+import conftest
+import rdt_jax
+
+EXAMPLES = conftest.REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from shm_transport import ShmTransport  # noqa: E402
+
+# Before the classes below: @ray.method checks transport names on definition.
+rdt_jax.register()
+rdt_jax.register_transport(ShmTransport)
+
+TRANSPORTS = ["jax_nixl", "jax_gloo", "jax_transfer", "shm_example"]
+ONE_SIDED = ["jax_nixl", "jax_transfer", "shm_example"]
+WORKER_PATH = os.pathsep.join([conftest.WORKER_PYTHONPATH, str(EXAMPLES)])
+FOUR_CPUS = "--xla_force_host_platform_device_count=4"
+WIDE = {"env_vars": {"JAX_ENABLE_X64": "1", "XLA_FLAGS": FOUR_CPUS}}
+
+DTYPES = [
+    "bool", "int8", "uint16", "int32", "int64", "float16", "bfloat16", "float32",
+    "float64", "complex64", "float8_e4m3fn", "float8_e5m2", "float8_e3m4",
+]
+
+
+def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
+  """Deterministic values of any dtype, as a numpy array."""
+  rng = np.random.default_rng(seed)
+  dtype = rdt_jax._arrays.np_dtype_from_name(dtype_name)
+  if dtype == np.bool_:
+    return rng.integers(0, 2, shape).astype(bool)
+  if dtype.kind in "iu":
+    return rng.integers(0, 100, shape).astype(dtype)
+  if dtype.kind == "c":
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+  return (rng.standard_normal(shape) * 2).astype(dtype)
+
+
+def fingerprint(x) -> tuple:
+  """(framework, dtype name, shape, sha256 of the bytes) of one array."""
+  fw = rdt_jax._arrays.framework_of(x)
+  host = np.asarray(rdt_jax.to_numpy(x))
+  return fw, host.dtype.name, tuple(host.shape), hashlib.sha256(host.tobytes()).hexdigest()
+
+
+def tree_fingerprint(tree):
+  return jax.tree_util.tree_map(
+      lambda x: fingerprint(x) if rdt_jax._arrays.is_array(x) else x,
+      tree,
+      is_leaf=rdt_jax._arrays.is_array,
+  )
+
+
+def expected(build, *args):
+  with jax.enable_x64(True):
+    return tree_fingerprint(build(*args))
+
+
+def transport_manager(name: str):
+  from ray.experimental.rdt.util import get_tensor_transport_manager
+
+  return get_tensor_transport_manager(name.upper())
+
+
+# Builders run on the producer (pickled by reference; tests/ is on PYTHONPATH).
+
+
+def mixed_tree():
+  import torch
+
+  return {
+      "w": jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64),
+      "b": jnp.ones(7, jnp.bfloat16),
+      "t": torch.arange(10, dtype=torch.float32),
+      "tb": torch.ones(3, dtype=torch.bfloat16),
+      "n": np.arange(6, dtype=np.int32).reshape(2, 3),
+      "step": 3,
+      "name": "learner",
+      "nested": [jnp.full((4,), 2, jnp.int8), (np.full((), 1.5),)],
+  }
+
+
+def every_dtype():
+  return {name: jnp.asarray(sample((3, 5), name, i)) for i, name in enumerate(DTYPES)}
+
+
+def odd_shapes():
+  import torch
+
+  return {
+      "scalar": jnp.float32(2.5) * jnp.ones(()),
+      "empty": jnp.zeros((0,), jnp.float32),
+      "empty3": jnp.zeros((4, 0, 3), jnp.int8),
+      "one": jnp.ones((1,), jnp.float16),
+      "np_empty": np.zeros((0, 2), np.float32),
+      "torch_scalar": torch.tensor(7, dtype=torch.int32),
+  }
+
+
+def float32_tree(n: int = 32, seed: int = 0):
+  return {"x": jnp.asarray(sample((n, n), "float32", seed)), "n": np.arange(n, dtype=np.float32)}
+
+
+def sharded_values():
+  return {"x": jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)}
+
+
+def sharded_leaf():
+  """`sharded_values()` over a 2x2 mesh of 4 devices (the producer has 4)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+  return jax.device_put(sharded_values(), NamedSharding(mesh, PartitionSpec("a", None)))
+
+
+def int64_leaf():
+  return {"i": jnp.arange(5, dtype=jnp.int64)}
+
+
+def int4_leaf():
+  return {"q": jnp.zeros(8, jnp.int4)}
+
+
+@ray.remote(enable_tensor_transport=True)
+class Producer:
+  def make(self, build, *args):
+    return build(*args)
+
+  def num_exported(self, transport: str) -> int:
+    t = transport_manager(transport)
+    return t.num_offers() if transport == "jax_transfer" else len(t.files)
+
+
+@ray.remote(enable_tensor_transport=True)
+class Consumer:
+  def fingerprint(self, value):
+    return tree_fingerprint(value)
+
+  def placement(self, value):
+    x = value["x"]
+    mesh = x.sharding.mesh
+    return dict(mesh.shape), tuple(x.sharding.spec), sorted(d.id for d in x.sharding.device_set)
+
+  def get_onto_device(self, refs, device_id):
+    ref = refs[0]
+    template = jax.device_put(jnp.zeros((32, 32), jnp.float32), jax.devices()[device_id])
+    rdt_jax.set_target_for_ref(ref, {"x": template, "n": np.zeros(32, np.float32)})
+    value = ray.get(ref)
+    devices = sorted(d.id for d in value["x"].devices())
+    return devices, type(value["n"]).__name__, tree_fingerprint(value)
+
+
+@pytest.fixture(scope="module")
+def actors():
+  conftest.start_ray(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PATH}})
+  producer = Producer.options(runtime_env=WIDE).remote()
+  wide = Consumer.options(runtime_env=WIDE).remote()
+  narrow = Consumer.remote()
+  group = create_collective_group([producer, wide, narrow], backend="torch_gloo")
+  yield producer, wide, narrow
+  destroy_collective_group(group)
+  ray.shutdown()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+  return request.param
+
+
+def make(producer, transport: str, build, *args):
+  return producer.make.options(tensor_transport=transport).remote(build, *args)
+
+
+def wait_for(predicate, timeout=30.0) -> bool:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(0.2)
+  return predicate()
+
+
+# ---- the suite every backend passes
+
+
+def test_register_names_every_backend():
+  names = rdt_jax.register()
+  assert names == rdt_jax.register()
+  assert {"jax_nixl", "jax_gloo", "jax_nccl", "jax_transfer"} <= set(names)
+  assert all(n == n.lower() for n in names)
+
+
+def test_mixed_leaves_arrive_as_their_source_type(actors, transport):
+  producer, wide, _ = actors
+  got = ray.get(wide.fingerprint.remote(make(producer, transport, mixed_tree)))
+  assert got == expected(mixed_tree)
+  kinds = [got[k][0] for k in ("w", "b", "t", "tb", "n")]
+  assert kinds == ["jax", "jax", "torch", "torch", "numpy"]
+  assert got["nested"][0][0] == "jax" and got["nested"][1][0][0] == "numpy"
+  assert got["step"] == 3 and got["name"] == "learner"
+
+
+def test_every_dtype(actors, transport):
+  producer, wide, _ = actors
+  got = ray.get(wide.fingerprint.remote(make(producer, transport, every_dtype)))
+  want = expected(every_dtype)
+  assert {k: got[k] for k in DTYPES} == {k: want[k] for k in DTYPES}
+
+
+def test_zero_d_and_empty(actors, transport):
+  producer, wide, _ = actors
+  got = ray.get(wide.fingerprint.remote(make(producer, transport, odd_shapes)))
+  assert got == expected(odd_shapes)
+  assert got["scalar"][2] == () and got["empty3"][2] == (4, 0, 3)
+
+
+def test_multiple_consumers_of_one_ref(actors, transport):
+  producer, wide, narrow = actors
+  ref = make(producer, transport, float32_tree, 48, 1)
+  got = ray.get([c.fingerprint.remote(ref) for c in (wide, narrow, wide)])
+  assert got == [expected(float32_tree, 48, 1)] * 3
+
+
+def test_sharded_leaf_keeps_mesh_and_spec(actors, transport):
+  producer, wide, _ = actors
+  ref = make(producer, transport, sharded_leaf)
+  assert ray.get(wide.placement.remote(ref)) == ({"a": 2, "b": 2}, ("a", None), [0, 1, 2, 3])
+  assert ray.get(wide.fingerprint.remote(ref)) == expected(sharded_values)
+
+
+def test_sharded_leaf_on_fewer_devices_names_both_counts(actors, transport):
+  producer, _, narrow = actors
+  ref = make(producer, transport, sharded_leaf)
+  with pytest.raises(Exception, match=r"\['x'\].*over 4 devices.*only 1 cpu device"):
+    ray.get(narrow.fingerprint.remote(ref), timeout=60)
+  # The transport is still usable between the two (gloo: nothing left queued).
+  ref = make(producer, transport, float32_tree, 8, 2)
+  assert ray.get(narrow.fingerprint.remote(ref), timeout=60) == expected(float32_tree, 8, 2)
+
+
+def test_x64_off_consumer_refuses_64_bit_jax_leaf(actors, transport):
+  producer, _, narrow = actors
+  ref = make(producer, transport, int64_leaf)
+  with pytest.raises(Exception, match=r"\['i'\].*int64.*receive_as\('numpy'\)"):
+    ray.get(narrow.fingerprint.remote(ref), timeout=60)
+  # Two-sided: the consumer took the bytes anyway, so the producer is free.
+  ref = make(producer, transport, float32_tree, 8, 3)
+  assert ray.get(narrow.fingerprint.remote(ref), timeout=60) == expected(float32_tree, 8, 3)
+
+
+def test_sub_byte_dtype_names_leaf_and_dtype(actors, transport):
+  producer, wide, _ = actors
+  ref = make(producer, transport, int4_leaf)
+  with pytest.raises(Exception, match=r"\['q'\].*int4.*int8"):
+    ray.get(wide.fingerprint.remote(ref), timeout=60)
+
+
+@pytest.mark.parametrize("one_sided", ONE_SIDED)
+def test_driver_get(actors, one_sided):
+  producer, _, _ = actors
+  value = ray.get(make(producer, one_sided, mixed_tree))
+  assert tree_fingerprint(value) == expected(mixed_tree)
+  assert isinstance(value["w"], jax.Array) and isinstance(value["n"], np.ndarray)
+
+
+@pytest.mark.parametrize("one_sided", ONE_SIDED)
+def test_driver_put_to_actor(actors, one_sided):
+  import torch
+
+  _, wide, _ = actors
+  value = {"a": jnp.arange(10, dtype=jnp.float32), "n": np.arange(4.0), "t": torch.ones(3)}
+  ref = ray.put(value, _tensor_transport=one_sided)
+  assert ray.get(wide.fingerprint.remote(ref)) == tree_fingerprint(value)
+
+
+# ---- jax_gloo
+
+
+def test_gloo_driver_get_is_refused_naming_the_fixes(actors):
+  producer, _, _ = actors
+  ref = make(producer, "jax_gloo", float32_tree, 8)
+  refusal = r"two-sided transport jax_gloo.*_use_object_store=True.*'jax_nixl'"
+  with pytest.raises(ValueError, match=refusal):
+    ray.get(ref)
+  # The fix it names works: the object store carries the stored leaves.
+  value = ray.get(ref, _use_object_store=True)
+  assert tree_fingerprint(value) == expected(float32_tree, 8)
+
+
+def test_gloo_put_is_refused(actors):
+  with pytest.raises(ValueError, match=r"two-sided"):
+    ray.put({"x": np.ones(3)}, _tensor_transport="jax_gloo")
+
+
+def test_gloo_needs_a_group(actors):
+  outsider = Producer.remote()
+  with pytest.raises(ValueError, match=r"create_collective_group\(.*backend='torch_gloo'\)"):
+    make(outsider, "jax_gloo", float32_tree, 8)
+  ray.kill(outsider)
+
+
+# ---- jax_transfer
+
+
+def test_transfer_pulls_onto_the_target_device(actors):
+  producer, wide, _ = actors
+  ref = make(producer, "jax_transfer", float32_tree, 32, 4)
+  # Ray lends an RDT ref inside a list only once the owner has its metadata.
+  manager = ray._private.worker.global_worker.rdt_manager
+  assert manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60) is not None
+  devices, n_type, got = ray.get(wide.get_onto_device.remote([ref], 2))
+  assert devices == [2] and n_type == "ndarray"
+  assert got == expected(float32_tree, 32, 4)
+
+
+def test_transfer_offers_released_when_freed(actors):
+  producer, wide, _ = actors
+  before = ray.get(producer.num_exported.remote("jax_transfer"))
+  refs = [make(producer, "jax_transfer", float32_tree, 8, i) for i in range(3)]
+  ray.get([wide.fingerprint.remote(r) for r in refs])
+  assert ray.get(producer.num_exported.remote("jax_transfer")) == before + 3
+  del refs
+  assert wait_for(lambda: ray.get(producer.num_exported.remote("jax_transfer")) == before)
+
+
+def test_transfer_fails_fast_when_the_producer_died(actors):
+  _, wide, _ = actors
+  doomed = Producer.remote()
+  ref = make(doomed, "jax_transfer", float32_tree, 8)
+  manager = ray._private.worker.global_worker.rdt_manager
+  assert manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60) is not None
+  ray.kill(doomed)
+  start = time.monotonic()
+  with pytest.raises(Exception, match=r"producer may have died"):
+    ray.get(wide.fingerprint.remote(ref), timeout=60)
+  assert time.monotonic() - start < 30
+
+
+# ---- the example transport
+
+
+def test_example_files_closed_when_freed(actors):
+  producer, wide, _ = actors
+  before = ray.get(producer.num_exported.remote("shm_example"))
+  ref = make(producer, "shm_example", float32_tree, 8)
+  ray.get(wide.fingerprint.remote(ref))
+  assert ray.get(producer.num_exported.remote("shm_example")) == before + 1
+  del ref
+  assert wait_for(lambda: ray.get(producer.num_exported.remote("shm_example")) == before)
+
+
+def test_example_runs_as_a_script(actors):
+  # As a second driver on this module's cluster (starting another local Ray
+  # would double the test's time); run alone, it starts its own.
+  env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+  result = subprocess.run(
+      [sys.executable, str(EXAMPLES / "shm_transport.py")],
+      env=env, capture_output=True, text=True, timeout=180,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "consumer got: {'w': ('ArrayImpl', 32768.0)" in result.stdout
