@@ -30,6 +30,18 @@ def start_ray(**kwargs) -> None:
   )
 
 
+def wait_meta(ref):
+  """Waits until this process (the owner) knows the ref's transport metadata.
+
+  Ray lends an RDT ref inside a container (e.g. `actor.f.remote([ref])`) only
+  once that is so; `ray.wait` alone returns slightly earlier.
+  """
+  manager = ray._private.worker.global_worker.rdt_manager
+  meta = manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60)
+  assert meta is not None, f"no transport metadata for {ref} after 60 s"
+  return meta
+
+
 @pytest.fixture(scope="module")
 def ray_session():
   start_ray()

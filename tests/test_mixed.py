@@ -10,7 +10,7 @@ import ray
 import torch
 
 import rdt_jax
-from conftest import start_ray
+from conftest import start_ray, wait_meta
 
 rdt_jax.register()
 
@@ -130,14 +130,6 @@ def four():
 def two():
   """A node with two cpu devices."""
   return Node.options(runtime_env=TWO_DEVICES).remote()
-
-
-def wait_meta(ref):
-  """Waits until the owner (this driver) knows the ref's transport metadata."""
-  manager = ray._private.worker.global_worker.rdt_manager
-  meta = manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60)
-  assert meta is not None
-  return meta
 
 
 def modes(nodes, *names):

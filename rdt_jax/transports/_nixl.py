@@ -161,6 +161,7 @@ class _Export:
 class _Receive:
   xfer: Any
   keys: list[tuple]
+  remote: str
 
 
 class NixlTransport(DlpackTransport):
@@ -180,6 +181,7 @@ class NixlTransport(DlpackTransport):
     self._version = 0
     self._remote_versions: dict[str, int] = {}
     self._agent_meta: tuple[int, bytes] | None = None
+    self._inflight: dict[str, int] = {}
 
   @staticmethod
   def is_one_sided() -> bool:
@@ -243,6 +245,7 @@ class NixlTransport(DlpackTransport):
         if reg.count == 0:
           del self._registrations[key]
           self._agent.deregister_memory(reg.handle)
+          self._version += 1  # consumers drop the region from their view
 
   def _on_pool_eviction(self, pointer: int, nbytes: int) -> None:
     with self._lock:
@@ -361,10 +364,7 @@ class NixlTransport(DlpackTransport):
       return None
     agent = self.agent()
     remote = meta.agent_name
-    with self._lock:
-      if self._remote_versions.get(remote, -1) < meta.agent_version:
-        agent.add_remote_agent(meta.agent_meta)
-        self._remote_versions[remote] = meta.agent_version
+    self._refresh_remote(remote, meta)
     keys = self._register_destinations(dests)
     try:
       local, remote_descs = coalesce(
@@ -379,13 +379,35 @@ class NixlTransport(DlpackTransport):
           remote,
           b"",
       )
-      receive = _Receive(xfer, keys)
+      receive = _Receive(xfer, keys, remote)
       if agent.transfer(xfer) == "ERR":
         raise RuntimeError("NIXL transfer entered the error state on start.")
     except BaseException:
       self._unregister(keys)
+      self._done_with(remote)
       raise
     return receive
+
+  def _refresh_remote(self, remote: str, meta: NixlTransportMetadata) -> None:
+    """Brings this agent's view of `remote` up to `meta`'s version.
+
+    With no transfer from `remote` in flight, the old view is removed first,
+    so regions the producer has since deregistered can no longer be read with
+    stale descriptors. With transfers in flight it is only extended: removing
+    an agent kills its in-flight transfers.
+    """
+    with self._lock:
+      known = self._remote_versions.get(remote)
+      if known is None or known < meta.agent_version:
+        if known is not None and not self._inflight.get(remote):
+          self._agent.remove_remote_agent(remote)
+        self._agent.add_remote_agent(meta.agent_meta)
+        self._remote_versions[remote] = meta.agent_version
+      self._inflight[remote] = self._inflight.get(remote, 0) + 1
+
+  def _done_with(self, remote: str) -> None:
+    with self._lock:
+      self._inflight[remote] -= 1
 
   def _register_destinations(self, dests: list[Destination]) -> list[tuple]:
     """Registers the receive memory, each distinct allocation once.
@@ -426,9 +448,11 @@ class NixlTransport(DlpackTransport):
     self._agent.release_xfer_handle(handle.xfer)
     self._unregister(handle.keys)
     handle.keys = []
+    self._done_with(handle.remote)
+    handle.remote = None
 
   def cancel_receive(self, handle: _Receive | None) -> None:
-    if handle is None:
+    if handle is None or handle.remote is None:
       return
     try:
       self._agent.release_xfer_handle(handle.xfer)
@@ -436,3 +460,5 @@ class NixlTransport(DlpackTransport):
       pass
     self._unregister(handle.keys)
     handle.keys = []
+    self._done_with(handle.remote)
+    handle.remote = None
