@@ -85,7 +85,22 @@ def is_rdt_jax_transport(name: str) -> bool:
 def register_transport(cls: type["DlpackTransport"]) -> str:
   """Registers one DlpackTransport subclass with Ray, once per process.
 
-  Returns the transport's lower-case name.
+  Use it for your own transports, as `register()` does for rdt_jax's. Call it
+  where you would call `register()`: before defining classes whose methods
+  name the transport (`@ray.method(tensor_transport=...)` checks the name on
+  definition) and before creating the actors that use it, in the process that
+  creates them. A second call for the same class changes nothing.
+
+  Args:
+    cls: a `DlpackTransport` subclass with `name` and `devices` set. It must
+      be importable by module path on every worker (Ray pickles it by
+      reference), e.g. defined in a module on the workers' `PYTHONPATH`.
+
+  Returns:
+    The transport's lower-case name, to pass as `tensor_transport`.
+
+  Raises:
+    ValueError: if `cls` is not a `TensorTransportManager` subclass (Ray's check).
   """
   from ray.experimental.rdt import util
 
@@ -103,8 +118,11 @@ def register() -> list[str]:
   """Registers every rdt_jax transport whose dependencies are importable.
 
   Idempotent: a second call changes nothing and returns the same names. Call
-  it in the driver before creating the actors that use the transports; it
-  may also be called before or after `ray.init` and inside actors.
+  it before defining classes whose methods name an rdt_jax transport
+  (`@ray.method(tensor_transport="jax_nixl")` checks the name when the class
+  is defined) and before creating the actors that use the transports, in the
+  process that creates them (usually the driver). It may be called before or
+  after `ray.init`, and inside actors.
 
   Returns:
     The registered transport names in lower case, e.g. `["jax_nixl"]`.

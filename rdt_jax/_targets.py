@@ -51,7 +51,7 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
 
   * `np.ndarray` and `torch.Tensor` targets (C-contiguous, same shape and
     dtype) are written in place, and `ray.get` returns those very objects.
-  * `jax.Array`s are immutable: writing into one would change values that
+  * jax arrays are immutable: writing into one would change values that
     compiled computations and other references already hold. A jax target is
     therefore a placement template: the leaf arrives as a new `jax.Array` on
     the target's device. Delete the old array (or donate it) to free it.

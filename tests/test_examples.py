@@ -36,6 +36,10 @@ class Example(NamedTuple):
 # (tests/test_docs.py checks it).
 EXAMPLES = [
     Example("quickstart.py", copy=True),
+    Example("demo.py", ("--mb", "16", "--leaves", "8", "--rounds", "1")),
+    Example("pipeline.py"),
+    Example("weight_sync.py", ("--generators", "2", "--steps", "3", "--mb", "4")),
+    Example("shm_transport.py"),
 ]
 
 

@@ -254,10 +254,29 @@ class DlpackFetchRequest(FetchRequest):
 class DlpackTransport(TensorTransportManager):
   """Base class of every rdt_jax transport: subclass it to add a backend.
 
-  Subclasses set `name` (the lower-case transport name users pass as
-  `tensor_transport`) and `devices` (the device kinds they move: "cpu",
-  "cuda"), and implement the byte-moving hooks listed in the module docstring.
-  Register a subclass with `rdt_jax.register_transport(MyTransport)`.
+  The base implements Ray's `TensorTransportManager` for jax, torch and numpy
+  leaves alike: it validates and describes the leaves Ray extracted, builds
+  the metadata (`DlpackTransportMetadata`), allocates receive buffers (a
+  `Destination` per chunk), rebuilds each leaf as the type the consumer asked
+  for (`rdt_jax.receive_as`) and handles targets, aborts and errors. A
+  subclass only moves bytes. It sets:
+
+  * `name`: the lower-case transport name users pass as `tensor_transport`;
+  * `devices`: the device kinds it moves ("cpu", "cuda");
+  * `is_one_sided()` and `can_abort_transport()` (Ray's static methods);
+
+  and implements, on the producer, `export_buffers(obj_id, leaves, meta)`
+  (make the described buffers reachable, add what consumers need to `meta`)
+  and `release(obj_id)` (undo it when Ray frees the object); a two-sided
+  backend also `send_buffers(...)`. On the consumer it implements
+  `start_receive(obj_id, meta, communicator_metadata, destinations)` (start
+  moving every chunk into its destination; return a handle),
+  `wait_receive(handle, obj_id, timeout)`, and `finish_receive(handle)` /
+  `cancel_receive(handle)` to release what the receive took. A backend that
+  receives whole arrays instead of bytes sets `delivers_arrays = True` and
+  overrides `export_arrays`. Register a subclass with
+  `rdt_jax.register_transport(MyTransport)`; `examples/shm_transport.py` is a
+  complete one in under 100 lines.
   """
 
   name: ClassVar[str]

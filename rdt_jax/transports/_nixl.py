@@ -5,7 +5,8 @@ agent and puts the chunk addresses and the agent's metadata in the RDT
 metadata. The consumer takes receive buffers, and issues one NIXL READ for the
 whole object; `ray.get` of many refs starts every READ before waiting on any.
 
-Choices, each measured on this project's 2-core CPU host (docs/performance.md):
+Choices, each measured on this project's 2-core CPU host (docs/performance.md
+has the figures):
 
 * One agent per process, created on first use, with NIXL's progress thread
   off: idle, that thread spins a core. The producer side is progressed
