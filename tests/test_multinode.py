@@ -1,0 +1,135 @@
+"""Transfers across nodes of a simulated cluster, and a node lost mid-transfer.
+
+`ray.cluster_utils.Cluster` starts a head node and two worker nodes on this
+host, each with its own raylet and object store. Actors are pinned to nodes by
+custom resources, so every transfer below crosses a node boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+import rdt_jax
+from conftest import WORKER_PYTHONPATH
+
+rdt_jax.register()
+
+DEATH_BOUND_S = 30.0
+BACKENDS = ["jax_nixl", "jax_gloo", "jax_transfer"]
+
+
+def digest(x) -> int:
+  host = np.ascontiguousarray(rdt_jax.to_numpy(x)).reshape(-1).view(np.uint8)
+  return int(np.bitwise_xor.reduce(np.concatenate([host, np.zeros((-host.size) % 8, np.uint8)]).view(np.uint64)))
+
+
+def values(nbytes: int, seed: int):
+  rng = np.random.default_rng(seed)
+  return {
+      "w": jnp.asarray(rng.integers(0, 255, nbytes, dtype=np.uint8)),
+      "b": jnp.asarray(rng.standard_normal(7).astype(np.float32)),
+      "n": rng.integers(0, 9, 5).astype(np.int32),
+  }
+
+
+def expected(nbytes: int, seed: int) -> dict:
+  return {k: digest(v) for k, v in values(nbytes, seed).items()}
+
+
+@ray.remote(enable_tensor_transport=True)
+class Node:
+  def where(self) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+  def make(self, nbytes: int, seed: int):
+    return values(nbytes, seed)
+
+  def digests(self, value) -> dict:
+    return {k: digest(v) for k, v in value.items()}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  c = Cluster(
+      initialize_head=True,
+      head_node_args={"num_cpus": 2, "resources": {"head": 10}},
+  )
+  nodes = [c.add_node(num_cpus=2, resources={f"node{i}": 10}) for i in (1, 2)]
+  c.wait_for_nodes()
+  ray.init(
+      address=c.address,
+      logging_level="warning",
+      runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}},
+  )
+  yield c, nodes
+  ray.shutdown()
+  c.shutdown()
+
+
+def on(resource: str):
+  return Node.options(resources={resource: 1}, num_cpus=0)
+
+
+@pytest.fixture(scope="module")
+def pair(cluster):
+  a, b = on("node1").remote(), on("node2").remote()
+  group = create_collective_group([a, b], backend="torch_gloo")
+  assert ray.get(a.where.remote()) != ray.get(b.where.remote())
+  yield a, b
+  destroy_collective_group(group)
+
+
+@pytest.mark.parametrize("transport", BACKENDS)
+def test_transfer_across_nodes(pair, transport):
+  a, b = pair
+  ref = a.make.options(tensor_transport=transport).remote(1 << 20, 1)
+  assert ray.get(b.digests.remote(ref), timeout=120) == expected(1 << 20, 1)
+
+
+@pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
+def test_driver_get_from_another_node(pair, transport):
+  a, _ = pair
+  ref = a.make.options(tensor_transport=transport).remote(256 << 10, 2)
+  got = ray.get(ref, timeout=120)
+  assert {k: digest(v) for k, v in got.items()} == expected(256 << 10, 2)
+
+
+def test_node_removed_mid_transfer(cluster):
+  c, _ = cluster
+  doomed_node = c.add_node(num_cpus=2, resources={"doomed": 10})
+  c.wait_for_nodes()
+  producer, consumer = on("doomed").remote(), on("head").remote()
+  ref = producer.make.options(tensor_transport="jax_nixl").remote(256 << 20, 3)
+  ray.wait([ref])
+  outcome = {}
+
+  def fetch():
+    try:
+      outcome["value"] = ray.get(consumer.digests.remote(ref), timeout=DEATH_BOUND_S * 3)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+      outcome["error"] = e
+
+  t0 = time.monotonic()
+  thread = threading.Thread(target=fetch)
+  thread.start()
+  time.sleep(0.05)
+  c.remove_node(doomed_node)
+  thread.join(DEATH_BOUND_S * 3)
+  assert not thread.is_alive(), "the fetch hung after its node was removed"
+  assert time.monotonic() - t0 < DEATH_BOUND_S * 2
+  if "value" in outcome:  # the read finished before the node went away
+    assert outcome["value"] == expected(256 << 20, 3)
+  else:
+    assert isinstance(outcome["error"], ray.exceptions.RayError)
+  # The consumer on the surviving node keeps working.
+  other = on("node1").remote()
+  ref2 = other.make.options(tensor_transport="jax_nixl").remote(1 << 20, 4)
+  assert ray.get(consumer.digests.remote(ref2), timeout=120) == expected(1 << 20, 4)
