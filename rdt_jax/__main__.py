@@ -3,6 +3,8 @@
 Subcommands:
   bench   measure every way of moving arrays between Ray actors, side by side
           (see `rdt-jax bench --help` and `rdt_jax.bench`).
+  soak    run the trainer -> generators weight-sync loop for N minutes and
+          report transfers, bytes, errors and memory high-water marks.
 """
 
 from __future__ import annotations
@@ -22,10 +24,18 @@ def main(argv: list[str] | None = None) -> int:
                   "(NumPy, jax.Array) and memcpy in one interleaved run; write JSON, "
                   "Markdown and a PNG plot.",
   )
-  from rdt_jax.bench import add_arguments, config_from_args, run, validate
+  from rdt_jax.bench import _soak, add_arguments, config_from_args, run, validate
 
   add_arguments(bench)
+  soak = commands.add_parser(
+      "soak",
+      help="run the weight-sync loop for N minutes and report errors and memory",
+      description=_soak.__doc__.split("\n\n")[0],
+  )
+  _soak.add_arguments(soak)
   args = parser.parse_args(argv)
+  if args.command == "soak":
+    return _soak.run(args)
   if args.command == "bench":
     try:
       config = config_from_args(args)

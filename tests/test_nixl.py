@@ -400,3 +400,21 @@ def _worker_path() -> str:
   import conftest
 
   return conftest.WORKER_PYTHONPATH
+
+
+def test_coalesce_merges_only_within_one_registration():
+  from rdt_jax.transports._nixl import coalesce
+
+  local = [(1000, 10, 0), (1064, 20, 0), (1128, 5, 0)]
+  remote = [(5000, 10, 0), (5064, 20, 0), (5128, 5, 0)]
+  same = [("L", 0)] * 3
+  assert coalesce(local, remote, same) == ([(1000, 133, 0)], [(5000, 133, 0)])
+  # Adjacent memory in two local registrations (e.g. two target tensors).
+  split = [("L1", 0), ("L1", 0), ("L2", 0)]
+  assert coalesce(local, remote, split) == (
+      [(1000, 84, 0), (1128, 5, 0)],
+      [(5000, 84, 0), (5128, 5, 0)],
+  )
+  # Not contiguous on the remote side.
+  gap = [(5000, 10, 0), (6000, 20, 0), (6064, 5, 0)]
+  assert coalesce(local, gap, same) == ([(1000, 10, 0), (1064, 69, 0)], [(5000, 10, 0), (6000, 69, 0)])

@@ -87,13 +87,15 @@ def _aligned(n: int) -> int:
 def coalesce(
     local: list[tuple[int, int, int]],
     remote: list[tuple[int, int, int]],
-    regions: list[int],
+    regions: list[Any],
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
   """Merges neighbouring (address, nbytes, device) descriptor pairs.
 
-  Two chunks merge when they lie in the same remote region and both their
-  local and remote copies follow each other with the same 64-byte padding,
-  so one descriptor (padding included) moves both.
+  Two chunks merge when they lie in the same registered region on both sides
+  (`regions` holds a (local, remote) region pair per chunk) and both their
+  local and remote copies follow each other with the same 64-byte padding, so
+  one descriptor (padding included) moves both. A descriptor must never span
+  two registrations, even of adjacent memory.
   """
   out_l: list[list[int]] = []
   out_r: list[list[int]] = []
@@ -371,7 +373,7 @@ class NixlTransport(DlpackTransport):
       local, remote_descs = coalesce(
           [(d.pointer, d.nbytes, _host_or(d.device).index) for d in dests],
           [(a, d.nbytes, i) for a, d, i in zip(meta.addresses, dests, meta.device_ids)],
-          meta.regions,
+          [(d.region, r) for d, r in zip(dests, meta.regions)],
       )
       xfer = agent.initialize_xfer(
           "READ",

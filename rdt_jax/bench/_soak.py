@@ -1,0 +1,151 @@
+"""`rdt-jax soak`: the trainer -> generators weight-sync loop, for N minutes.
+
+A JAX trainer updates a pytree of parameters each step (leaf sizes vary from
+step to step, a few KiB to several MiB) and puts it once over the chosen
+transport; every generator receives it into its existing torch tensors
+(`rdt_jax.set_target_for_ref`) and checks a checksum of every leaf. The loop
+counts steps, transfers, bytes and errors (an error is counted and the loop
+goes on), samples each actor's RSS for the high-water mark, and at the end
+checks that no registered memory is left behind. Exit status 1 if any
+transfer failed, a checksum differed or registrations leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+import rdt_jax
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--minutes", type=float, default=5.0, help="how long to run")
+  parser.add_argument("--generators", type=int, default=3, help="generator actors")
+  parser.add_argument("--mb", type=float, default=64.0, help="largest parameter size in MiB")
+  parser.add_argument("--transport", default="jax_nixl", help="one-sided rdt_jax transport")
+  parser.add_argument("--out", type=pathlib.Path, default=None, help="write the report as JSON here")
+
+
+def _layer_sizes(step: int, max_mb: float) -> list[int]:
+  """Leaf sizes (float32 elements) for a step: mixed, and changing per step."""
+  rng = np.random.default_rng(step % 7)  # seven shapes in rotation
+  big = int(max_mb * (1 << 20) / 4 * rng.uniform(0.5, 1.0))
+  return [big // 2, big // 4, big // 8, 1024, 4096, 16, *rng.integers(1, 50_000, 6).tolist()]
+
+
+def _checksum(x: Any) -> int:
+  host = np.ascontiguousarray(rdt_jax.to_numpy(x)).reshape(-1).view(np.uint32)
+  return int(np.bitwise_xor.reduce(host)) if host.size else 0
+
+
+def _rss() -> int:
+  import psutil
+
+  return psutil.Process().memory_info().rss
+
+
+@ray.remote(enable_tensor_transport=True)
+class _Trainer:
+  def __init__(self, transport: str, max_mb: float):
+    self.transport, self.max_mb, self.peak = transport, max_mb, _rss()
+
+  def step(self, step: int) -> tuple[list, list[int], int]:
+    import jax.numpy as jnp
+
+    params = [jnp.full((n,), float(step + i), jnp.float32) for i, n in enumerate(_layer_sizes(step, self.max_mb))]
+    sums = [_checksum(p) for p in params]
+    ref = ray.put(params, _tensor_transport=self.transport)
+    self.peak = max(self.peak, _rss())
+    return [ref], sums, sum(p.nbytes for p in params)
+
+  def report(self) -> dict:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    t = get_tensor_transport_manager(self.transport.upper())
+    regs = t.num_registrations() if hasattr(t, "num_registrations") else None
+    return {"rss_peak": max(self.peak, _rss()), "registrations": regs}
+
+
+@ray.remote(enable_tensor_transport=True)
+class _Generator:
+  def __init__(self):
+    self.params: dict[int, Any] = {}
+    self.peak = _rss()
+
+  def sync(self, refs: list, sums: list[int], step: int) -> bool:
+    import torch
+
+    key = step % 7  # the trainer's shapes repeat every seven steps
+    if key in self.params:  # receive straight into this shape's tensors
+      rdt_jax.set_target_for_ref(refs[0], self.params[key])
+    received = ray.get(refs[0])
+    if key not in self.params:  # first step of this shape: keep torch copies
+      self.params[key] = [rdt_jax.to_torch(x).clone() for x in received]
+    self.peak = max(self.peak, _rss())
+    return [_checksum(x) for x in received] == sums
+
+  def report(self) -> dict:
+    return {"rss_peak": max(self.peak, _rss())}
+
+
+def run(args: argparse.Namespace) -> int:
+  rdt_jax.register()
+  ray.init(num_cpus=args.generators + 2, include_dashboard=False, logging_level="warning")
+  trainer = _Trainer.remote(args.transport, args.mb)
+  generators = [_Generator.remote() for _ in range(args.generators)]
+  deadline = time.monotonic() + args.minutes * 60
+  stats = {"steps": 0, "transfers": 0, "bytes": 0, "errors": 0, "mismatches": 0}
+  errors: list[str] = []
+  last_print = 0.0
+  start = time.monotonic()
+  while time.monotonic() < deadline:
+    step = stats["steps"]
+    try:
+      refs, sums, nbytes = ray.get(trainer.step.remote(step))
+      results = ray.get([g.sync.remote(refs, sums, step) for g in generators], timeout=120)
+      stats["transfers"] += len(results)
+      stats["bytes"] += nbytes * len(results)
+      stats["mismatches"] += results.count(False)
+    except Exception as e:  # noqa: BLE001 - counted and reported
+      stats["errors"] += 1
+      errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
+    stats["steps"] += 1
+    now = time.monotonic()
+    if now - last_print > 5:
+      last_print = now
+      print(
+          f"\r[soak] {now - start:6.0f} s  steps {stats['steps']}  transfers {stats['transfers']}  "
+          f"{stats['bytes'] / 2**30:7.2f} GiB  errors {stats['errors']}",
+          end="", file=sys.stderr, flush=True,
+      )
+  del refs
+  time.sleep(2)  # let Ray free the last object
+  report = {
+      "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+      "seconds": round(time.monotonic() - start, 1),
+      **stats,
+      "trainer": ray.get(trainer.report.remote()),
+      "generators": ray.get([g.report.remote() for g in generators]),
+      "first_errors": errors[:10],
+  }
+  ray.shutdown()
+  print(file=sys.stderr)
+  gib = report["bytes"] / 2**30
+  print(f"soak: {report['seconds']} s, {report['steps']} steps, {report['transfers']} transfers, "
+        f"{gib:.2f} GiB ({gib / max(report['seconds'], 1e-9):.2f} GiB/s), errors {report['errors']}, "
+        f"checksum mismatches {report['mismatches']}")
+  print(f"RSS high-water: trainer {report['trainer']['rss_peak'] >> 20} MiB, generators "
+        + ", ".join(f"{g['rss_peak'] >> 20} MiB" for g in report["generators"]))
+  print(f"trainer registrations left: {report['trainer']['registrations']}")
+  if args.out is not None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+  leaked = report["trainer"]["registrations"] not in (0, None)
+  return 1 if report["errors"] or report["mismatches"] or leaked else 0

@@ -1,0 +1,25 @@
+"""`rdt-jax soak` runs the weight-sync loop and reports a clean run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_short_soak_run_is_clean(tmp_path):
+  out = tmp_path / "soak.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "rdt_jax", "soak", "--minutes", "0.25", "--generators", "2",
+       "--mb", "8", "--out", str(out)],
+      capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  report = json.loads(out.read_text())
+  assert report["steps"] > 0 and report["transfers"] == 2 * report["steps"]
+  assert report["errors"] == 0 and report["mismatches"] == 0
+  assert report["trainer"]["registrations"] == 0
+  assert all(g["rss_peak"] > 0 for g in report["generators"])
+  assert "soak:" in proc.stdout and "RSS high-water" in proc.stdout
