@@ -41,14 +41,19 @@ def _ms(seconds: float | None) -> str:
   if seconds is None:
     return ""
   if seconds >= 1:
-    return f"{seconds:.3g} s"
-  return f"{seconds * 1e3:.3g} ms"
+    return f"{_num(seconds)} s"
+  return f"{_num(seconds * 1e3)} ms"
+
+
+def _num(x: float) -> str:
+  """Three significant digits, without exponents."""
+  return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _spread(s: dict[str, Any]) -> str:
   """`median [min-max] unit` in one unit chosen by the median."""
   scale, unit = (1.0, "s") if s["median_s"] >= 1 else (1e3, "ms")
-  return f"{s['median_s'] * scale:.3g} [{s['min_s'] * scale:.3g}-{s['max_s'] * scale:.3g}] {unit}"
+  return f"{_num(s['median_s'] * scale)} [{_num(s['min_s'] * scale)}-{_num(s['max_s'] * scale)}] {unit}"
 
 
 def _column_order(doc: dict[str, Any]) -> list[str]:
