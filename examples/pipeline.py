@@ -86,6 +86,7 @@ class TorchStage:
 
 def main() -> int:
   ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+  # docs: begin three-hop
   first, torch_stage, last = JaxStage.remote(), TorchStage.remote(), JaxStage.remote()
   params = first.init_params.remote()                 # jax actor -> ...
   updated = torch_stage.train_step.remote(params)     # ... torch actor -> ...
@@ -94,12 +95,15 @@ def main() -> int:
   assert result["w"] == expected, result
   assert result["kinds"] == ["ArrayImpl"] and result["step"] == 1, result
   print(f"JAX -> PyTorch -> JAX: leaves arrived as {result['kinds']}, w updated, step {result['step']}")
+  # docs: end three-hop
 
+  # docs: begin sharded
   producer = JaxStage.options(runtime_env=FOUR_CPU_DEVICES).remote()
   consumer = JaxStage.options(runtime_env=FOUR_CPU_DEVICES).remote()
   mesh, spec, total = ray.get(consumer.describe_sharding.remote(producer.sharded.remote()))
   assert mesh == {"data": 2, "model": 2} and spec == ("data", "model") and total == 2016.0
   print(f"sharded round trip: mesh {mesh}, spec {spec}, sum {total}")
+  # docs: end sharded
   ray.shutdown()
   return 0
 

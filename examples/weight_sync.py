@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
 
   ray.init(num_cpus=args.generators + 2, include_dashboard=False, logging_level="warning")
+  # docs: begin sync-loop
   learner = Learner.remote(args.mb)
   shapes = ray.get(learner.shapes.remote())
   generators = [Generator.remote(shapes) for _ in range(args.generators)]
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     assert all(value == float(step) and in_place for value, in_place in results), results
     print(f"step {step}: {args.generators} generators synced {args.mb} MiB in place in {elapsed:.3f} s")
+  # docs: end sync-loop
   ray.shutdown()
   return 0
 
