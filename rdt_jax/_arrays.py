@@ -442,7 +442,8 @@ def _describe_jax(x: Any, path: str) -> DescribedLeaf:
         path,
         f"lives on jax platform {platform!r} ({devices[0]}), which rdt_jax "
         "cannot move",
-        "Move it to cpu or gpu first, or use the jax_transfer transport.",
+        "Move it to a cpu or gpu device first (jax.device_put), or return it "
+        "from a method without tensor_transport.",
     )
   x.block_until_ready()
   if len(devices) == 1:
@@ -763,24 +764,27 @@ def _host_to_jax(x: np.ndarray, path: str, device: "jax.Device | None" = None) -
   """A host numpy array as a jax.Array; zero-copy when 64-byte aligned."""
   import jax
 
+  from rdt_jax import _compat
+
   check_x64(x.dtype, path)
   if device is None:
     device = jax.local_devices(backend="cpu")[0]
-  # jax.device_put aliases 64-byte aligned host memory on the cpu backend for
+  # Placing host memory on the cpu backend aliases 64-byte aligned buffers for
   # every dtype, bfloat16 and float8 included, which numpy's DLPack export
   # refuses; tests/test_arrays.py checks that no copy happens.
+  if device.platform == "cpu":
+    return _compat.host_arrays_to_jax([x], device)[0]
   return jax.device_put(x, device)
 
 
 def host_to_jax_many(views: list[np.ndarray], device: Device) -> list[Any]:
-  """Host numpy arrays as jax.Arrays on `device`, in one call (zero-copy).
+  """Host numpy arrays as jax.Arrays on the cpu `device`, zero-copy.
 
-  One `jax.device_put` of a list costs about half as much per array as one
-  call per array. The caller has checked 64-bit dtypes (`check_x64`).
+  The caller has checked 64-bit dtypes (`check_x64`).
   """
-  import jax
+  from rdt_jax import _compat
 
-  return jax.device_put(views, jax_device(device))
+  return _compat.host_arrays_to_jax(views, jax_device(device))
 
 
 def _host_to_torch(x: np.ndarray, path: str) -> Any:

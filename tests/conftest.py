@@ -11,7 +11,10 @@ import ray
 TESTS_DIR = pathlib.Path(__file__).parent
 REPO = TESTS_DIR.parent
 # Workers import the test modules' actor and transport classes by reference.
-WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO)])
+# examples/ too: a transport registered by one test module (the shm example)
+# stays in this process's Ray registry for the modules after it, whose new
+# actors then receive it, so their workers must be able to import it.
+WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO), str(REPO / "examples")])
 
 
 def start_ray(**kwargs) -> None:

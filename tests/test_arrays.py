@@ -293,3 +293,44 @@ def test_receive_as_rejects_unknown_mode():
   with pytest.raises(ValueError, match="Unknown receive mode 'tensorflow'"):
     rdt_jax.receive_as("tensorflow")
   rdt_jax.receive_as("source")
+
+
+def test_host_pool_reuses_only_free_buffers():
+  pool = _arrays.HostBufferPool(max_bytes=1 << 20)
+  evicted = []
+  pool.add_eviction_listener(lambda p, n: evicted.append(n))
+  a = pool.acquire(4096)
+  first = a.ctypes.data
+  assert pool.acquire(4096).ctypes.data != first  # `a` is still in use
+  # A jax array made from a view keeps the buffer in use after the view is gone.
+  x = _arrays.host_to_jax_many([a.view(np.float32)], _arrays.Device("cpu"))[0]
+  del a
+  assert x.unsafe_buffer_pointer() == first
+  assert pool.acquire(4096).ctypes.data != first
+  del x
+  assert _eventually(lambda: _pooled_buffer_free(pool, first))
+  t = torch.from_numpy(pool.acquire(1 << 20))  # over the bound: evicts free buffers
+  assert evicted and pool.pooled_bytes() <= (1 << 20) + 3 * 4096
+  del t
+  pool.clear()
+  assert pool.pooled_bytes() == 0
+
+
+def _pooled_buffer_free(pool, pointer: int) -> bool:
+  import gc
+
+  gc.collect()
+  return any(
+      pool._buffers[i].ctypes.data == pointer and pool._free_at(i) for i in range(len(pool._buffers))
+  )
+
+
+def _eventually(predicate, timeout: float = 5.0) -> bool:
+  import time
+
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(0.05)
+  return predicate()

@@ -323,7 +323,11 @@ def test_stale_descriptor_read_fails(consumer):
   ray.get(consumer.keep_metadata.remote([ref]))
   del ref
   assert wait_for(lambda: ray.get(producer.stats.remote()) == (0, 0))
-  # A later fetch refreshes the consumer's view of the producer's agent.
+  # A fetch after VIEW_REBUILD_INTERVAL_S rebuilds the consumer's view of the
+  # producer's agent without the freed region.
+  from rdt_jax.transports._nixl import VIEW_REBUILD_INTERVAL_S
+
+  time.sleep(VIEW_REBUILD_INTERVAL_S + 0.1)
   assert ray.get(consumer.digest.remote(producer.make.remote(2 << 20, 6))) == expected_digest(2 << 20, 6)
   outcome = ray.get(consumer.stale_read.remote())
   assert outcome != "read succeeded" and "NIXL_ERR_NOT_FOUND" in outcome

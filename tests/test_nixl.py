@@ -418,3 +418,30 @@ def test_coalesce_merges_only_within_one_registration():
   # Not contiguous on the remote side.
   gap = [(5000, 10, 0), (6000, 20, 0), (6064, 5, 0)]
   assert coalesce(local, gap, same) == ([(1000, 10, 0), (1064, 69, 0)], [(5000, 10, 0), (6000, 69, 0)])
+
+
+@ray.remote  # no enable_tensor_transport: a consumer-only actor
+class PlainConsumer:
+  def fingerprint(self, value):
+    return tree_fingerprint(value)
+
+  def get(self, refs):
+    return tree_fingerprint(ray.get(refs[0]))
+
+  def put_after_import(self):
+    import rdt_jax  # noqa: F401 - what makes jax_nixl known in this process
+
+    return [ray.put({"y": jnp.ones(2)}, _tensor_transport="jax_nixl")]
+
+
+def test_consumer_without_enable_tensor_transport(producer):
+  from conftest import wait_meta
+
+  plain = PlainConsumer.remote()
+  ref = producer.make.remote(params_tree, 16)
+  assert ray.get(plain.fingerprint.remote(ref)) == expected(params_tree, 16)
+  wait_meta(ref)
+  assert ray.get(plain.get.remote([ref])) == expected(params_tree, 16)
+  [put_ref] = ray.get(plain.put_after_import.remote())
+  assert ray.get(put_ref)["y"].tolist() == [1.0, 1.0]
+  ray.kill(plain)

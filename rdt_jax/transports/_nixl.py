@@ -20,10 +20,12 @@ has the figures):
 * Receive (and staging) buffers come from the host buffer pool
   (`rdt_jax._arrays.host_pool`): already faulted in, and registered once while
   the pool keeps them.
-* Remote agents are added (or refreshed when their registrations changed) and
-  never removed while the process runs: removing an agent kills its
-  in-flight transfers, which is how Ray's own NIXL transport fails batched
-  gets while the producer frees objects. Re-adding an agent is safe.
+* A consumer's view of a producer's agent is extended (metadata loaded again,
+  connection kept) when the producer registered new memory, and rebuilt (the
+  agent removed and added, which reconnects) at most once a second when the
+  producer deregistered memory, never while a transfer from it is in flight:
+  removing an agent kills its in-flight transfers, which is how Ray's own
+  NIXL transport fails batched gets while the producer frees objects.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from rdt_jax.transports._base import Destination, DlpackTransport
 PROGRESS_INTERVAL_S: Final = 0.01
 #: Host chunks up to this size are packed into one staging buffer.
 PACK_MAX_CHUNK: Final = 256 << 10
+#: A consumer rebuilds its view of a producer whose memory was deregistered
+#: at most this often (a rebuild reconnects, which costs tens of ms here).
+VIEW_REBUILD_INTERVAL_S: Final = 1.0
 
 
 @dataclass
@@ -53,7 +58,9 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     agent_name: the producer's NIXL agent.
     agent_meta: that agent's metadata (for `add_remote_agent`).
     agent_version: bumped whenever the producer registers new memory, so a
-      consumer refreshes its view of the agent only when needed.
+      consumer extends its view of the agent only when needed.
+    dereg_epoch: bumped whenever the producer deregisters memory, so a
+      consumer knows its view holds regions that are gone.
     addresses: the address of each non-empty chunk, in leaf order.
     device_ids: the device index of each non-empty chunk.
     regions: for each non-empty chunk, the registered region it lies in
@@ -63,6 +70,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
   agent_name: str | None = None
   agent_meta: bytes | None = None
   agent_version: int = 0
+  dereg_epoch: int = 0
   addresses: list[int] = field(default_factory=list)
   device_ids: list[int] = field(default_factory=list)
   regions: list[int] = field(default_factory=list)
@@ -182,9 +190,11 @@ class NixlTransport(DlpackTransport):
     self._registrations: dict[tuple, _Registration] = {}
     self._exports: dict[str, _Export] = {}
     self._version = 0
-    self._remote_versions: dict[str, int] = {}
     self._agent_meta: tuple[int, bytes] | None = None
     self._inflight: dict[str, int] = {}
+    self._dereg_epoch = 0
+    # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
+    self._views: dict[str, tuple[int, int, float]] = {}
 
   @staticmethod
   def is_one_sided() -> bool:
@@ -248,7 +258,7 @@ class NixlTransport(DlpackTransport):
         if reg.count == 0:
           del self._registrations[key]
           self._agent.deregister_memory(reg.handle)
-          self._version += 1  # consumers drop the region from their view
+          self._dereg_epoch += 1  # consumers drop the region from their view
 
   def _on_pool_eviction(self, pointer: int, nbytes: int) -> None:
     with self._lock:
@@ -308,6 +318,7 @@ class NixlTransport(DlpackTransport):
     with self._lock:
       self._exports[obj_id] = export
       meta.agent_version = self._version
+      meta.dereg_epoch = self._dereg_epoch
       self._poller.set_active(True)
     meta.agent_name = agent.name
     meta.agent_meta = self._agent_metadata()
@@ -315,8 +326,9 @@ class NixlTransport(DlpackTransport):
   def _agent_metadata(self) -> bytes:
     """This agent's metadata, fetched again only after new registrations."""
     with self._lock:
-      if self._agent_meta is None or self._agent_meta[0] != self._version:
-        self._agent_meta = (self._version, self._agent.get_agent_metadata())
+      key = (self._version, self._dereg_epoch)
+      if self._agent_meta is None or self._agent_meta[0] != key:
+        self._agent_meta = (key, self._agent.get_agent_metadata())
       return self._agent_meta[1]
 
   def _pack(self, chunks: list[tuple[int, int, _arrays.Device]], export: _Export) -> dict[int, tuple[int, int]]:
@@ -326,7 +338,7 @@ class NixlTransport(DlpackTransport):
     the staging buffer's region id (0).
     """
     small = [i for i, (_, n, d) in enumerate(chunks) if d.kind == "cpu" and n <= PACK_MAX_CHUNK]
-    if len(small) < 2:
+    if not small:
       return {}
     total = sum(_aligned(chunks[i][1]) for i in small)
     staging = _arrays.host_pool.acquire(total)
@@ -392,20 +404,32 @@ class NixlTransport(DlpackTransport):
     return receive
 
   def _refresh_remote(self, remote: str, meta: NixlTransportMetadata) -> None:
-    """Brings this agent's view of `remote` up to `meta`'s version.
+    """Brings this agent's view of `remote` up to what `meta` needs.
 
-    With no transfer from `remote` in flight, the old view is removed first,
-    so regions the producer has since deregistered can no longer be read with
-    stale descriptors. With transfers in flight it is only extended: removing
-    an agent kills its in-flight transfers.
+    New registrations extend the view (loading the metadata again is cheap
+    and keeps the connection). Regions the producer has deregistered leave
+    the view only when it is rebuilt: removed and added again, which
+    reconnects. That is done at most every `VIEW_REBUILD_INTERVAL_S`, and never
+    while a transfer from `remote` is in flight (removing an agent kills its
+    transfers), so a stale descriptor stops working within about a second.
     """
     with self._lock:
-      known = self._remote_versions.get(remote)
-      if known is None or known < meta.agent_version:
-        if known is not None and not self._inflight.get(remote):
-          self._agent.remove_remote_agent(remote)
+      view = self._views.get(remote)
+      now = time.monotonic()
+      if view is None:
         self._agent.add_remote_agent(meta.agent_meta)
-        self._remote_versions[remote] = meta.agent_version
+        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
+      elif (
+          meta.dereg_epoch > view[1]
+          and now - view[2] >= VIEW_REBUILD_INTERVAL_S
+          and not self._inflight.get(remote)
+      ):
+        self._agent.remove_remote_agent(remote)
+        self._agent.add_remote_agent(meta.agent_meta)
+        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
+      elif meta.agent_version > view[0]:
+        self._agent.add_remote_agent(meta.agent_meta)
+        self._views[remote] = (meta.agent_version, view[1], view[2])
       self._inflight[remote] = self._inflight.get(remote, 0) + 1
 
   def _done_with(self, remote: str) -> None:
