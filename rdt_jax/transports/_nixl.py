@@ -22,8 +22,9 @@ has the figures):
   the pool keeps them.
 * A consumer's view of a producer's agent is extended (metadata loaded again,
   connection kept) when the producer registered new memory, and rebuilt (the
-  agent removed and added, which reconnects) at most once a second when the
-  producer deregistered memory, never while a transfer from it is in flight:
+  agent removed and added, which reconnects) at most every
+  `VIEW_REBUILD_INTERVAL_S` (30 s by default) when the producer deregistered
+  memory, never while a transfer from it is in flight:
   removing an agent kills its in-flight transfers, which is how Ray's own
   NIXL transport fails batched gets while the producer frees objects.
 """
@@ -31,6 +32,7 @@ has the figures):
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 import uuid
@@ -45,9 +47,11 @@ from rdt_jax.transports._base import Destination, DlpackTransport
 PROGRESS_INTERVAL_S: Final = 0.01
 #: Host chunks up to this size are packed into one staging buffer.
 PACK_MAX_CHUNK: Final = 256 << 10
-#: A consumer rebuilds its view of a producer whose memory was deregistered
-#: at most this often (a rebuild reconnects, which costs tens of ms here).
-VIEW_REBUILD_INTERVAL_S: Final = 1.0
+#: A consumer rebuilds its view of a producer whose memory was deregistered at
+#: most this often (env var RDT_JAX_NIXL_VIEW_REBUILD_S): a rebuild reconnects,
+#: which costs tens of ms here, so rebuilding on every change would slow every
+#: weight-sync step; stale descriptors stop working within this time.
+VIEW_REBUILD_INTERVAL_S: Final = float(os.environ.get("RDT_JAX_NIXL_VIEW_REBUILD_S", "30"))
 
 
 @dataclass
@@ -411,7 +415,7 @@ class NixlTransport(DlpackTransport):
     the view only when it is rebuilt: removed and added again, which
     reconnects. That is done at most every `VIEW_REBUILD_INTERVAL_S`, and never
     while a transfer from `remote` is in flight (removing an agent kills its
-    transfers), so a stale descriptor stops working within about a second.
+    transfers), so a stale descriptor stops working within that interval.
     """
     with self._lock:
       view = self._views.get(remote)
