@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 
 import pytest
 import ray
@@ -31,6 +32,16 @@ def start_ray(**kwargs) -> None:
       runtime_env={"env_vars": env_vars, **runtime_env},
       **kwargs,
   )
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2) -> bool:
+  """Polls `predicate` until it is true or `timeout` seconds pass."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(interval)
+  return predicate()
 
 
 def wait_meta(ref):

@@ -15,6 +15,7 @@ import torch
 import rdt_jax
 from rdt_jax import _arrays
 from rdt_jax._metadata import ChunkSpec
+from conftest import wait_for
 
 ALL_DTYPES = sorted(d.name for d in _arrays.SUPPORTED_DTYPES)
 TORCH_DTYPES = [n for n in ALL_DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]
@@ -308,7 +309,7 @@ def test_host_pool_reuses_only_free_buffers():
   assert x.unsafe_buffer_pointer() == first
   assert pool.acquire(4096).ctypes.data != first
   del x
-  assert _eventually(lambda: _pooled_buffer_free(pool, first))
+  assert wait_for(lambda: _pooled_buffer_free(pool, first), timeout=5, interval=0.05)
   t = torch.from_numpy(pool.acquire(1 << 20))  # over the bound: evicts free buffers
   assert evicted and pool.pooled_bytes() <= (1 << 20) + 3 * 4096
   del t
@@ -325,12 +326,3 @@ def _pooled_buffer_free(pool, pointer: int) -> bool:
   )
 
 
-def _eventually(predicate, timeout: float = 5.0) -> bool:
-  import time
-
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(0.05)
-  return predicate()

@@ -189,17 +189,13 @@ def transport(request):
   return request.param
 
 
+wait_for = conftest.wait_for
+
+
 def make(producer, transport: str, build, *args):
   return producer.make.options(tensor_transport=transport).remote(build, *args)
 
 
-def wait_for(predicate, timeout=30.0) -> bool:
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(0.2)
-  return predicate()
 
 
 # ---- the suite every backend passes

@@ -20,7 +20,7 @@ import pytest
 import ray
 
 import rdt_jax
-from conftest import WORKER_PYTHONPATH, start_ray, wait_meta
+from conftest import WORKER_PYTHONPATH, start_ray, wait_for, wait_meta
 
 rdt_jax.register()
 
@@ -138,13 +138,6 @@ def consumer():
   return Consumer.remote()
 
 
-def wait_for(predicate, timeout=30.0) -> bool:
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(0.2)
-  return predicate()
 
 
 def test_producer_killed_before_fetch(consumer):

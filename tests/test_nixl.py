@@ -14,7 +14,7 @@ import pytest
 import ray
 
 import rdt_jax
-from conftest import start_ray
+from conftest import start_ray, wait_for
 
 # Before the classes below: @ray.method checks the transport name on definition.
 rdt_jax.register()
@@ -293,13 +293,6 @@ def test_batched_get_while_producer_frees_objects(producer):
     ]
 
 
-def wait_for(predicate, timeout=30.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(0.2)
-  return predicate()
 
 
 def test_same_array_twice_registers_once():

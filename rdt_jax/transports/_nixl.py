@@ -52,6 +52,8 @@ PACK_MAX_CHUNK: Final = 256 << 10
 #: which costs tens of ms here, so rebuilding on every change would slow every
 #: weight-sync step; stale descriptors stop working within this time.
 VIEW_REBUILD_INTERVAL_S: Final = float(os.environ.get("RDT_JAX_NIXL_VIEW_REBUILD_S", "30"))
+#: A READ still in progress after this many seconds is posted again, once.
+STALL_RETRY_S: Final = 5.0
 
 
 @dataclass
@@ -177,6 +179,8 @@ class _Receive:
   xfer: Any
   keys: list[tuple]
   remote: str
+  post: Any = None  # re-creates and posts the READ (for a retry after a stall)
+  retried: bool = False
 
 
 class NixlTransport(DlpackTransport):
@@ -199,6 +203,7 @@ class NixlTransport(DlpackTransport):
     self._dereg_epoch = 0
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
     self._views: dict[str, tuple[int, int, float]] = {}
+    self._remote_meta: dict[str, bytes] = {}  # the latest metadata seen per agent
 
   @staticmethod
   def is_one_sided() -> bool:
@@ -391,16 +396,23 @@ class NixlTransport(DlpackTransport):
           [(a, d.nbytes, i) for a, d, i in zip(meta.addresses, dests, meta.device_ids)],
           [(d.region, r) for d, r in zip(dests, meta.regions)],
       )
-      xfer = agent.initialize_xfer(
-          "READ",
-          agent.get_xfer_descs(local, mem_type=_mem_type(dests[0].device.kind)),
-          agent.get_xfer_descs(remote_descs, mem_type=_mem_type(meta.tensor_device or "cpu")),
-          remote,
-          b"",
-      )
-      receive = _Receive(xfer, keys, remote)
-      if agent.transfer(xfer) == "ERR":
-        raise RuntimeError("NIXL transfer entered the error state on start.")
+      local_mem = _mem_type(dests[0].device.kind)
+      remote_mem = _mem_type(meta.tensor_device or "cpu")
+
+      def post() -> Any:
+        xfer = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, mem_type=local_mem),
+            agent.get_xfer_descs(remote_descs, mem_type=remote_mem),
+            remote,
+            b"",
+        )
+        if agent.transfer(xfer) == "ERR":
+          agent.release_xfer_handle(xfer)
+          raise RuntimeError("NIXL transfer entered the error state on start.")
+        return xfer
+
+      receive = _Receive(post(), keys, remote, post)
     except BaseException:
       self._unregister(keys)
       self._done_with(remote)
@@ -420,6 +432,7 @@ class NixlTransport(DlpackTransport):
     with self._lock:
       view = self._views.get(remote)
       now = time.monotonic()
+      self._remote_meta[remote] = meta.agent_meta
       if view is None:
         self._agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
@@ -457,7 +470,8 @@ class NixlTransport(DlpackTransport):
     if handle is None:
       return
     agent = self._agent
-    deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = None if timeout is None or timeout < 0 else started + timeout
     sleep = 0.0
     while True:
       state = agent.check_xfer_state(handle.xfer)
@@ -467,11 +481,33 @@ class NixlTransport(DlpackTransport):
         raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state.")
       if self.aborted(obj_id):
         raise RuntimeError(f"NIXL READ of object {obj_id} was aborted.")
-      if deadline is not None and time.monotonic() >= deadline:
+      now = time.monotonic()
+      if deadline is not None and now >= deadline:
         raise TimeoutError(f"NIXL READ of object {obj_id} timed out after {timeout}s.")
+      if now - started > STALL_RETRY_S and not handle.retried:
+        self._retry(handle)
+        started = time.monotonic()
       # Spin briefly for small transfers, then back off to 1 ms sleeps.
       sleep = min(0.001, sleep + 0.00005)
       time.sleep(sleep)
+
+  def _retry(self, handle: _Receive) -> None:
+    """Posts a stalled READ again, once, over a fresh connection if possible.
+
+    Rarely (seen about once in a few hundred first connections of several
+    consumers to one producer at once, on this 2-core host), a READ stays in
+    progress forever. Reposting it, after rebuilding the view of the producer
+    when no other transfer from it is in flight, turns that hang into a delay.
+    """
+    handle.retried = True
+    self._agent.release_xfer_handle(handle.xfer)
+    with self._lock:
+      if self._inflight.get(handle.remote) == 1 and handle.remote in self._views:
+        meta_version, epoch, _ = self._views[handle.remote]
+        self._agent.remove_remote_agent(handle.remote)
+        self._agent.add_remote_agent(self._remote_meta[handle.remote])
+        self._views[handle.remote] = (meta_version, epoch, time.monotonic())
+    handle.xfer = handle.post()
 
   def finish_receive(self, handle: _Receive | None) -> None:
     if handle is None:
