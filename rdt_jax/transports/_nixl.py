@@ -494,9 +494,8 @@ class NixlTransport(DlpackTransport):
   def _retry(self, handle: _Receive) -> None:
     """Posts a stalled READ again, once, over a fresh connection if possible.
 
-    Rarely (seen about once in a few hundred first connections of several
-    consumers to one producer at once, on this 2-core host), a READ stays in
-    progress forever. Reposting it, after rebuilding the view of the producer
+    Rarely, when several new consumers connect to one producer at once (seen
+    on a 2-core host), a READ stays in progress forever. Reposting it, after rebuilding the view of the producer
     when no other transfer from it is in flight, turns that hang into a delay.
     """
     handle.retried = True
