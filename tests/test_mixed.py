@@ -10,7 +10,7 @@ import ray
 import torch
 
 import rdt_jax
-from conftest import start_ray, wait_meta
+from conftest import wait_meta
 
 rdt_jax.register()
 
@@ -107,11 +107,8 @@ class Node:
     return kinds(value), [d.id for d in value["jax"].devices()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ray():
-  start_ray()
-  yield
-  ray.shutdown()
+# One local Ray session for the module (conftest.ray_session).
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")

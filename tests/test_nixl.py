@@ -14,7 +14,7 @@ import pytest
 import ray
 
 import rdt_jax
-from conftest import start_ray, wait_for
+from conftest import wait_for
 
 # Before the classes below: @ray.method checks the transport name on definition.
 rdt_jax.register()
@@ -182,11 +182,8 @@ def meta_device_leaf():
   return {"meta": torch.empty(3, device="meta")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ray():
-  start_ray()
-  yield
-  ray.shutdown()
+# One local Ray session for the module (conftest.ray_session).
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")
