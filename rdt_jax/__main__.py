@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                   "(NumPy, jax.Array) and memcpy in one interleaved run; write JSON, "
                   "Markdown and a PNG plot.",
   )
-  from rdt_jax.bench import _soak, add_arguments, config_from_args, run, validate
+  from rdt_jax.bench import _soak, add_arguments, run_from_args
 
   add_arguments(bench)
   soak = commands.add_parser(
@@ -36,14 +36,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "soak":
     return _soak.run(args)
-  if args.command == "bench":
-    try:
-      config = config_from_args(args)
-      validate(config)
-    except ValueError as e:
-      bench.error(str(e))
-    run(config)
-  return 0
+  return run_from_args(args, bench)
 
 
 if __name__ == "__main__":

@@ -255,7 +255,14 @@ def main(argv: list[str] | None = None) -> int:
   """`rdt-jax bench` without the `bench`: parses `argv` and runs."""
   parser = argparse.ArgumentParser(prog="rdt-jax bench", description=__doc__.splitlines()[0])
   add_arguments(parser)
-  args = parser.parse_args(argv)
+  return run_from_args(parser.parse_args(argv), parser)
+
+
+def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+  """Builds the run's config from parsed `args` and runs it; returns 0.
+
+  An invalid combination of options exits through `parser.error`.
+  """
   try:
     config = config_from_args(args)
     validate(config)
