@@ -3,37 +3,59 @@
 Call :func:`register` in the driver before creating actors, then return
 `jax.Array`s (or pytrees of any mix of jax, torch and numpy arrays) from
 methods decorated with `@ray.method(tensor_transport="jax_nixl")`.
+
+The public names are loaded on first use: `import rdt_jax` imports neither
+Ray nor any array framework, so the DLPack layer (`rdt_jax._dlpack`) can be
+used, and tested, where Ray is not installed.
 """
 
-from rdt_jax._arrays import UnsupportedLeafError as UnsupportedLeafError
-from rdt_jax._convert import to_jax as to_jax
-from rdt_jax._convert import to_numpy as to_numpy
-from rdt_jax._convert import to_torch as to_torch
-from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
-from rdt_jax._registry import receive_as as receive_as
-from rdt_jax._registry import register as register
-from rdt_jax._registry import register_transport as register_transport
-from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
-from rdt_jax._targets import set_target_for_ref as set_target_for_ref
-from rdt_jax.transports._base import Destination as Destination
-from rdt_jax.transports._base import DlpackTransport as DlpackTransport
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from rdt_jax._convert import to_jax as to_jax
+  from rdt_jax._convert import to_numpy as to_numpy
+  from rdt_jax._convert import to_torch as to_torch
+  from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
+  from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
+  from rdt_jax._registry import receive_as as receive_as
+  from rdt_jax._registry import register as register
+  from rdt_jax._registry import register_transport as register_transport
+  from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
+  from rdt_jax._targets import set_target_for_ref as set_target_for_ref
+  from rdt_jax.transports._base import Destination as Destination
+  from rdt_jax.transports._base import DlpackTransport as DlpackTransport
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Destination",
-    "DlpackTransport",
-    "DlpackTransportMetadata",
-    "UnsupportedLeafError",
-    "receive_as",
-    "register",
-    "register_transport",
-    "set_target_device_for_ref",
-    "set_target_for_ref",
-    "to_jax",
-    "to_numpy",
-    "to_torch",
-]
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "Destination": "rdt_jax.transports._plan",
+    "DlpackTransport": "rdt_jax.transports._base",
+    "DlpackTransportMetadata": "rdt_jax._metadata",
+    "UnsupportedLeafError": "rdt_jax._dlpack",
+    "receive_as": "rdt_jax._registry",
+    "register": "rdt_jax._registry",
+    "register_transport": "rdt_jax._registry",
+    "set_target_device_for_ref": "rdt_jax._targets",
+    "set_target_for_ref": "rdt_jax._targets",
+    "to_jax": "rdt_jax._convert",
+    "to_numpy": "rdt_jax._convert",
+    "to_torch": "rdt_jax._convert",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'rdt_jax' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
 
 
 def __dir__() -> list[str]:

@@ -1,8 +1,9 @@
-"""Version gates and third-party imports, in one place.
+"""Version gates for JAX and NIXL, in one place.
 
-Every place where rdt_jax depends on a specific version of Ray, JAX or NIXL is
-here, with a comment saying why. The rest of the package imports from this
-module instead of testing versions itself.
+Every place where rdt_jax depends on a specific version of JAX or NIXL is
+here, with a comment saying why; the rest of the package imports from this
+module instead of testing versions itself. It imports no Ray: Ray's internals
+are touched only in `rdt_jax._seam`.
 """
 
 from __future__ import annotations
@@ -12,28 +13,7 @@ import importlib
 import logging
 import os
 from types import ModuleType
-from typing import Any, Final
-
-# Ray minor versions whose RDT internals we have read and tested. RDT is alpha:
-# `patch_ray_serialization` relies on `SerializationContext.serialize_rdt_objects`
-# and `RDTManager.register_custom_transports_on_actor` keeping their 2.60 shape.
-TESTED_RAY_MINORS: Final = frozenset({(2, 60)})
-
-# jax/jaxlib ranges we test: 0.10 on Python 3.11 (CPU, here); 0.11 is what
-# GPU images commonly ship on Python 3.12 (untested here, see README).
-TESTED_JAX_MINORS: Final = frozenset({(0, 10), (0, 11)})
-
-
-def _minor(version: str) -> tuple[int, int]:
-  major, minor = version.split(".")[:2]
-  return int(major), int(minor)
-
-
-def ray_version_tested() -> bool:
-  """True if the installed Ray is a minor version we test against."""
-  import ray
-
-  return _minor(ray.__version__) in TESTED_RAY_MINORS
+from typing import Any
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,7 +31,7 @@ def nixl_api() -> ModuleType:
   for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
     try:
       api = importlib.import_module(name)
-    except ImportError as e:  # noqa: PERF203
+    except ImportError as e:
       errors.append(f"{name}: {e}")
       continue
     if "NIXL_LOG_LEVEL" not in os.environ:
@@ -138,14 +118,3 @@ def host_arrays_to_jax(views: list, device: Any) -> list:
       _fast_put_broken = True
   return jax.device_put(views, device)
 
-
-def ray_serialization_context_class() -> Any:
-  from ray._private.serialization import SerializationContext
-
-  return SerializationContext
-
-
-def ray_cloudpickler() -> Any:
-  from ray import cloudpickle
-
-  return cloudpickle.CloudPickler

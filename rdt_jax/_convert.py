@@ -1,26 +1,25 @@
 """Tree-level conversion between jax, torch and numpy: `to_jax` and friends.
 
-Each function maps one leaf converter from the DLPack layer (`_arrays`) over a
-pytree, keeping the structure and every non-array leaf as it is.
+Each function maps the DLPack layer's leaf converter (`_dlpack.convert_leaf`)
+over a pytree, keeping the structure and every non-array leaf as it is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rdt_jax import _arrays
-from rdt_jax._metadata import Framework
+from rdt_jax import _dlpack
 
 
-def _convert_tree(tree: Any, framework: Framework) -> Any:
+def _convert_tree(tree: Any, framework: _dlpack.Framework) -> Any:
   import jax
 
-  if _arrays.is_array(tree):
-    return _arrays.convert_leaf(tree, framework, "")
+  if _dlpack.is_array(tree):
+    return _dlpack.convert_leaf(tree, framework, "")
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: _arrays.convert_leaf(x, framework, jax.tree_util.keystr(path)),
+      lambda path, x: _dlpack.convert_leaf(x, framework, jax.tree_util.keystr(path)),
       tree,
-      is_leaf=_arrays.is_array,
+      is_leaf=_dlpack.is_array,
   )
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _arrays
+from rdt_jax import _dlpack, _seam
 
 _lock = threading.Lock()
-_targets: dict[str, "Target"] = {}
+_targets: dict[str, Target] = {}
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,13 @@ class Target:
   """A ref's receive target: arrays by pytree path, or a device."""
 
   buffers: dict[str, Any] | None = None
-  device: _arrays.Device | None = None
+  device: _dlpack.Device | None = None
 
 
 def _check_rdt_ref(ref: Any) -> str:
   if not isinstance(ref, ray.ObjectRef):
     raise TypeError(f"Expected a ray.ObjectRef, got {type(ref).__name__}.")
-  manager = ray._private.worker.global_worker.rdt_manager
-  if not manager.is_managed_object(ref.hex()):
+  if not _seam.is_managed_object(ref.hex()):
     raise ValueError(
         f"{ref} is not an RDT object: targets apply to refs returned by a "
         "method with @ray.method(tensor_transport=...) or by ray.put(..., "
@@ -66,9 +65,9 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
   """
   obj_id = _check_rdt_ref(ref)
   buffers = _flatten_target(target)
-  meta = ray._private.worker.global_worker.rdt_manager.get_rdt_metadata(obj_id)
-  if meta is not None and meta.tensor_transport_meta is not None:
-    align_targets(buffers, getattr(meta.tensor_transport_meta, "leaves", []))
+  meta = _seam.transport_metadata(obj_id)
+  if meta is not None:
+    align_targets(buffers, getattr(meta, "leaves", []))
   with _lock:
     _targets[obj_id] = Target(buffers=buffers)
 
@@ -87,7 +86,7 @@ def set_target_device_for_ref(ref: ray.ObjectRef, device: Any) -> None:
       cuda device.
   """
   obj_id = _check_rdt_ref(ref)
-  parsed = _arrays.parse_device(device)
+  parsed = _dlpack.parse_device(device)
   with _lock:
     _targets[obj_id] = Target(device=parsed)
 
@@ -101,10 +100,10 @@ def pop_target(obj_id: str) -> Target | None:
 def _flatten_target(target: Any) -> dict[str, Any]:
   import jax
 
-  if _arrays.is_array(target):
+  if _dlpack.is_array(target):
     return {"": target}
   flat, _ = jax.tree_util.tree_flatten_with_path(target)
-  buffers = {jax.tree_util.keystr(p): x for p, x in flat if _arrays.is_array(x)}
+  buffers = {jax.tree_util.keystr(p): x for p, x in flat if _dlpack.is_array(x)}
   if not buffers:
     raise ValueError("The target holds no jax, torch or numpy arrays.")
   return buffers
@@ -135,19 +134,19 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
       )
     buf = buffers[leaf.path]
     shape = tuple(int(n) for n in buf.shape)
-    dtype = _arrays.np_dtype_from_name(str(buf.dtype).removeprefix("torch."))
+    dtype = _dlpack.dtype_of(buf)
     if shape != leaf.shape or dtype != np.dtype(leaf.dtype):
       raise ValueError(
           f"Target for leaf {leaf.path} has shape {shape} and dtype "
           f"{dtype.name}, but the value's leaf has shape {leaf.shape} and "
           f"dtype {leaf.dtype.name}."
       )
-    if _arrays.framework_of(buf) != "jax" and not _is_c_contiguous(buf):
+    if not _dlpack.is_c_contiguous(buf):
       raise ValueError(
           f"Target for leaf {leaf.path} is not C-contiguous; pass a "
           "contiguous array to receive into."
       )
-    if _arrays.framework_of(buf) == "numpy" and not buf.flags.writeable:
+    if _dlpack.framework_of(buf) == "numpy" and not _dlpack.is_writable(buf):
       raise ValueError(
           f"Target for leaf {leaf.path} is a read-only numpy array (arrays "
           "from Ray's object store are); pass a writable copy (x.copy())."
@@ -155,8 +154,3 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
     aligned.append(buf)
   return aligned
 
-
-def _is_c_contiguous(buf: Any) -> bool:
-  if _arrays.framework_of(buf) == "numpy":
-    return bool(buf.flags.c_contiguous)
-  return bool(buf.is_contiguous())

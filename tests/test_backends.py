@@ -48,7 +48,7 @@ DTYPES = [
 def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
   """Deterministic values of any dtype, as a numpy array."""
   rng = np.random.default_rng(seed)
-  dtype = rdt_jax._arrays.np_dtype_from_name(dtype_name)
+  dtype = rdt_jax._dlpack.np_dtype_from_name(dtype_name)
   if dtype == np.bool_:
     return rng.integers(0, 2, shape).astype(bool)
   if dtype.kind in "iu":
@@ -60,16 +60,16 @@ def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
 
 def fingerprint(x) -> tuple:
   """(framework, dtype name, shape, sha256 of the bytes) of one array."""
-  fw = rdt_jax._arrays.framework_of(x)
+  fw = rdt_jax._dlpack.framework_of(x)
   host = np.asarray(rdt_jax.to_numpy(x))
   return fw, host.dtype.name, tuple(host.shape), hashlib.sha256(host.tobytes()).hexdigest()
 
 
 def tree_fingerprint(tree):
   return jax.tree_util.tree_map(
-      lambda x: fingerprint(x) if rdt_jax._arrays.is_array(x) else x,
+      lambda x: fingerprint(x) if rdt_jax._dlpack.is_array(x) else x,
       tree,
-      is_leaf=rdt_jax._arrays.is_array,
+      is_leaf=rdt_jax._dlpack.is_array,
   )
 
 

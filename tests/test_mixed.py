@@ -20,9 +20,9 @@ TWO_DEVICES = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count
 
 def kinds(tree):
   return jax.tree_util.tree_map(
-      lambda x: rdt_jax._arrays.framework_of(x) or type(x).__name__,
+      lambda x: rdt_jax._dlpack.framework_of(x) or type(x).__name__,
       tree,
-      is_leaf=rdt_jax._arrays.is_array,
+      is_leaf=rdt_jax._dlpack.is_array,
   )
 
 
@@ -69,7 +69,7 @@ class Node:
     """Receives a value and returns it scaled, as whatever type it arrived as."""
     out = {}
     for k, v in value.items():
-      fw = rdt_jax._arrays.framework_of(v)
+      fw = rdt_jax._dlpack.framework_of(v)
       if fw in ("jax", "numpy"):
         out[k] = (v * scale).astype(v.dtype)
       elif fw == "torch":
@@ -180,7 +180,7 @@ def test_receive_as_in_the_driver(nodes):
     value = ray.get(ref)
   finally:
     rdt_jax.receive_as("source")
-  assert {k: rdt_jax._arrays.framework_of(v) for k, v in value.items() if k != "step"} == dict.fromkeys(
+  assert {k: rdt_jax._dlpack.framework_of(v) for k, v in value.items() if k != "step"} == dict.fromkeys(
       ["jax", "torch", "param", "numpy", "bf16"], "numpy"
   )
 

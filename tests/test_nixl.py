@@ -31,7 +31,7 @@ JAX_DTYPES = [
 
 
 def dtype_of(name: str) -> np.dtype:
-  return rdt_jax._arrays.np_dtype_from_name(name)
+  return rdt_jax._dlpack.np_dtype_from_name(name)
 
 
 def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
@@ -50,7 +50,7 @@ def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
 
 def fingerprint(x) -> tuple:
   """(framework, dtype name, shape, sha256 of the bytes) of one array."""
-  fw = rdt_jax._arrays.framework_of(x)
+  fw = rdt_jax._dlpack.framework_of(x)
   host = rdt_jax.to_numpy(x)
   digest = hashlib.sha256(np.ascontiguousarray(host).view(np.uint8).tobytes()).hexdigest()
   return fw, host.dtype.name, tuple(host.shape), digest
@@ -58,9 +58,9 @@ def fingerprint(x) -> tuple:
 
 def tree_fingerprint(tree):
   return jax.tree_util.tree_map(
-      lambda x: fingerprint(x) if rdt_jax._arrays.is_array(x) else x,
+      lambda x: fingerprint(x) if rdt_jax._dlpack.is_array(x) else x,
       tree,
-      is_leaf=rdt_jax._arrays.is_array,
+      is_leaf=rdt_jax._dlpack.is_array,
   )
 
 
@@ -126,9 +126,9 @@ class Consumer:
     return nixl_transport().num_registrations()
 
   def pooled(self):
-    from rdt_jax import _arrays
+    from rdt_jax import _dlpack
 
-    return nixl_transport().num_pooled_registrations(), _arrays.host_pool.pooled_bytes()
+    return nixl_transport().num_pooled_registrations(), _dlpack.host_pool.pooled_bytes()
 
   def rss(self):
     import psutil

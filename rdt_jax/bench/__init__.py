@@ -200,7 +200,7 @@ def _document(
   summaries = _stats.summarize(state.samples, state.cases)
   plain = next((c for c in state.cases if c.kind == "plain"), None)
   plain_check = _stats.plain_check(summaries, plain.id) if plain else None
-  if plain_check:
+  if plain_check and plain is not None:
     plain_check["nbytes"] = plain.object_nbytes
   return {
       "schema": "rdt-jax-bench/1",

@@ -21,8 +21,9 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -163,7 +164,7 @@ class ActorGroup:
     for a in self.actors:
       try:
         ray.kill(a)
-      except Exception:  # noqa: BLE001 - already gone
+      except Exception:
         pass
 
 
@@ -229,7 +230,8 @@ def bench_actor_class(gpu: bool) -> Any:
   """The BenchActor as a Ray actor class, with GPU options when `gpu`."""
   import ray
 
-  cls = ray.remote(enable_tensor_transport=True)(_actors.BenchActor)
+  # Ray's type stubs do not know enable_tensor_transport yet.
+  cls = ray.remote(enable_tensor_transport=True)(_actors.BenchActor)  # type: ignore[call-overload]
   options: dict[str, Any] = {"num_cpus": 0}
   if gpu:
     options.update(_GPU_ACTOR_OPTIONS)
@@ -299,6 +301,13 @@ class Path:
   def group(self, case: _cases.Case) -> ActorGroup | None:
     return self.groups.get(case.device)
 
+  def group_of(self, case: _cases.Case) -> ActorGroup:
+    """The actor group for `case`, which the runner made before running it."""
+    g = self.group(case)
+    if g is None:
+      raise RuntimeError(f"path {self.id} has no {case.device} actors")
+    return g
+
   def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
     """The actors one sample uses, to be continued while it runs (None: all)."""
     return None
@@ -366,7 +375,7 @@ class ActorPath(Path):
     return f"{case.id}/{self.framework}"
 
   def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
-    g = self.group(case)
+    g = self.group_of(case)
     if case.kind == "refs":
       return [g.producer] if self.refs_getter is None else [g.producer, g.consumers[-1]]
     return [g.producer, *self._readers(case, variant, g)]
@@ -376,7 +385,7 @@ class ActorPath(Path):
     return g.consumers[: int(variant[1:])] if case.kind == "fanout" else g.consumers[:1]
 
   def prepare(self, case: _cases.Case, timeout: float) -> None:
-    g = self.group(case)
+    g = self.group_of(case)
     key = self._key(case)
     g.prepare(key, lambda: g.producer.prepare.remote(key, case, self.framework), timeout)
 
@@ -387,7 +396,7 @@ class ActorPath(Path):
   def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
     import ray
 
-    g = self.group(case)
+    g = self.group_of(case)
     key = self._key(case)
     expected = g.prepared[key]
     send = self._send(g)
@@ -423,7 +432,7 @@ class ActorPath(Path):
       mem = None
       if memory:
         mem = _peaks(sides, baseline)
-        mem["driver"] = _actors.peak_rss() - driver_base
+        mem["driver"] = _actors.peak_rss() - (driver_base or 0)
       del refs, values
     else:
       # A getter actor stands in for the driver (see refs_getter).
@@ -453,11 +462,11 @@ class MemcpyPath(Path):
     return super().case_skip(case)
 
   def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
-    return None if case.device == "cpu" else [self.group(case).producer]
+    return None if case.device == "cpu" else [self.group_of(case).producer]
 
   def prepare(self, case: _cases.Case, timeout: float) -> None:
     if case.device != "cpu":
-      g = self.group(case)
+      g = self.group_of(case)
       key = f"{case.id}/torch"
       g.prepare(key, lambda: g.producer.prepare.remote(key, case, "torch"), timeout)
       return
@@ -477,7 +486,7 @@ class MemcpyPath(Path):
 
     copies = int(variant[1:]) if case.kind == "fanout" else 1
     if case.device != "cpu":
-      g = self.group(case)
+      g = self.group_of(case)
       seconds = ray.get(g.producer.device_memcpy.remote(f"{case.id}/torch", copies), timeout=timeout)
       return Measurement(seconds)
     sources, targets = self._buffers[case.id]
@@ -510,13 +519,13 @@ class PlainPath(Path):
     return case.kind == "plain"
 
   def prepare(self, case: _cases.Case, timeout: float) -> None:
-    g = self.group(case)
+    g = self.group_of(case)
     g.prepare("plain", lambda: g.producer.prepare.remote(case.object_nbytes), timeout)
 
   def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
     import ray
 
-    g = self.group(case)
+    g = self.group_of(case)
     sides = {"producer": g.producer}
     baseline = _reset_peaks(sides) if memory else None
     driver_base = _actors.reset_peak_rss() if memory else None
@@ -531,7 +540,7 @@ class PlainPath(Path):
     mem = None
     if memory:
       mem = _peaks(sides, baseline)
-      mem["driver"] = _actors.peak_rss() - driver_base
+      mem["driver"] = _actors.peak_rss() - (driver_base or 0)
     return Measurement(seconds, seconds - (t1 - t0), mem)
 
 
@@ -553,7 +562,8 @@ def _reset_peaks(sides: dict[str, Any]) -> dict[str, int]:
   return dict(zip(names, values))
 
 
-def _peaks(sides: dict[str, Any], baseline: dict[str, int]) -> dict[str, int]:
+def _peaks(sides: dict[str, Any], baseline: dict[str, int] | None) -> dict[str, int]:
+  assert baseline is not None
   import ray
 
   names = list(sides)
@@ -583,7 +593,7 @@ def first_line(e: BaseException) -> str:
   cause = getattr(e, "cause", None)
   if isinstance(cause, BaseException) and cause is not e:
     return first_line(cause)
-  lines = [l.strip() for l in _ANSI.sub("", str(e)).splitlines() if l.strip()]
+  lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
   if lines and lines[0].startswith("ray::"):
     lines = lines[-1:]  # a remote traceback: its last line names the error
   return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]

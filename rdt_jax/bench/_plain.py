@@ -90,5 +90,5 @@ def plain_actor_class() -> Any:
   for the array it builds.
   """
   namespace: dict[str, Any] = {"__name__": _MODULE}
-  exec(compile(_SOURCE, f"<{_MODULE}>", "exec"), namespace)  # noqa: S102 - fixed source
+  exec(compile(_SOURCE, f"<{_MODULE}>", "exec"), namespace)
   return namespace["PlainActor"]

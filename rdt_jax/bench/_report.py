@@ -68,12 +68,11 @@ def _labels(doc: dict[str, Any]) -> dict[str, str]:
 
 def _rows(doc: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
   """(case, variant) rows in run order, excluding the plain check."""
-  rows = []
+  rows: list[tuple[dict[str, Any], str]] = []
   for case in doc["cases"]:
     if case["kind"] == "plain":
       continue
-    for v in case["variants"]:
-      rows.append((case, v))
+    rows.extend((case, v) for v in case["variants"])
   return rows
 
 
@@ -234,7 +233,7 @@ def _memory_rows(doc: dict[str, Any], cols: list[str], labels: dict[str, str]) -
     case = next(c for c in doc["cases"] if c["id"] == s["case"])
     payload = case["object_nbytes"] * (case["count"] if case["kind"] == "refs" else 1)
 
-    def sides(mem: dict[str, int] | None) -> str:
+    def sides(mem: dict[str, int] | None, payload: int = payload) -> str:
       return ", ".join(f"{side} {max(0, v) / payload:.2f}x" for side, v in (mem or {}).items())
 
     rows.append([_row_name(case, s["variant"]), labels.get(s["path"], s["path"]),

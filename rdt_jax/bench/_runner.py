@@ -9,12 +9,14 @@ out of the statistics.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from rdt_jax.bench import _cases, _paths
 from rdt_jax.bench._paths import ActorGroup, ActorPath, Path
@@ -182,7 +184,7 @@ def start_ray() -> bool:
       address="local",
       num_cpus=os.cpu_count() or 2,
       include_dashboard=False,
-      logging_level="error",
+      logging_level=logging.ERROR,
       log_to_driver=False,
       runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "NIXL_LOG_LEVEL": "WARN"}},
   )
@@ -294,6 +296,7 @@ def setup(state: RunState, progress: Progress) -> None:
             "main", "cuda", lambda: _paths.make_group("main", fan, config.pause, True, ("jax",))
         )
       continue
+    assert isinstance(p, _paths.ActorPath)
     for device in actor_devices:
       if device not in p.devices:
         continue
@@ -353,14 +356,16 @@ def _make_collective_groups(path: ActorPath) -> str | None:
   """Creates the collective group a two-sided path needs; returns a skip reason."""
   from ray.experimental.collective import create_collective_group
 
+  assert path.transport_class is not None
   backend = _paths.group_backend(path.id, path.transport_class)
   if backend is None:
-    return f"two-sided transport with no known collective backend (set `group_backend` on {path.transport_class.__name__})"
+    name = path.transport_class.__name__
+    return f"two-sided transport with no known collective backend (set `group_backend` on {name})"
   for device, g in path.groups.items():
     try:
       with resumed(g):
         create_collective_group(g.actors, backend=backend)
-    except Exception as e:  # noqa: BLE001 - reported as the skip reason
+    except Exception as e:
       return f"create_collective_group(backend={backend!r}) failed on {device}: {_paths.first_line(e)}"
   return None
 
@@ -391,7 +396,7 @@ def _smoke_test(state: RunState, progress: Progress) -> None:
           p.prepare(case, state.config.sample_timeout_s)
           p.run(case, "", min(120.0, state.config.sample_timeout_s), False)
           g.drop_all()
-      except Exception as e:  # noqa: BLE001 - reported as the skip reason
+      except Exception as e:
         reason = f"smoke test failed: {_paths.first_line(e)}"
         if device == "cpu":
           p.skip_reason = reason
@@ -443,7 +448,7 @@ def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress)
       try:
         with resumed(p.group(case)):
           p.prepare(case, config.sample_timeout_s)
-      except Exception as e:  # noqa: BLE001 - reported as the skip reason
+      except Exception as e:
         reason = f"preparing the data failed: {_paths.first_line(e)}"
     if reason:
       state.skips.append({"case": case.id, "path": p.id, "reason": reason})
@@ -473,7 +478,7 @@ def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress)
         sample.seconds, sample.read_seconds, sample.memory = m.seconds, m.read_seconds, m.memory
         progress.live(f"{title} {what} {name}: {m.seconds * 1e3:.2f} ms")
         allowed.setdefault((p.id, v), _allowed_reps(m.seconds, reps, config))
-      except Exception as e:  # noqa: BLE001 - recorded; the path stops for this case
+      except Exception as e:
         sample.error = _paths.first_line(e)
         failed[(p.id, v)] = sample.error
         progress.line(f"{title} {name} failed: {sample.error}")

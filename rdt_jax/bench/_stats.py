@@ -7,8 +7,9 @@ written the other way round and say so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -191,7 +192,7 @@ def _memory_target(summaries: list[Summary], transport: str) -> Target:
   s = _find(summaries, "256MiB", transport)
   if s is None or not s.memory_peak:
     return Target(name, goal, None, None, "not measured in this run: 256MiB memory")
-  per_side = {}
+  per_side: dict[str, float] = {}
   for mem in (s.memory_first or {}, s.memory_peak):
     for side, v in mem.items():
       per_side[side] = max(per_side.get(side, 0.0), max(0, v) / s.moved_bytes)

@@ -2,33 +2,32 @@
 
 `DlpackTransport` implements Ray's `TensorTransportManager` for any array
 type: it turns the leaves Ray extracted into framework-neutral metadata and raw
-buffers (through `rdt_jax._arrays`), allocates receive buffers, and rebuilds
-the consumer's arrays. A backend subclass only moves bytes. It implements:
+buffers (through the DLPack layer, `rdt_jax._dlpack`), plans the receive
+(`ReceivePlan`), and rebuilds the consumer's arrays. A backend subclass only
+moves bytes: register, move, release. It implements:
 
 * `export_buffers` (producer): make the described buffers reachable and add
   what consumers need to the metadata (one-sided backends register memory);
 * `start_receive` / `wait_receive` (consumer): move the bytes of every chunk
-  into the given destinations;
+  into the given destinations; `finish_receive` / `cancel_receive` release
+  what the receive took;
 * `release` (producer): undo `export_buffers` when Ray frees the object;
 * `send_buffers` (producer, two-sided backends only): push every chunk to the
-  consumer, whose `wait_receive` takes them in the same order.
+  consumer, whose `wait_receive` takes them in the same order. When the
+  consumer cannot take an object (a 64-bit leaf where x64 is off, a target
+  that does not fit), the base still receives the bytes, into scratch
+  buffers, so the sender never blocks on a receive that will not come.
 
-Two kinds of backend need one more hook each. A two-sided backend (its
-`is_one_sided()` is False) gets `send_buffers`; when the consumer cannot take
-an object (a 64-bit leaf where x64 is off, a target that does not fit), the
-base still receives the bytes, into scratch buffers, so the sender never
-blocks on a receive that will not come. A backend that receives whole arrays
-rather than bytes (`delivers_arrays = True`, e.g. `jax_transfer`) overrides
-`export_arrays` to see the producer's arrays, gets one `Destination` per leaf
-(a device and, for a jax target, the template array; no memory), and returns
-one array per leaf from `wait_receive`; the base converts them.
+A backend that moves whole jax arrays rather than bytes (`jax_transfer`)
+subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
+`start_pull` and `wait_pull`.
 """
 
 from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ray.experimental.rdt.tensor_transport_manager import (
@@ -37,204 +36,14 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _arrays, _registry, _targets
-from rdt_jax._metadata import DlpackTransportMetadata, Framework, LeafSpec
+from rdt_jax import _dlpack, _seam, _state, _targets
+from rdt_jax._metadata import DlpackTransportMetadata
+from rdt_jax.transports._plan import Destination, Placement, ReceivePlan
 
 if TYPE_CHECKING:
   import ray
 
-
-@dataclass
-class Destination:
-  """Where one chunk lands on the consumer.
-
-  Attributes:
-    pointer: address of the chunk's first byte.
-    nbytes: the chunk's size.
-    device: the device the memory is on.
-    array: the framework object owning the memory (a uint8 numpy view, a
-      torch tensor or a jax array), for backends that need one.
-    region: `(pointer, nbytes)` of the whole allocation the chunk lies in
-      (chunks of one object share a host buffer): what a backend registers.
-    pooled: True if `region` belongs to the process's host buffer pool and
-      outlives this transfer (a backend may keep it registered until the
-      pool evicts it; see `rdt_jax._arrays.HostBufferPool`).
-  """
-
-  pointer: int
-  nbytes: int
-  device: _arrays.Device
-  array: Any
-  region: tuple[int, int]
-  pooled: bool = False
-
-
-@dataclass(frozen=True)
-class _JaxPending:
-  """A host view that build() turns into a jax.Array with its batch."""
-
-  view: Any
-  device: _arrays.Device
-
-
-@dataclass
-class _LeafPlan:
-  spec: LeafSpec
-  framework: Framework
-  device: _arrays.Device
-  target: Any = None  # a numpy/torch array received in place, or a jax template
-  host_offsets: list[int] = field(default_factory=list)
-  device_buffers: list[_arrays.DeviceBuffer] = field(default_factory=list)
-
-
-class ReceivePlan:
-  """Receive buffers for one object, and how to rebuild its leaves from them.
-
-  Host chunks share one 64-byte aligned buffer, so an object of many small
-  leaves costs one allocation (and one registration); every leaf is a
-  zero-copy view into it. Device chunks get a buffer each. Leaves with a
-  numpy/torch target are received straight into the target's memory.
-  """
-
-  def __init__(
-      self,
-      leaves: list[LeafSpec],
-      mode: str,
-      target: _targets.Target | None = None,
-      allocate: bool = True,
-  ):
-    targets = (
-        _targets.align_targets(target.buffers, leaves)
-        if target is not None and target.buffers is not None
-        else [None] * len(leaves)
-    )
-    self.plans = [
-        self._plan_leaf(spec, mode, t, target.device if target else None)
-        for spec, t in zip(leaves, targets)
-    ]
-    self.host: Any = None
-    self.destinations: list[Destination] = []
-    if allocate:
-      self._allocate()
-
-  def leaf_destinations(self) -> list[Destination]:
-    """One memory-less Destination per leaf: where it should arrive.
-
-    For backends that receive whole arrays (`delivers_arrays`): `device` is
-    the leaf's receive device and `array` its jax target (a placement
-    template) or None; `pointer` and `region` are 0.
-    """
-    return [
-        Destination(
-            0,
-            p.spec.nbytes,
-            p.device,
-            p.target if _arrays.framework_of(p.target) == "jax" else None,
-            (0, 0),
-        )
-        for p in self.plans
-    ]
-
-  @staticmethod
-  def _plan_leaf(
-      spec: LeafSpec, mode: str, target: Any, device: _arrays.Device | None
-  ) -> _LeafPlan:
-    target_fw = _arrays.framework_of(target)
-    if target_fw == "jax":
-      devices = list(target.sharding.device_set)
-      device = _arrays.parse_device(devices[0])
-    elif target_fw is not None:
-      device = _arrays.parse_device(getattr(target, "device", "cpu"))
-    elif device is None:
-      device = _arrays.Device(spec.device)
-    framework = target_fw or (spec.framework if mode == "source" else mode)
-    if framework == "jax":
-      _arrays.check_x64(spec.dtype, spec.path)
-    return _LeafPlan(spec, framework, device, target if target_fw else None, [], [])
-
-  def _allocate(self) -> None:
-    host_plans = [p for p in self.plans if p.device.kind == "cpu" and not self._in_place(p)]
-    offsets, total = _arrays.host_layout([p.spec for p in host_plans])
-    self.host = _arrays.host_pool.acquire(total) if host_plans else None
-    self._host_region = _arrays.host_pool.region_of(self.host) if host_plans else None
-    for plan, leaf_offsets in zip(host_plans, offsets):
-      plan.host_offsets = leaf_offsets
-    for plan in self.plans:
-      for i, chunk in enumerate(plan.spec.chunks):
-        self.destinations.append(self._destination(plan, i, chunk.nbytes))
-
-  @staticmethod
-  def _in_place(plan: _LeafPlan) -> bool:
-    return (
-        plan.target is not None
-        and _arrays.framework_of(plan.target) != "jax"
-        and plan.spec.sharding is None
-    )
-
-  def _destination(self, plan: _LeafPlan, i: int, nbytes: int) -> Destination:
-    if self._in_place(plan):
-      t = plan.target
-      fw = _arrays.framework_of(t)
-      pointer = t.ctypes.data if fw == "numpy" else t.data_ptr()
-      return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes))
-    if plan.device.kind == "cpu":
-      offset = plan.host_offsets[i]
-      view = self.host[offset : offset + nbytes]
-      base = self.host.ctypes.data
-      if self._host_region is not None:  # a pooled buffer: faulted in, reusable
-        return Destination(base + offset, nbytes, plan.device, view, self._host_region, True)
-      return Destination(base + offset, nbytes, plan.device, view, (base, self.host.nbytes))
-    buf = _arrays.allocate_device_buffer(nbytes, plan.device)
-    plan.device_buffers.append(buf)
-    return Destination(buf.pointer, nbytes, plan.device, buf.array, (buf.pointer, buf.nbytes))
-
-  def build(self, received: list[Any] | None = None) -> list[Any]:
-    """The received leaves, as each plan's framework (after the bytes moved).
-
-    Args:
-      received: for a backend that receives whole arrays, one array (of any
-        framework) per leaf; converted, or copied into numpy/torch targets.
-    """
-    if received is not None:
-      return [self._adopt_leaf(p, x) for p, x in zip(self.plans, received)]
-    leaves = [self._build_leaf(p) for p in self.plans]
-    # Host leaves arriving as jax are made in one call per device: jax's
-    # per-array overhead dominates objects of many small leaves.
-    batches: dict[_arrays.Device, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-      if isinstance(leaf, _JaxPending):
-        batches.setdefault(leaf.device, []).append(i)
-    for device, indices in batches.items():
-      arrays = _arrays.host_to_jax_many([leaves[i].view for i in indices], device)
-      for i, array in zip(indices, arrays):
-        leaves[i] = array
-    return leaves
-
-  @staticmethod
-  def _adopt_leaf(plan: _LeafPlan, leaf: Any) -> Any:
-    if plan.target is not None and plan.framework != "jax":
-      _arrays.copy_into(plan.target, leaf)
-      return plan.target
-    return _arrays.convert_leaf(leaf, plan.framework, plan.spec.path)
-
-  def _build_leaf(self, plan: _LeafPlan) -> Any:
-    spec = plan.spec
-    if self._in_place(plan):
-      return plan.target
-    if plan.device.kind != "cpu":
-      return _arrays.rebuild_device(plan.device_buffers, spec, plan.framework)
-    views = [
-        _arrays.host_chunk(self.host, off, spec.dtype, chunk)
-        for off, chunk in zip(plan.host_offsets, spec.chunks)
-    ]
-    if plan.framework == "jax" and spec.sharding is None:
-      return _JaxPending(views[0], plan.device)  # made in build(), batched
-    leaf = _arrays.rebuild_host(views, spec, plan.framework, plan.device)
-    if plan.target is not None and plan.framework != "jax":
-      # A sharded leaf received for a numpy/torch target: one copy into it.
-      _arrays.copy_into(plan.target, leaf)
-      return plan.target
-    return leaf
+__all__ = ["Destination", "DlpackFetchRequest", "DlpackTransport", "Placement", "WholeArrayTransport"]
 
 
 @dataclass
@@ -243,12 +52,12 @@ class DlpackFetchRequest(FetchRequest):
 
   plan: ReceivePlan | None = None
   handle: Any = None
-  transport: "DlpackTransport | None" = None
+  transport: DlpackTransport | None = None
   done: bool = False
 
   def __del__(self) -> None:
     if self.transport is not None and not self.done:
-      self.transport.cancel_receive(self.handle)
+      self.transport._abandon(self.handle)
 
 
 class DlpackTransport(TensorTransportManager):
@@ -272,19 +81,16 @@ class DlpackTransport(TensorTransportManager):
   `start_receive(obj_id, meta, communicator_metadata, destinations)` (start
   moving every chunk into its destination; return a handle),
   `wait_receive(handle, obj_id, timeout)`, and `finish_receive(handle)` /
-  `cancel_receive(handle)` to release what the receive took. A backend that
-  receives whole arrays instead of bytes sets `delivers_arrays = True` and
-  overrides `export_arrays`. Register a subclass with
-  `rdt_jax.register_transport(MyTransport)`; `examples/shm_transport.py` is a
-  complete one in under 100 lines.
+  `cancel_receive(handle)` to release what the receive took. Register a
+  subclass with `rdt_jax.register_transport(MyTransport)`;
+  `examples/shm_transport.py` is a complete one in under 100 lines.
   """
 
   name: ClassVar[str]
   devices: ClassVar[tuple[str, ...]] = ("cpu",)
   metadata_class: ClassVar[type[DlpackTransportMetadata]] = DlpackTransportMetadata
-  #: True if `wait_receive` returns whole arrays (one per leaf) instead of
-  #: writing bytes into allocated destinations; see the module docstring.
-  delivers_arrays: ClassVar[bool] = False
+  #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._seam`).
+  _rdt_jax_transport: ClassVar[bool] = True
 
   def __init__(self) -> None:
     self._aborted: set[str] = set()
@@ -301,15 +107,13 @@ class DlpackTransport(TensorTransportManager):
     """True if this process can run the transport (its dependencies import)."""
     return True
 
-  def actor_has_tensor_transport(self, actor: "ray.actor.ActorHandle") -> bool:
+  def actor_has_tensor_transport(self, actor: ray.actor.ActorHandle) -> bool:
     """Asks `actor` once whether it can run this transport; cached per actor."""
     import ray
 
-    actor_id = actor._actor_id.hex()
+    actor_id = _seam.actor_id(actor)
     if actor_id not in self._actors_with_transport:
-      ref = actor.__ray_call__.options(concurrency_group="_ray_system").remote(
-          _actor_can_run, type(self)
-      )
+      ref = _seam.call_on_system_group(actor, _actor_can_run, type(self))
       self._actors_with_transport[actor_id] = bool(ray.get(ref))
     return self._actors_with_transport[actor_id]
 
@@ -317,7 +121,7 @@ class DlpackTransport(TensorTransportManager):
       self, obj_id: str, rdt_object: list[Any]
   ) -> DlpackTransportMetadata:
     """Ray calls this on the producer when it stores an RDT object."""
-    described = _registry.take_described(rdt_object)
+    described = _state.take_described(rdt_object)
     device = self._common_device(described)
     meta = self.metadata_class(
         tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],
@@ -325,16 +129,25 @@ class DlpackTransport(TensorTransportManager):
         leaves=[d.spec for d in described],
     )
     if described:
-      self.export_arrays(obj_id, rdt_object, described, meta)
+      self._export(obj_id, rdt_object, described, meta)
     return meta
 
-  def _common_device(self, described: list[_arrays.DescribedLeaf]) -> str | None:
+  def _export(
+      self,
+      obj_id: str,
+      arrays: list[Any],
+      leaves: list[_dlpack.DescribedLeaf],
+      meta: DlpackTransportMetadata,
+  ) -> None:
+    self.export_buffers(obj_id, leaves, meta)
+
+  def _common_device(self, described: list[_dlpack.DescribedLeaf]) -> str | None:
     if not described:
       return None
     first = described[0]
     for d in described:
       if d.device not in self.devices:
-        raise _arrays.UnsupportedLeafError(
+        raise _dlpack.UnsupportedLeafError(
             d.spec.path,
             f"(dtype {d.spec.dtype.name}) lives on a {d.device} device, which "
             f"the {self.name} transport does not move (it moves "
@@ -343,7 +156,7 @@ class DlpackTransport(TensorTransportManager):
             "or move the array first.",
         )
       if d.device != first.device:
-        raise _arrays.UnsupportedLeafError(
+        raise _dlpack.UnsupportedLeafError(
             d.spec.path,
             f"lives on {d.device} but leaf {first.spec.path} lives on "
             f"{first.device}; one RDT object holds leaves of one device kind",
@@ -354,8 +167,8 @@ class DlpackTransport(TensorTransportManager):
 
   def get_communicator_metadata(
       self,
-      src_actor: "ray.actor.ActorHandle | None",
-      dst_actor: "ray.actor.ActorHandle | None",
+      src_actor: ray.actor.ActorHandle | None,
+      dst_actor: ray.actor.ActorHandle | None,
       backend: str | None = None,
   ) -> CommunicatorMetadata:
     return CommunicatorMetadata()
@@ -367,33 +180,38 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
       target_buffers: list[Any] | None = None,
   ) -> DlpackFetchRequest:
-    """Ray calls this on the consumer: allocates buffers, starts the move."""
+    """Ray calls this on the consumer: plans the receive, starts the move."""
     self._raise_if_aborted(obj_id)
     target = _targets.pop_target(obj_id)
     if target is None and target_buffers:
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
-    leaves = tensor_transport_metadata.leaves
     try:
-      plan = ReceivePlan(
-          leaves, _registry.receive_mode(), target, allocate=not self.delivers_arrays
-      )
+      plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
+      self._prepare(plan)
     except Exception:
       if not self.is_one_sided():
         # The producer is already sending: take its bytes so it does not block.
         self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
       raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
-    destinations = plan.leaf_destinations() if self.delivers_arrays else plan.destinations
-    if destinations:
-      request.handle = self._wrap_errors(
-          obj_id,
-          self.start_receive,
-          obj_id,
-          tensor_transport_metadata,
-          communicator_metadata,
-          destinations,
-      )
+    request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
     return request
+
+  def _prepare(self, plan: ReceivePlan) -> None:
+    plan.allocate()
+
+  def _start(
+      self,
+      obj_id: str,
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CommunicatorMetadata,
+      plan: ReceivePlan,
+  ) -> Any:
+    if not plan.destinations:
+      return None
+    return self._wrap_errors(
+        obj_id, self.start_receive, obj_id, meta, communicator_metadata, plan.destinations
+    )
 
   def _drain(
       self,
@@ -403,8 +221,9 @@ class DlpackTransport(TensorTransportManager):
   ) -> None:
     """Receives an object this process cannot take into scratch buffers."""
     scratch = ReceivePlan(meta.leaves, "numpy")
-    if scratch.destinations:
-      handle = self.start_receive(obj_id, meta, communicator_metadata, scratch.destinations)
+    destinations = scratch.allocate()
+    if destinations:
+      handle = self.start_receive(obj_id, meta, communicator_metadata, destinations)
       self.wait_receive(handle, obj_id, -1)
       self.finish_receive(handle)
 
@@ -417,23 +236,20 @@ class DlpackTransport(TensorTransportManager):
       TimeoutError: if `timeout` (seconds, -1 for none) passes first.
       ray.exceptions.RayDirectTransportError: if the transfer failed.
     """
-    received = None
-    if fetch_request.handle is not None:
-      received = self._wrap_errors(
-          fetch_request.obj_id,
-          self.wait_receive,
-          fetch_request.handle,
-          fetch_request.obj_id,
-          timeout,
-      )
-      fetch_request.done = True
-      self.finish_receive(fetch_request.handle)
-    fetch_request.done = True
-    if not self.delivers_arrays:
-      received = None
-    elif received is None:  # an object without array leaves
-      received = []
-    return fetch_request.plan.build(received)
+    return self._complete(fetch_request, timeout)
+
+  def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
+    if request.handle is not None:
+      self._wrap_errors(request.obj_id, self.wait_receive, request.handle, request.obj_id, timeout)
+      request.done = True
+      self.finish_receive(request.handle)
+    request.done = True
+    assert request.plan is not None
+    return request.plan.build()
+
+  def _abandon(self, handle: Any) -> None:
+    """A fetch request was dropped unfinished: release what it took."""
+    self.cancel_receive(handle)
 
   def recv_multiple_tensors(
       self,
@@ -465,7 +281,7 @@ class DlpackTransport(TensorTransportManager):
           f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
       )
     leaves = tensor_transport_metadata.leaves
-    described = [_arrays.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
+    described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
     self.send_buffers(described, tensor_transport_metadata, communicator_metadata)
 
   def garbage_collect(
@@ -496,13 +312,13 @@ class DlpackTransport(TensorTransportManager):
     if self.aborted(obj_id):
       raise RuntimeError(f"{self.name} transfer of object {obj_id} was aborted.")
 
-  def _wrap_errors(self, obj_id: str, fn, *args) -> Any:
+  def _wrap_errors(self, obj_id: str, fn: Any, *args: Any) -> Any:
     """Runs a backend hook; failures become RayDirectTransportError."""
     from ray.exceptions import RayDirectTransportError
 
     try:
       return fn(*args)
-    except (TimeoutError, _arrays.UnsupportedLeafError, ImportError, ValueError):
+    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError):
       raise
     except Exception:
       raise RayDirectTransportError(
@@ -516,28 +332,14 @@ class DlpackTransport(TensorTransportManager):
   def export_buffers(
       self,
       obj_id: str,
-      leaves: list[_arrays.DescribedLeaf],
+      leaves: list[_dlpack.DescribedLeaf],
       meta: DlpackTransportMetadata,
   ) -> None:
     """Producer: make the leaves' buffers reachable; extend `meta` in place."""
 
-  def export_arrays(
-      self,
-      obj_id: str,
-      arrays: list[Any],
-      leaves: list[_arrays.DescribedLeaf],
-      meta: DlpackTransportMetadata,
-  ) -> None:
-    """Producer: like `export_buffers`, also given the leaves themselves.
-
-    Override it in a backend that moves whole arrays rather than buffers;
-    by default it calls `export_buffers`.
-    """
-    self.export_buffers(obj_id, leaves, meta)
-
   def send_buffers(
       self,
-      leaves: list[_arrays.DescribedLeaf],
+      leaves: list[_dlpack.DescribedLeaf],
       meta: DlpackTransportMetadata,
       communicator_metadata: CommunicatorMetadata,
   ) -> None:
@@ -555,11 +357,8 @@ class DlpackTransport(TensorTransportManager):
     """Consumer: start moving every chunk into `destinations`; return a handle."""
     raise NotImplementedError
 
-  def wait_receive(self, handle: Any, obj_id: str, timeout: float) -> Any:
+  def wait_receive(self, handle: Any, obj_id: str, timeout: float) -> None:
     """Consumer: block until the move started by `start_receive` is done.
-
-    Returns:
-      None; or, for a backend with `delivers_arrays`, one array per leaf.
 
     Raises:
       TimeoutError: after `timeout` seconds (-1: no limit).
@@ -576,9 +375,99 @@ class DlpackTransport(TensorTransportManager):
     """Producer: undo `export_buffers` for `obj_id`."""
 
 
+class WholeArrayTransport(DlpackTransport):
+  """Base of backends that move whole jax arrays instead of bytes.
+
+  Such a backend (`jax_transfer`) allocates its own arrays on the consumer,
+  so the base takes no receive memory. It implements, on the producer,
+  `export_arrays(obj_id, arrays, leaves, meta)` (offer the arrays) and
+  `release(obj_id)`; on the consumer `start_pull(obj_id, meta,
+  communicator_metadata, placements)` (start moving one array per leaf onto
+  its `Placement`; return a handle) and `wait_pull(handle, obj_id, timeout)`
+  (return one array per leaf). The base converts the arrays to the type each
+  leaf should arrive as, or copies them into numpy/torch targets.
+  """
+
+  def _export(
+      self,
+      obj_id: str,
+      arrays: list[Any],
+      leaves: list[_dlpack.DescribedLeaf],
+      meta: DlpackTransportMetadata,
+  ) -> None:
+    self.export_arrays(obj_id, arrays, leaves, meta)
+
+  def _prepare(self, plan: ReceivePlan) -> None:
+    pass  # the backend allocates the arrays it pulls
+
+  def _start(
+      self,
+      obj_id: str,
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CommunicatorMetadata,
+      plan: ReceivePlan,
+  ) -> Any:
+    placements = plan.placements()
+    if not placements:
+      return None
+    return self._wrap_errors(
+        obj_id, self.start_pull, obj_id, meta, communicator_metadata, placements
+    )
+
+  def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
+    arrays: list[Any] = []
+    if request.handle is not None:
+      arrays = self._wrap_errors(
+          request.obj_id, self.wait_pull, request.handle, request.obj_id, timeout
+      )
+    request.done = True
+    assert request.plan is not None
+    return request.plan.adopt(arrays)
+
+  def _abandon(self, handle: Any) -> None:
+    self.cancel_pull(handle)
+
+  # ---- The backend's half.
+
+  def export_arrays(
+      self,
+      obj_id: str,
+      arrays: list[Any],
+      leaves: list[_dlpack.DescribedLeaf],
+      meta: DlpackTransportMetadata,
+  ) -> None:
+    """Producer: offer `arrays` (one per leaf, any framework); extend `meta`."""
+    raise NotImplementedError
+
+  def start_pull(
+      self,
+      obj_id: str,
+      meta: DlpackTransportMetadata,
+      communicator_metadata: CommunicatorMetadata,
+      placements: list[Placement],
+  ) -> Any:
+    """Consumer: start moving one array per leaf onto its placement."""
+    raise NotImplementedError
+
+  def wait_pull(self, handle: Any, obj_id: str, timeout: float) -> list[Any]:
+    """Consumer: the arrays `start_pull` moved, one per leaf, once ready.
+
+    Raises:
+      TimeoutError: after `timeout` seconds (-1: no limit).
+    """
+    raise NotImplementedError
+
+  def cancel_pull(self, handle: Any) -> None:
+    """Consumer: release what `start_pull` took if the fetch was dropped."""
+
+
 def _actor_can_run(self: Any, cls: type[DlpackTransport]) -> bool:
   """Runs on an actor: whether it can run transport `cls`."""
-  from rdt_jax import _registry as registry
-
-  registry.install()
+  _seam.install()
   return cls.available_in_process()
+
+
+# A worker that unpickles an rdt_jax transport class (Ray ships them to every
+# new actor) or its metadata gets the reducers and wrappers before its first
+# RDT call.
+_seam.install()

@@ -16,12 +16,12 @@ Two-sided means what Ray documents for GLOO and NCCL: an object moves only as
 an argument of a task on another actor of the same group. Ray runs
 `send_multiple_tensors` on the producer and `recv_multiple_tensors` on the
 consumer; each non-empty chunk crosses as one uint8 message, in leaf order,
-zero-copy on both sides (`_arrays.torch_bytes`: host memory through DLPack,
+zero-copy on both sides (`_dlpack.torch_bytes`: host memory through DLPack,
 cuda memory through the CUDA Array Interface). `ray.get` of such a ref and
 `ray.put(..., _tensor_transport="jax_gloo")` are refused, naming the fixes.
 
 What of `jax_nccl` is untested here (no GPU on the development machine): the
-cuda branch of `_arrays.torch_bytes`, the two `torch.cuda.synchronize` calls
+cuda branch of `_dlpack.torch_bytes`, the two `torch.cuda.synchronize` calls
 in `NcclTransport`, and Ray's NCCL group itself. Everything else (metadata,
 ordering, ranks, scratch receives, rebuilding) is the code `jax_gloo` runs in
 the tests.
@@ -35,12 +35,11 @@ NCCL additionally needs cupy and a GPU on the actors; Ray's
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, ClassVar, Final
 
 from ray.experimental.rdt.collective_tensor_transport import CollectiveCommunicatorMetadata
 
-from rdt_jax import _arrays
+from rdt_jax import _dlpack, _seam
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Destination, DlpackTransport
 
@@ -50,7 +49,7 @@ GROUP_BACKENDS: Final[dict[str, str]] = {"jax_gloo": "torch_gloo", "jax_nccl": "
 
 def torch_importable() -> bool:
   """True if torch can be imported here (checked without importing it)."""
-  return importlib.util.find_spec("torch") is not None
+  return _dlpack.importable("torch")
 
 
 class CollectiveTransport(DlpackTransport):
@@ -138,23 +137,21 @@ class CollectiveTransport(DlpackTransport):
 
   def send_buffers(
       self,
-      leaves: list[_arrays.DescribedLeaf],
+      leaves: list[_dlpack.DescribedLeaf],
       meta: DlpackTransportMetadata,
       communicator_metadata: CollectiveCommunicatorMetadata,
   ) -> None:
     from ray.util import collective
 
+    dst_rank = communicator_metadata.dst_rank
+    assert dst_rank is not None
     self._before_send()
     for leaf in leaves:
       for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices):
         if chunk.nbytes == 0:
           continue
-        tensor = _arrays.torch_bytes(pointer, chunk.nbytes, _arrays.Device(leaf.device, index))
-        collective.send(
-            tensor,
-            communicator_metadata.dst_rank,
-            communicator_metadata.communicator_name,
-        )
+        tensor = _dlpack.torch_bytes(pointer, chunk.nbytes, _dlpack.Device(leaf.device, index))
+        collective.send(tensor, dst_rank, communicator_metadata.communicator_name)
 
   # ---- consumer
 
@@ -177,12 +174,11 @@ class CollectiveTransport(DlpackTransport):
     from ray.util import collective
 
     communicator_metadata, destinations = handle
+    src_rank = communicator_metadata.src_rank
+    assert src_rank is not None
     for d in destinations:
-      collective.recv(
-          _arrays.torch_bytes(d.pointer, d.nbytes, d.device),
-          communicator_metadata.src_rank,
-          communicator_metadata.communicator_name,
-      )
+      tensor = _dlpack.torch_bytes(d.pointer, d.nbytes, d.device)
+      collective.recv(tensor, src_rank, communicator_metadata.communicator_name)
     self._after_receive(destinations)
 
   # ---- device hooks (no-ops on cpu)
@@ -205,7 +201,7 @@ class NcclTransport(CollectiveTransport):
   """`jax_nccl`: cuda arrays over an `nccl` collective group.
 
   Untested here (no GPU): the two synchronizations below and the cuda branch
-  of `_arrays.torch_bytes`; the rest is `jax_gloo`'s code.
+  of `_dlpack.torch_bytes`; the rest is `jax_gloo`'s code.
   """
 
   name = "jax_nccl"
@@ -213,7 +209,7 @@ class NcclTransport(CollectiveTransport):
 
   @classmethod
   def available_in_process(cls) -> bool:
-    if not torch_importable() or importlib.util.find_spec("cupy") is None:
+    if not torch_importable() or not _dlpack.importable("cupy"):
       return False
     import torch
 
@@ -252,32 +248,5 @@ def get_refused_message(transport: str) -> str:
   )
 
 
-def _install_get_refusal() -> None:
-  """Wraps Ray's fetch so its refusal names `jax_nixl` and the object store.
-
-  Ray 2.60 raises "ray.get is not allowed on RDT objects using the two-sided
-  transport JAX_GLOO ..." from `RDTManager._trigger_fetch`, which suggests "a
-  one-sided transport" without naming one. Installed once per process, when
-  this module is imported (by `rdt_jax.register()` and on every actor that
-  receives the transport classes).
-  """
-  from ray.experimental.rdt import rdt_manager
-
-  cls = rdt_manager.RDTManager
-  original = cls._trigger_fetch
-  if getattr(original, "_rdt_jax", False):
-    return
-
-  def _trigger_fetch(self, obj_id, use_object_store):
-    if not use_object_store:
-      meta = self.get_rdt_metadata(obj_id)
-      transport = meta.tensor_transport_backend if meta is not None else ""
-      if transport.lower() in GROUP_BACKENDS:
-        raise ValueError(get_refused_message(transport))
-    return original(self, obj_id, use_object_store)
-
-  _trigger_fetch._rdt_jax = True
-  cls._trigger_fetch = _trigger_fetch
-
-
-_install_get_refusal()
+for _name in GROUP_BACKENDS:
+  _seam.refuse_driver_get(_name, get_refused_message)

@@ -18,7 +18,7 @@ has the figures):
   where they are, their registrations cached per buffer and reference-counted
   across objects (sending the same array twice registers it once).
 * Receive (and staging) buffers come from the host buffer pool
-  (`rdt_jax._arrays.host_pool`): already faulted in, and registered once while
+  (`rdt_jax._dlpack.host_pool`): already faulted in, and registered once while
   the pool keeps them.
 * A consumer's view of a producer's agent is extended (metadata loaded again,
   connection kept) when the producer registered new memory, and rebuilt (the
@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from rdt_jax import _arrays, _compat
+from rdt_jax import _compat, _dlpack
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Destination, DlpackTransport
 
@@ -89,13 +89,9 @@ def _mem_type(kind: str) -> str:
   return "DRAM" if kind == "cpu" else "VRAM"
 
 
-def _host_or(device: _arrays.Device) -> _arrays.Device:
+def _host_or(device: _dlpack.Device) -> _dlpack.Device:
   """NIXL's view of a device: host memory is one region space (index 0)."""
-  return _arrays.Device("cpu") if device.kind == "cpu" else device
-
-
-def _aligned(n: int) -> int:
-  return -(-n // _arrays.ALIGNMENT) * _arrays.ALIGNMENT
+  return _dlpack.Device("cpu") if device.kind == "cpu" else device
 
 
 def coalesce(
@@ -120,8 +116,8 @@ def coalesce(
         and region == last_region
         and out_l[-1][2] == ld
         and out_r[-1][2] == rd
-        and out_l[-1][0] + _aligned(out_l[-1][1]) == la
-        and out_r[-1][0] + _aligned(out_r[-1][1]) == ra
+        and out_l[-1][0] + _dlpack.aligned(out_l[-1][1]) == la
+        and out_r[-1][0] + _dlpack.aligned(out_r[-1][1]) == ra
     ):
       out_l[-1][1] = la + n - out_l[-1][0]
       out_r[-1][1] = ra + n - out_r[-1][0]
@@ -129,7 +125,7 @@ def coalesce(
       out_l.append([la, n, ld])
       out_r.append([ra, n, rd])
     last_region = region
-  return [tuple(d) for d in out_l], [tuple(d) for d in out_r]
+  return [(a, b, c) for a, b, c in out_l], [(a, b, c) for a, b, c in out_r]
 
 
 class _Poller:
@@ -171,14 +167,14 @@ class _Export:
 
   keys: list[tuple] = field(default_factory=list)
   staging: Any = None  # the pooled staging buffer of packed chunks
-  holds: list[Any] = field(default_factory=list)  # see _arrays.hold_buffer
+  holds: list[Any] = field(default_factory=list)  # see _dlpack.hold_buffer
 
 
 @dataclass
 class _Receive:
   xfer: Any
   keys: list[tuple]
-  remote: str
+  remote: str | None
   post: Any = None  # re-creates and posts the READ (for a retry after a stall)
   retried: bool = False
 
@@ -198,7 +194,7 @@ class NixlTransport(DlpackTransport):
     self._registrations: dict[tuple, _Registration] = {}
     self._exports: dict[str, _Export] = {}
     self._version = 0
-    self._agent_meta: tuple[int, bytes] | None = None
+    self._agent_meta: tuple[tuple[int, int], bytes] | None = None
     self._inflight: dict[str, int] = {}
     self._dereg_epoch = 0
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
@@ -239,10 +235,10 @@ class NixlTransport(DlpackTransport):
         )
         self._agent = api.nixl_agent(name, config)
         self._poller = _Poller(self._agent)
-        _arrays.host_pool.add_eviction_listener(self._on_pool_eviction)
+        _dlpack.host_pool.add_eviction_listener(self._on_pool_eviction)
       return self._agent
 
-  def _register(self, pointer: int, nbytes: int, device: _arrays.Device, pooled: bool = False) -> tuple:
+  def _register(self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False) -> tuple:
     """Registers a region (or takes another reference to its registration)."""
     key = (pointer, nbytes, device.kind, device.index)
     with self._lock:
@@ -296,12 +292,12 @@ class NixlTransport(DlpackTransport):
   def export_buffers(
       self,
       obj_id: str,
-      leaves: list[_arrays.DescribedLeaf],
+      leaves: list[_dlpack.DescribedLeaf],
       meta: NixlTransportMetadata,
   ) -> None:
     agent = self.agent()
     chunks = [
-        (pointer, chunk.nbytes, _host_or(_arrays.Device(leaf.device, index)))
+        (pointer, chunk.nbytes, _host_or(_dlpack.Device(leaf.device, index)))
         for leaf in leaves
         for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices)
         if chunk.nbytes
@@ -319,7 +315,7 @@ class NixlTransport(DlpackTransport):
         address, region = packed[i]
       else:  # read in place: keep the buffer from being donated meanwhile
         export.keys.append(self._register(pointer, nbytes, device))
-        export.holds.append(_arrays.hold_buffer(arrays[i]) if i < len(arrays) else None)
+        export.holds.append(_dlpack.hold_buffer(arrays[i]) if i < len(arrays) else None)
         address, region = pointer, -1 - i
       meta.addresses.append(address)
       meta.device_ids.append(device.index)
@@ -328,6 +324,7 @@ class NixlTransport(DlpackTransport):
       self._exports[obj_id] = export
       meta.agent_version = self._version
       meta.dereg_epoch = self._dereg_epoch
+      assert self._poller is not None
       self._poller.set_active(True)
     meta.agent_name = agent.name
     meta.agent_meta = self._agent_metadata()
@@ -340,7 +337,7 @@ class NixlTransport(DlpackTransport):
         self._agent_meta = (key, self._agent.get_agent_metadata())
       return self._agent_meta[1]
 
-  def _pack(self, chunks: list[tuple[int, int, _arrays.Device]], export: _Export) -> dict[int, tuple[int, int]]:
+  def _pack(self, chunks: list[tuple[int, int, _dlpack.Device]], export: _Export) -> dict[int, tuple[int, int]]:
     """Copies small host chunks into one pooled staging buffer.
 
     Returns, per packed chunk index, its address in the staging buffer and
@@ -349,20 +346,20 @@ class NixlTransport(DlpackTransport):
     small = [i for i, (_, n, d) in enumerate(chunks) if d.kind == "cpu" and n <= PACK_MAX_CHUNK]
     if not small:
       return {}
-    total = sum(_aligned(chunks[i][1]) for i in small)
-    staging = _arrays.host_pool.acquire(total)
-    base = staging.ctypes.data
-    region = _arrays.host_pool.region_of(staging)
+    total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
+    staging = _dlpack.host_pool.acquire(total)
+    base = _dlpack.host_pointer(staging)
+    region = _dlpack.host_pool.region_of(staging)
     if region is not None:
-      self._register(region[0], region[1], _arrays.Device("cpu"), pooled=True)
+      self._register(region[0], region[1], _dlpack.Device("cpu"), pooled=True)
     else:
-      export.keys.append(self._register(base, total, _arrays.Device("cpu")))
+      export.keys.append(self._register(base, total, _dlpack.Device("cpu")))
     packed, offset = {}, 0
     for i in small:
       pointer, nbytes, _ = chunks[i]
       ctypes.memmove(base + offset, pointer, nbytes)
       packed[i] = (base + offset, 0)
-      offset += _aligned(nbytes)
+      offset += _dlpack.aligned(nbytes)
     export.staging = staging
     return packed
 
@@ -388,6 +385,7 @@ class NixlTransport(DlpackTransport):
       return None
     agent = self.agent()
     remote = meta.agent_name
+    assert remote is not None and meta.agent_meta is not None
     self._refresh_remote(remote, meta)
     keys = self._register_destinations(dests)
     try:
@@ -432,6 +430,7 @@ class NixlTransport(DlpackTransport):
     with self._lock:
       view = self._views.get(remote)
       now = time.monotonic()
+      assert meta.agent_meta is not None
       self._remote_meta[remote] = meta.agent_meta
       if view is None:
         self._agent.add_remote_agent(meta.agent_meta)
@@ -498,6 +497,7 @@ class NixlTransport(DlpackTransport):
     on a 2-core host), a READ stays in progress forever. Reposting it, after rebuilding the view of the producer
     when no other transfer from it is in flight, turns that hang into a delay.
     """
+    assert handle.remote is not None
     handle.retried = True
     self._agent.release_xfer_handle(handle.xfer)
     with self._lock:
@@ -509,7 +509,7 @@ class NixlTransport(DlpackTransport):
     handle.xfer = handle.post()
 
   def finish_receive(self, handle: _Receive | None) -> None:
-    if handle is None:
+    if handle is None or handle.remote is None:
       return
     self._agent.release_xfer_handle(handle.xfer)
     self._unregister(handle.keys)

@@ -8,9 +8,9 @@ on the peer's devices with the shardings it asks for.
 
 How rdt_jax uses it:
 
-* Producer: every leaf is offered as a `jax.Array` of its own dtype. jax
+* Producer (`export_arrays`): every leaf is offered as a `jax.Array` of its own dtype. jax
   leaves are offered as they are, sharding included; numpy and torch leaves
-  go through the DLPack layer (`_arrays.to_jax_exact`: zero-copy for torch cpu
+  go through the DLPack layer (`_dlpack.to_jax_exact`: zero-copy for torch cpu
   tensors and 64-byte aligned numpy arrays, a copy otherwise). The arrays are
   held until Ray frees the object (`garbage_collect`).
 * An offer can be pulled once, and an RDT object may have any number of
@@ -19,10 +19,10 @@ How rdt_jax uses it:
   server, address and key in the metadata) to `await_pull` the object's
   arrays under it, and pulls. A pull that nobody offers would wait forever,
   so the offer comes first; the pull itself returns at once and
-  `wait_receive` waits for the arrays to be ready.
+  `wait_pull` waits for the arrays to be ready.
 * Consumer: each leaf is pulled onto the device the receive plan chose, with
   the producer's mesh shape, axis names and partition spec for a sharded leaf
-  (`_arrays.receive_sharding`), or onto a jax target's own sharding; then the
+  (`_dlpack.receive_sharding`), or onto a jax target's own sharding; then the
   base converts it to the leaf's arriving type (numpy/torch leaves arrive as
   their source type again).
 
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 from typing import Any, Final
 
-from rdt_jax import _arrays, _compat
+from rdt_jax import _compat, _dlpack
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports._base import Destination, DlpackTransport
+from rdt_jax.transports._base import Placement, WholeArrayTransport
 
 #: Every server binds here: rdt_jax's transfer servers are same-host only.
 HOST: Final = "127.0.0.1"
@@ -82,7 +82,7 @@ def _platform(kind: str) -> str:
 class _OfferService:
   """Answers consumers' requests to offer an object's arrays under a uuid."""
 
-  def __init__(self, transport: "TransferTransport"):
+  def __init__(self, transport: TransferTransport):
     self.authkey = secrets.token_bytes(32)
     self._transport = transport
     self._listener = Listener((HOST, 0), authkey=self.authkey)
@@ -110,13 +110,12 @@ class _OfferService:
           return
 
 
-class TransferTransport(DlpackTransport):
+class TransferTransport(WholeArrayTransport):
   """The `jax_transfer` transport: pulls through JAX's transfer server."""
 
   name = "jax_transfer"
   devices = ("cpu", "cuda")
   metadata_class = TransferTransportMetadata
-  delivers_arrays = True
 
   def __init__(self) -> None:
     super().__init__()
@@ -163,15 +162,15 @@ class TransferTransport(DlpackTransport):
       self,
       obj_id: str,
       arrays: list[Any],
-      leaves: list[_arrays.DescribedLeaf],
+      leaves: list[_dlpack.DescribedLeaf],
       meta: TransferTransportMetadata,
   ) -> None:
     offered = [
-        _arrays.to_jax_exact(a, d.spec.path)
+        _dlpack.to_jax_exact(a, d.spec.path)
         for a, d in zip(arrays, leaves)
         if d.spec.nbytes  # a pull of only empty arrays never completes
     ]
-    platform = _platform(meta.tensor_device)
+    platform = _platform(meta.tensor_device or "cpu")
     server = self._server(platform)
     with self._lock:
       if self._service is None:
@@ -209,7 +208,8 @@ class TransferTransport(DlpackTransport):
       return self._connections[key]
 
   def _request_offer(self, meta: TransferTransportMetadata, obj_id: str, uuid: int) -> None:
-    address = tuple(meta.offer_address)
+    assert meta.offer_address is not None
+    address = (meta.offer_address[0], int(meta.offer_address[1]))
     try:
       with self._lock:
         if address not in self._clients:
@@ -228,27 +228,29 @@ class TransferTransport(DlpackTransport):
     if problem is not None:
       raise RuntimeError(f"Cannot pull: {problem}.")
 
-  def start_receive(
+  def start_pull(
       self,
       obj_id: str,
       meta: TransferTransportMetadata,
       communicator_metadata: Any,
-      destinations: list[Destination],
+      placements: list[Placement],
   ) -> list[Any]:
     import jax
     import jax.numpy as jnp
 
     structs = []
-    for spec, d in zip(meta.leaves, destinations):
-      template = d.array
+    for spec, p in zip(meta.leaves, placements):
       sharding = (
-          template.sharding if template is not None else _arrays.receive_sharding(spec, d.device)
+          p.template.sharding
+          if p.template is not None
+          else _dlpack.receive_sharding(spec, p.device)
       )
       structs.append(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding))
     full = [s for s in structs if math.prod(s.shape)]
     pulled = []
     if full:
-      platform = _platform(destinations[0].device.kind)
+      platform = _platform(placements[0].device.kind)
+      assert meta.server_address is not None
       connection = self._connection(platform, meta.server_address)
       uuid = secrets.randbits(62)
       self._request_offer(meta, obj_id, uuid)
@@ -261,7 +263,7 @@ class TransferTransport(DlpackTransport):
           for s in structs
       ]
 
-  def wait_receive(self, handle: list[Any], obj_id: str, timeout: float) -> list[Any]:
+  def wait_pull(self, handle: list[Any], obj_id: str, timeout: float) -> list[Any]:
     deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
     sleep = 0.0
     while not all(a.is_ready() for a in handle):

@@ -1,9 +1,11 @@
-"""The DLPack layer and tree conversion, without Ray actors."""
+"""The DLPack layer and tree conversion. Imports no Ray: test_no_ray.py runs
+this module in a process where `import ray` fails."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -13,17 +15,16 @@ import pytest
 import torch
 
 import rdt_jax
-from rdt_jax import _arrays
-from rdt_jax._metadata import ChunkSpec
-from conftest import wait_for
+from rdt_jax import _dlpack
+from rdt_jax._dlpack import ChunkSpec
 
-ALL_DTYPES = sorted(d.name for d in _arrays.SUPPORTED_DTYPES)
+ALL_DTYPES = sorted(d.name for d in _dlpack.SUPPORTED_DTYPES)
 TORCH_DTYPES = [n for n in ALL_DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]
 
 
 def sample(shape, name):
   rng = np.random.default_rng(1)
-  dtype = _arrays.np_dtype_from_name(name)
+  dtype = _dlpack.np_dtype_from_name(name)
   if dtype.kind == "b":
     return rng.integers(0, 2, shape).astype(bool)
   if dtype.kind in "iu":
@@ -35,9 +36,9 @@ def sample(shape, name):
 
 def host_copy(dtype: np.dtype, x: np.ndarray):
   """x's bytes in a fresh aligned receive buffer, as the transport leaves them."""
-  buf = _arrays.aligned_host_buffer(x.nbytes)
+  buf = _dlpack.aligned_host_buffer(x.nbytes)
   buf[:] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-  return buf, _arrays.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
+  return buf, _dlpack.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
 
 
 def test_import_imports_no_framework():
@@ -62,7 +63,7 @@ def test_public_names():
     [(np.zeros(2), "numpy"), (jnp.zeros(2), "jax"), (torch.zeros(2), "torch"), (3, None), ("s", None)],
 )
 def test_framework_of(x, fw):
-  assert _arrays.framework_of(x) == fw
+  assert _dlpack.framework_of(x) == fw
 
 
 X64_DTYPES = ["int64", "uint64", "float64", "complex128"]
@@ -71,11 +72,11 @@ X64_DTYPES = ["int64", "uint64", "float64", "complex128"]
 @pytest.mark.parametrize("name", [n for n in ALL_DTYPES if n not in X64_DTYPES])
 def test_describe_rebuild_every_dtype_as_jax_zero_copy(name):
   x = jnp.asarray(sample((3, 4), name))
-  leaf = _arrays.describe(x, "['x']")
+  leaf = _dlpack.describe(x, "['x']")
   assert leaf.spec.shape == (3, 4) and leaf.spec.dtype == np.dtype(x.dtype)
   assert leaf.spec.chunks[0].nbytes == x.nbytes and leaf.device == "cpu"
   buf, view = host_copy(leaf.spec.dtype, np.asarray(x))
-  out = _arrays.rebuild_host([view], leaf.spec, "jax", _arrays.Device("cpu"))
+  out = _dlpack.rebuild_host([view], leaf.spec, "jax", _dlpack.Device("cpu"))
   assert isinstance(out, jax.Array) and out.dtype == x.dtype
   assert out.unsafe_buffer_pointer() == buf.ctypes.data  # zero-copy
   np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(x).view(np.uint8))
@@ -85,29 +86,29 @@ def test_describe_rebuild_every_dtype_as_jax_zero_copy(name):
 def test_64_bit_dtypes_with_x64(name):
   with jax.enable_x64(True):
     x = jnp.asarray(sample((5,), name))
-    leaf = _arrays.describe(x)
-    buf, view = host_copy(leaf.spec.dtype, np.asarray(x))
-    out = _arrays.rebuild_host([view], leaf.spec, "jax", _arrays.Device("cpu"))
+    leaf = _dlpack.describe(x)
+    _buf, view = host_copy(leaf.spec.dtype, np.asarray(x))
+    out = _dlpack.rebuild_host([view], leaf.spec, "jax", _dlpack.Device("cpu"))
     assert out.dtype == np.dtype(name)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
 
 
 def test_64_bit_leaf_as_jax_without_x64_raises():
   x = np.arange(3, dtype=np.int64)
-  spec = _arrays.describe(x, "['n']").spec
+  spec = _dlpack.describe(x, "['n']").spec
   _, view = host_copy(spec.dtype, x)
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['n'\].*int64.*receive_as\('numpy'\).*jax_enable_x64"):
-    _arrays.rebuild_host([view], spec, "jax", _arrays.Device("cpu"))
+    _dlpack.rebuild_host([view], spec, "jax", _dlpack.Device("cpu"))
   # ... and numpy/torch receive it fine.
-  assert _arrays.rebuild_host([view], spec, "numpy", _arrays.Device("cpu")).dtype == np.int64
+  assert _dlpack.rebuild_host([view], spec, "numpy", _dlpack.Device("cpu")).dtype == np.int64
 
 
 @pytest.mark.parametrize("name", TORCH_DTYPES)
 def test_rebuild_as_torch_zero_copy(name):
   x = sample((2, 3), name)
-  spec = _arrays.describe(x).spec
+  spec = _dlpack.describe(x).spec
   buf, view = host_copy(spec.dtype, x)
-  out = _arrays.rebuild_host([view], spec, "torch", _arrays.Device("cpu"))
+  out = _dlpack.rebuild_host([view], spec, "torch", _dlpack.Device("cpu"))
   assert isinstance(out, torch.Tensor) and str(out.dtype) == f"torch.{name}"
   assert out.data_ptr() == buf.ctypes.data
   np.testing.assert_array_equal(rdt_jax.to_numpy(out).view(np.uint8), x.view(np.uint8))
@@ -116,21 +117,21 @@ def test_rebuild_as_torch_zero_copy(name):
 @pytest.mark.parametrize("shape", [(), (0,), (2, 0), (1, 1, 1)])
 def test_zero_d_and_empty(shape):
   x = jnp.ones(shape, jnp.float32)
-  leaf = _arrays.describe(x)
+  leaf = _dlpack.describe(x)
   assert leaf.spec.shape == shape and leaf.spec.nbytes == x.nbytes
   _, view = host_copy(leaf.spec.dtype, np.asarray(x))
-  out = _arrays.rebuild_host([view], leaf.spec, "jax", _arrays.Device("cpu"))
+  out = _dlpack.rebuild_host([view], leaf.spec, "jax", _dlpack.Device("cpu"))
   assert out.shape == shape
 
 
 def test_host_layout_aligns_every_chunk():
-  specs = [_arrays.describe(np.zeros(n, np.uint8)).spec for n in (1, 100, 0, 64, 65)]
-  offsets, total = _arrays.host_layout(specs)
+  specs = [_dlpack.describe(np.zeros(n, np.uint8)).spec for n in (1, 100, 0, 64, 65)]
+  offsets, total = _dlpack.host_layout(specs)
   flat = [o for leaf in offsets for o in leaf]
-  assert all(o % _arrays.ALIGNMENT == 0 for o in flat)
+  assert all(o % _dlpack.ALIGNMENT == 0 for o in flat)
   assert total >= sum(s.nbytes for s in specs)
-  buf = _arrays.aligned_host_buffer(total)
-  assert buf.ctypes.data % _arrays.ALIGNMENT == 0
+  buf = _dlpack.aligned_host_buffer(total)
+  assert buf.ctypes.data % _dlpack.ALIGNMENT == 0
 
 
 # ---- errors
@@ -140,7 +141,7 @@ def test_deleted_array():
   x = jnp.ones(3)
   x.delete()
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['w'\] is a deleted jax.Array"):
-    _arrays.describe(x, "['w']")
+    _dlpack.describe(x, "['w']")
 
 
 def test_donated_array():
@@ -148,58 +149,58 @@ def test_donated_array():
   x = jnp.ones(8)
   f(x)
   with pytest.raises(rdt_jax.UnsupportedLeafError, match="deleted"):
-    _arrays.describe(x, "['x']")
+    _dlpack.describe(x, "['x']")
 
 
 @pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4])
 def test_sub_byte(dtype):
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['q'\].*sub-byte dtype u?int4"):
-    _arrays.describe(jnp.zeros(4, dtype), "['q']")
+    _dlpack.describe(jnp.zeros(4, dtype), "['q']")
 
 
 def test_prng_key():
-  with pytest.raises(rdt_jax.UnsupportedLeafError, match="PRNG key.*key_data"):
-    _arrays.describe(jax.random.key(0), "['k']")
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"PRNG key.*key_data"):
+    _dlpack.describe(jax.random.key(0), "['k']")
 
 
 def test_object_dtype():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match="object"):
-    _arrays.describe(np.array([None]), "['o']")
+    _dlpack.describe(np.array([None]), "['o']")
 
 
 def test_string_dtype():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match="<U3"):
-    _arrays.describe(np.array(["abc"]), "['s']")
+    _dlpack.describe(np.array(["abc"]), "['s']")
 
 
 def test_non_contiguous_numpy():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"non-contiguous numpy.*ascontiguousarray"):
-    _arrays.describe(np.zeros((4, 4))[:, ::2], "['v']")
+    _dlpack.describe(np.zeros((4, 4))[:, ::2], "['v']")
 
 
 def test_negative_stride_numpy():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match="non-contiguous"):
-    _arrays.describe(np.arange(5)[::-1], "['r']")
+    _dlpack.describe(np.arange(5)[::-1], "['r']")
 
 
 def test_non_contiguous_torch():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"non-contiguous torch.*contiguous\(\)"):
-    _arrays.describe(torch.zeros(4, 4).t(), "['t']")
+    _dlpack.describe(torch.zeros(4, 4).t(), "['t']")
 
 
 def test_sparse_torch():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match="sparse"):
-    _arrays.describe(torch.zeros(3).to_sparse(), "['s']")
+    _dlpack.describe(torch.zeros(3).to_sparse(), "['s']")
 
 
 def test_torch_meta_device():
   with pytest.raises(rdt_jax.UnsupportedLeafError, match="meta"):
-    _arrays.describe(torch.empty(3, device="meta"), "['m']")
+    _dlpack.describe(torch.empty(3, device="meta"), "['m']")
 
 
 def test_not_an_array():
-  with pytest.raises(TypeError, match="not a jax.Array, torch.Tensor or np.ndarray"):
-    _arrays.describe([1, 2], "['l']")
+  with pytest.raises(TypeError, match=r"not a jax\.Array, torch\.Tensor or np\.ndarray"):
+    _dlpack.describe([1, 2], "['l']")
 
 
 # ---- devices
@@ -210,18 +211,18 @@ def test_not_an_array():
     [("cpu", "cpu"), ("cuda", "cuda:0"), ("cuda:1", "cuda:1"), ("gpu:2", "cuda:2"), ("GPU", "cuda:0")],
 )
 def test_parse_device_strings(given, expected):
-  assert str(_arrays.parse_device(given)) == expected
+  assert str(_dlpack.parse_device(given)) == expected
 
 
 def test_parse_device_objects():
-  assert _arrays.parse_device(jax.devices("cpu")[0]) == _arrays.Device("cpu", 0)
-  assert _arrays.parse_device(torch.device("cuda:3")) == _arrays.Device("cuda", 3)
+  assert _dlpack.parse_device(jax.devices("cpu")[0]) == _dlpack.Device("cpu", 0)
+  assert _dlpack.parse_device(torch.device("cuda:3")) == _dlpack.Device("cuda", 3)
 
 
 @pytest.mark.parametrize("bad", ["tpu", "cuda:x", "mps", 7])
 def test_parse_device_rejects(bad):
   with pytest.raises(ValueError, match="Unsupported device"):
-    _arrays.parse_device(bad)
+    _dlpack.parse_device(bad)
 
 
 # ---- to_jax / to_torch / to_numpy
@@ -261,7 +262,7 @@ def test_conversions_are_zero_copy_on_cpu():
   tb = torch.zeros(4, dtype=torch.bfloat16)
   assert rdt_jax.to_numpy(tb).ctypes.data == tb.data_ptr()
   assert rdt_jax.to_jax(tb).unsafe_buffer_pointer() == tb.data_ptr()
-  a = _arrays.aligned_host_buffer(64).view(np.float32)
+  a = _dlpack.aligned_host_buffer(64).view(np.float32)
   assert rdt_jax.to_jax(a).unsafe_buffer_pointer() == a.ctypes.data
 
 
@@ -297,14 +298,14 @@ def test_receive_as_rejects_unknown_mode():
 
 
 def test_host_pool_reuses_only_free_buffers():
-  pool = _arrays.HostBufferPool(max_bytes=1 << 20)
+  pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
   evicted = []
   pool.add_eviction_listener(lambda p, n: evicted.append(n))
   a = pool.acquire(4096)
   first = a.ctypes.data
   assert pool.acquire(4096).ctypes.data != first  # `a` is still in use
   # A jax array made from a view keeps the buffer in use after the view is gone.
-  x = _arrays.host_to_jax_many([a.view(np.float32)], _arrays.Device("cpu"))[0]
+  x = _dlpack.host_to_jax_many([a.view(np.float32)], _dlpack.Device("cpu"))[0]
   del a
   assert x.unsafe_buffer_pointer() == first
   assert pool.acquire(4096).ctypes.data != first
@@ -315,6 +316,15 @@ def test_host_pool_reuses_only_free_buffers():
   del t
   pool.clear()
   assert pool.pooled_bytes() == 0
+
+
+def wait_for(predicate, timeout: float, interval: float) -> bool:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(interval)
+  return bool(predicate())
 
 
 def _pooled_buffer_free(pool, pointer: int) -> bool:

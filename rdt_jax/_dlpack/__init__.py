@@ -1,0 +1,110 @@
+"""The DLPack layer: describe, allocate, rebuild and convert any framework's arrays.
+
+Data flows one way through rdt_jax::
+
+  producer leaf -> describe() -> LeafSpec + raw buffers -> (a backend moves bytes)
+  -> receive buffers (host_pool / allocate_device_buffer) -> rebuild_*() -> consumer leaf
+
+This subpackage imports no Ray (its tests run where Ray cannot be imported)
+and imports no framework eagerly. Modules:
+
+* `_dispatch`: the one dispatch point on array types (`framework_of`); every
+  other module of rdt_jax asks it for pointers, devices, dtypes, conversions;
+* `_numpy`, `_jax`, `_torch`: one module per framework (describe, export,
+  rebuild, convert); `_sharding`: sharded `jax.Array` layouts;
+* `_dtypes`, `_devices`, `_memory`: dtypes, the one device parser, host
+  pool / layout / device buffers / byte views;
+* `_specs`, `_errors`: the framework-neutral leaf descriptions and the error.
+
+`README.md` beside this file has the design rules.
+"""
+
+from rdt_jax._dlpack._devices import Device as Device
+from rdt_jax._dlpack._devices import jax_device as jax_device
+from rdt_jax._dlpack._devices import parse_device as parse_device
+from rdt_jax._dlpack._dispatch import buffer_pointer as buffer_pointer
+from rdt_jax._dlpack._dispatch import check_x64 as check_x64
+from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
+from rdt_jax._dlpack._dispatch import copy_into as copy_into
+from rdt_jax._dlpack._dispatch import describe as describe
+from rdt_jax._dlpack._dispatch import device_of as device_of
+from rdt_jax._dlpack._dispatch import dtype_of as dtype_of
+from rdt_jax._dlpack._dispatch import framework_of as framework_of
+from rdt_jax._dlpack._dispatch import hold_buffer as hold_buffer
+from rdt_jax._dlpack._dispatch import host_to_jax_many as host_to_jax_many
+from rdt_jax._dlpack._dispatch import is_array as is_array
+from rdt_jax._dlpack._dispatch import is_c_contiguous as is_c_contiguous
+from rdt_jax._dlpack._dispatch import is_writable as is_writable
+from rdt_jax._dlpack._dispatch import rebuild_device as rebuild_device
+from rdt_jax._dlpack._dispatch import rebuild_host as rebuild_host
+from rdt_jax._dlpack._dispatch import to_jax_exact as to_jax_exact
+from rdt_jax._dlpack._dtypes import SUB_BYTE_DTYPE_NAMES as SUB_BYTE_DTYPE_NAMES
+from rdt_jax._dlpack._dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
+from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
+from rdt_jax._dlpack._lazy import importable as importable
+from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
+from rdt_jax._dlpack._memory import DeviceBuffer as DeviceBuffer
+from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
+from rdt_jax._dlpack._memory import aligned as aligned
+from rdt_jax._dlpack._memory import aligned_host_buffer as aligned_host_buffer
+from rdt_jax._dlpack._memory import allocate_device_buffer as allocate_device_buffer
+from rdt_jax._dlpack._memory import host_bytes as host_bytes
+from rdt_jax._dlpack._memory import host_chunk as host_chunk
+from rdt_jax._dlpack._memory import host_layout as host_layout
+from rdt_jax._dlpack._memory import host_pointer as host_pointer
+from rdt_jax._dlpack._memory import host_pool as host_pool
+from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
+from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
+from rdt_jax._dlpack._specs import DescribedLeaf as DescribedLeaf
+from rdt_jax._dlpack._specs import DeviceKind as DeviceKind
+from rdt_jax._dlpack._specs import Framework as Framework
+from rdt_jax._dlpack._specs import LeafSpec as LeafSpec
+from rdt_jax._dlpack._specs import ShardingLayout as ShardingLayout
+from rdt_jax._dlpack._torch import bytes_tensor as torch_bytes
+
+__all__ = [
+    "ALIGNMENT",
+    "SUB_BYTE_DTYPE_NAMES",
+    "SUPPORTED_DTYPES",
+    "ChunkSpec",
+    "DescribedLeaf",
+    "Device",
+    "DeviceBuffer",
+    "DeviceKind",
+    "Framework",
+    "HostBufferPool",
+    "LeafSpec",
+    "ShardingLayout",
+    "UnsupportedLeafError",
+    "aligned",
+    "aligned_host_buffer",
+    "allocate_device_buffer",
+    "buffer_pointer",
+    "check_x64",
+    "convert_leaf",
+    "copy_into",
+    "describe",
+    "device_of",
+    "dtype_of",
+    "framework_of",
+    "hold_buffer",
+    "host_bytes",
+    "host_chunk",
+    "host_layout",
+    "host_pointer",
+    "host_pool",
+    "host_to_jax_many",
+    "importable",
+    "is_array",
+    "is_c_contiguous",
+    "is_writable",
+    "jax_device",
+    "np_dtype_from_name",
+    "parse_device",
+    "rebuild_device",
+    "rebuild_host",
+    "receive_sharding",
+    "to_jax_exact",
+    "torch_bytes",
+]

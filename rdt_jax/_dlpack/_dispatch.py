@@ -1,0 +1,235 @@
+"""The one dispatch point on array types.
+
+Everything outside the layer asks these functions about an array (its
+framework, pointer, device, dtype) and to describe, rebuild or convert it;
+each picks the framework module (`_numpy`, `_jax`, `_torch`) with one flat
+`if`/`elif` on `framework_of`. Frameworks are never imported here: a value can
+only be a `torch.Tensor` if torch is already imported.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Final
+
+import numpy as np
+
+from rdt_jax._dlpack import _jax, _numpy, _sharding, _torch
+from rdt_jax._dlpack._devices import Device, jax_device
+from rdt_jax._dlpack._errors import UnsupportedLeafError
+from rdt_jax._dlpack._lazy import loaded_type
+from rdt_jax._dlpack._memory import DeviceBuffer
+from rdt_jax._dlpack._specs import DescribedLeaf, Framework, LeafSpec
+
+_MODULES: Final[dict[str, ModuleType]] = {"numpy": _numpy, "jax": _jax, "torch": _torch}
+
+
+def framework_of(x: Any) -> Framework | None:
+  """Returns which framework's array `x` is, or None if it is not an array.
+
+  Never imports a framework.
+  """
+  if isinstance(x, np.ndarray):
+    return "numpy"
+  jax_array = loaded_type("jax", "Array")
+  if jax_array is not None and isinstance(x, jax_array):
+    return "jax"
+  tensor = loaded_type("torch", "Tensor")
+  if tensor is not None and isinstance(x, tensor):
+    return "torch"
+  return None
+
+
+def is_array(x: Any) -> bool:
+  """True if `x` is a `jax.Array`, `torch.Tensor` or `np.ndarray`."""
+  return framework_of(x) is not None
+
+
+def _module_of(x: Any, path: str = "") -> ModuleType:
+  fw = framework_of(x)
+  if fw is None:
+    raise TypeError(
+        f"Leaf {path or '?'} of type {type(x).__name__} is not a jax.Array, "
+        "torch.Tensor or np.ndarray."
+    )
+  return _MODULES[fw]
+
+
+def describe(x: Any, path: str = "") -> DescribedLeaf:
+  """Describes a leaf as raw buffers plus framework-neutral metadata.
+
+  Validates everything a transport needs before it touches the bytes: the
+  array is alive, its dtype can cross DLPack, it is contiguous, it lives on a
+  cpu or cuda device. A jax array is waited on (`block_until_ready`) so its
+  buffer holds the final values.
+
+  Args:
+    x: a `jax.Array`, `torch.Tensor` or `np.ndarray`.
+    path: the leaf's pytree path, for error messages.
+
+  Raises:
+    UnsupportedLeafError: naming the leaf, its dtype or device, and the fix.
+    TypeError: if `x` is not an array of a supported framework.
+  """
+  return _module_of(x, path).describe(x, path)
+
+
+def hold_buffer(x: Any) -> Any:
+  """A reference that keeps `x`'s buffer from being reused while held.
+
+  For a jax array this is an unconsumed DLPack capsule: while it is alive,
+  XLA cannot donate the buffer, so a producer that donates an array after
+  returning it cannot change what consumers read. Returns None for numpy and
+  torch arrays, whose memory lives as long as the array does.
+  """
+  return _jax.hold_buffer(x) if framework_of(x) == "jax" else None
+
+
+def buffer_pointer(x: Any) -> int:
+  """The address of an unsharded array's first byte."""
+  return int(_module_of(x).pointer(x))
+
+
+def device_of(x: Any) -> Device:
+  """The device an array lives on (its first device, if sharded)."""
+  return _module_of(x).device(x)
+
+
+def dtype_of(x: Any) -> np.dtype:
+  """An array's dtype as a numpy dtype (`ml_dtypes` for bfloat16, float8)."""
+  return _module_of(x).dtype(x)
+
+
+def is_c_contiguous(x: Any) -> bool:
+  """True if a numpy or torch array's memory is C-contiguous (jax: always)."""
+  fw = framework_of(x)
+  return fw == "jax" or bool(_module_of(x).is_c_contiguous(x))
+
+
+def is_writable(x: Any) -> bool:
+  """True if bytes may be written into the array in place (never for jax)."""
+  fw = framework_of(x)
+  return fw != "jax" and bool(_module_of(x).is_writable(x))
+
+
+def check_x64(dtype: np.dtype, path: str) -> None:
+  """Raises `UnsupportedLeafError` if a 64-bit leaf would arrive as jax
+  while this process has `jax_enable_x64` off (a silent downcast)."""
+  _jax.check_x64(dtype, path)
+
+
+# --------------------------------------------------------------------------
+# Conversion: the one place where arrays change framework.
+
+
+def _convert(x: Any, src: Framework, dst: Framework, path: str) -> Any:
+  if dst == "numpy":
+    return _jax.to_host(x, path) if src == "jax" else _torch.to_host(x, path)
+  if src == "numpy":
+    return _jax.from_host(x, path) if dst == "jax" else _torch.from_host(x, path)
+  if dst == "torch":
+    return _torch.from_jax(x, path)
+  return _jax.from_torch(x, path)
+
+
+def convert_leaf(x: Any, framework: Framework, path: str = "") -> Any:
+  """Converts one array to `framework`'s type, zero-copy where DLPack allows.
+
+  Non-array values are returned unchanged.
+
+  Raises:
+    UnsupportedLeafError: for a deleted jax array, a dtype the target
+      framework lacks, or a 64-bit leaf becoming jax while x64 is off.
+  """
+  src = framework_of(x)
+  if src is None:
+    return x
+  if src == framework:
+    if src == "jax":
+      _jax.check_alive(x, path)
+    return x
+  return _convert(x, src, framework, path)
+
+
+def to_jax_exact(x: Any, path: str = "") -> Any:
+  """`x` as a `jax.Array` of exactly its dtype, for backends that move jax
+  arrays (`jax_transfer`).
+
+  Like `convert_leaf(x, "jax")` (zero-copy where DLPack allows), except that a
+  64-bit leaf stays 64-bit even where this process has `jax_enable_x64` off:
+  the array only carries the bytes to a receiver, whose own setting decides
+  what it may become there.
+  """
+  import jax
+
+  with jax.enable_x64(True):
+    return convert_leaf(x, "jax", path)
+
+
+def copy_into(target: Any, leaf: Any) -> None:
+  """Copies `leaf`'s values into the numpy or torch array `target`."""
+  fw = framework_of(target)
+  if fw == "numpy":
+    _numpy.copy_into(target, convert_leaf(leaf, "numpy"))
+  else:
+    _torch.copy_into(target, convert_leaf(leaf, "torch"))
+
+
+# --------------------------------------------------------------------------
+# Rebuilding received leaves.
+
+
+def rebuild_host(
+    views: list[np.ndarray], spec: LeafSpec, framework: Framework, device: Device
+) -> Any:
+  """Rebuilds a leaf received into host memory as `framework`'s array type.
+
+  Args:
+    views: a typed, zero-copy numpy view of each of the leaf's chunks.
+    spec: the leaf's metadata.
+    framework: the array type to build.
+    device: where a jax leaf should live (a cpu device).
+
+  Zero-copy for every framework except a sharded leaf arriving as numpy or
+  torch, which is assembled into one array (one copy).
+  """
+  if spec.sharding is not None:
+    if framework == "jax":
+      return _sharding.rebuild_sharded(views, spec)
+    x = _sharding.assemble_host(views, spec)
+  else:
+    x = views[0]
+  if framework == "numpy":
+    return x
+  if framework == "jax":
+    return _jax.from_host(x, spec.path, jax_device(device))
+  return _torch.from_host(x, spec.path)
+
+
+def host_to_jax_many(views: list[np.ndarray], device: Device) -> list[Any]:
+  """Host numpy arrays as jax.Arrays on the cpu `device`, zero-copy, in one
+  call. The caller has checked 64-bit dtypes (`check_x64`)."""
+  return _jax.from_host_many(views, device)
+
+
+def rebuild_device(buffers: list[DeviceBuffer], spec: LeafSpec, framework: Framework) -> Any:
+  """Rebuilds a leaf received into cuda memory. Untested here (no GPU).
+
+  Raises:
+    UnsupportedLeafError: for a sharded leaf (not implemented on cuda).
+  """
+  chunk = spec.chunks[0]
+  if spec.sharding is not None:
+    raise UnsupportedLeafError(
+        spec.path,
+        "is a sharded jax.Array on cuda devices; rebuilding cuda shards is not implemented yet",
+        "Gather it on the producer, or fetch it to host memory with "
+        "rdt_jax.set_target_device_for_ref(ref, 'cpu').",
+    )
+  buf = buffers[0].array
+  if framework == "jax":
+    return _jax.from_device_bytes(buf, spec.dtype, chunk.shape, spec.path)
+  if framework == "torch":
+    return _torch.from_device_bytes(buf, spec.dtype, chunk.shape, spec.path)
+  host = _torch.to_host(buf, spec.path) if framework_of(buf) == "torch" else np.asarray(buf)
+  return host[: spec.nbytes].view(spec.dtype).reshape(spec.shape)

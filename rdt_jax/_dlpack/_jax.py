@@ -1,0 +1,197 @@
+"""jax arrays: describe, hold against donation, rebuild from buffers, convert."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rdt_jax import _compat
+from rdt_jax._dlpack._devices import PLATFORM_KIND, Device, jax_device, parse_device
+from rdt_jax._dlpack._dtypes import BFLOAT16, NUMPY_NATIVE_DTYPES, check_dtype, is_64_bit
+from rdt_jax._dlpack._errors import UnsupportedLeafError
+from rdt_jax._dlpack._specs import DescribedLeaf, single_chunk
+
+if TYPE_CHECKING:
+  import jax
+
+
+def check_alive(x: Any, path: str) -> None:
+  """Raises if `x` was deleted or donated (before DLPack is touched, whose
+  own error does not say so)."""
+  if x.is_deleted():
+    raise UnsupportedLeafError(
+        path,
+        f"is a deleted jax.Array (dtype {x.dtype}, shape {x.shape}); it was "
+        "donated or explicitly deleted",
+        "Return a live array: copy it before donating it, or return it "
+        "before deleting it.",
+    )
+
+
+def describe(x: Any, path: str) -> DescribedLeaf:
+  """A jax leaf as one chunk, or one chunk per distinct shard.
+
+  Waits for the array (`block_until_ready`) so its buffer holds the final
+  values.
+
+  Raises:
+    UnsupportedLeafError: for a PRNG key array, a deleted array, a dtype
+      rdt_jax cannot move, an array spanning processes or an unsupported
+      platform, naming the leaf and the fix.
+  """
+  key_type = _compat.prng_key_array_type()
+  if key_type is not None and isinstance(x, key_type):
+    raise UnsupportedLeafError(
+        path,
+        "is a PRNG key array (jax.random.key), which has no DLPack form",
+        "Send jax.random.key_data(key) and rebuild it with "
+        "jax.random.wrap_key_data on the consumer.",
+    )
+  check_alive(x, path)
+  dtype = check_dtype(np.dtype(x.dtype), path)
+  if not x.is_fully_addressable:
+    raise UnsupportedLeafError(
+        path,
+        "is a jax.Array spanning several processes (not fully addressable)",
+        "Send each process's local shards from that process instead.",
+    )
+  devices = list(x.sharding.device_set)
+  platform = devices[0].platform
+  if platform not in PLATFORM_KIND:
+    raise UnsupportedLeafError(
+        path,
+        f"lives on jax platform {platform!r} ({devices[0]}), which rdt_jax cannot move",
+        "Move it to a cpu or gpu device first (jax.device_put), or return it "
+        "from a method without tensor_transport.",
+    )
+  x.block_until_ready()
+  if len(devices) > 1:
+    from rdt_jax._dlpack import _sharding
+
+    return _sharding.describe_sharded(x, path, dtype)
+  dev = parse_device(devices[0])
+  shape = tuple(int(d) for d in x.shape)
+  return single_chunk(shape, path, "jax", dtype, dev.kind, dev.index, pointer(x), x)
+
+
+def pointer(x: Any) -> int:
+  """The address of a single-device array's buffer (0 when empty)."""
+  return int(x.unsafe_buffer_pointer()) if x.size else 0
+
+
+def device(x: Any) -> Device:
+  """The device of `x` (its first, for a sharded array)."""
+  return parse_device(next(iter(x.sharding.device_set)))
+
+
+def dtype(x: Any) -> np.dtype:
+  return np.dtype(x.dtype)
+
+
+def hold_buffer(x: Any) -> Any:
+  """An unconsumed DLPack capsule of `x`: while it is alive, XLA cannot donate
+  the buffer (a `jit(..., donate_argnums=...)` of the array copies instead of
+  writing in place)."""
+  return x.__dlpack__()
+
+
+def check_x64(dtype: np.dtype, path: str) -> None:
+  """Raises if a 64-bit leaf would arrive as jax while x64 is off.
+
+  Without this check jax would silently downcast it to 32 bits.
+
+  Raises:
+    UnsupportedLeafError: naming the leaf and dtype, suggesting
+      `receive_as('numpy')` or enabling x64.
+  """
+  import jax
+
+  if is_64_bit(dtype) and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
+    raise UnsupportedLeafError(
+        path,
+        f"has 64-bit dtype {dtype.name} but this process has jax_enable_x64 "
+        "off, so it cannot arrive as a jax.Array without a silent downcast",
+        "Call rdt_jax.receive_as('numpy') (or 'torch') in this process, or "
+        "enable x64 with jax.config.update('jax_enable_x64', True).",
+    )
+
+
+def from_host(x: np.ndarray, path: str, device: jax.Device | None = None) -> Any:
+  """A host numpy array as a jax.Array; zero-copy when 64-byte aligned."""
+  import jax
+
+  check_x64(x.dtype, path)
+  if device is None:
+    device = jax.local_devices(backend="cpu")[0]
+  # Placing host memory on the cpu backend aliases 64-byte aligned buffers for
+  # every dtype, bfloat16 and float8 included, which numpy's DLPack export
+  # refuses; tests/test_arrays.py checks that no copy happens.
+  if device.platform == "cpu":
+    return _compat.host_arrays_to_jax([x], device)[0]
+  return jax.device_put(x, device)
+
+
+def from_host_many(views: list[np.ndarray], device: Device) -> list[Any]:
+  """Host numpy arrays as jax.Arrays on the cpu `device`, zero-copy, in one
+  call (jax's per-array overhead dominates objects of many small leaves).
+
+  The caller has checked 64-bit dtypes (`check_x64`).
+  """
+  return _compat.host_arrays_to_jax(views, jax_device(device))
+
+
+def to_host(x: Any, path: str) -> np.ndarray:
+  check_alive(x, path)
+  return np.asarray(x)
+
+
+def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: str) -> Any:
+  """A cuda receive buffer (torch or jax uint8) as a jax.Array. Untested here."""
+  import jax
+  import jax.numpy as jnp
+
+  from rdt_jax._dlpack import _torch
+  from rdt_jax._dlpack._lazy import loaded_type
+
+  check_x64(dtype, path)
+  tensor: Any = loaded_type("torch", "Tensor")
+  if tensor is not None and isinstance(buf, tensor):
+    t = buf.view(_torch.torch_dtype(dtype, path)) if dtype.itemsize else buf
+    t = t[: math.prod(shape)].reshape(shape)
+    if dtype in NUMPY_NATIVE_DTYPES or dtype == BFLOAT16:
+      return jnp.from_dlpack(t)
+    buf = jnp.from_dlpack(buf)
+  n = math.prod(shape)
+  raw = buf[: n * dtype.itemsize]
+  if dtype.itemsize == 1:
+    return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
+  return jax.lax.bitcast_convert_type(raw.reshape(n, dtype.itemsize), dtype).reshape(shape)
+
+
+def from_torch(t: Any, path: str) -> Any:
+  """A torch tensor as a jax.Array, through DLPack where jax imports it."""
+  import jax.numpy as jnp
+
+  from rdt_jax._dlpack import _torch
+
+  dt = _torch.dtype(t)
+  check_x64(dt, path)
+  t = t.detach()
+  if not t.is_contiguous():
+    t = t.contiguous()
+  if dt in NUMPY_NATIVE_DTYPES or dt == BFLOAT16:
+    return jnp.from_dlpack(t)
+  if t.device.type == "cpu":
+    return from_host(_torch.to_host(t, path), path)
+  return from_device_bytes(_torch.byte_view(t), dt, tuple(t.shape), path)
+
+
+def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:
+  """A uint8 jax array of `nbytes` on `device` and its address."""
+  import jax.numpy as jnp
+
+  a = jnp.zeros((nbytes,), jnp.uint8, device=jax_device(device))
+  a.block_until_ready()
+  return a, int(a.unsafe_buffer_pointer())

@@ -1,0 +1,231 @@
+"""Memory: receive and staging buffers, their layout, and raw byte views.
+
+Host buffers come from one process-wide pool (`host_pool`) of 64-byte aligned,
+already faulted-in buffers; device buffers from the framework that owns the
+device. A backend sees only pointers and sizes; the arrays rebuilt on top of
+these buffers are made by the framework modules.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from rdt_jax._dlpack._devices import Device
+from rdt_jax._dlpack._specs import ChunkSpec, LeafSpec
+
+#: Host receive buffers start on this boundary: `jnp.from_dlpack` and
+#: `jax.device_put` alias (do not copy) host memory aligned to 64 bytes.
+ALIGNMENT: Final = 64
+#: Host memory a process keeps for reuse between transfers, by default.
+DEFAULT_POOL_BYTES: Final = 1 << 30
+
+
+def aligned(nbytes: int) -> int:
+  """`nbytes` rounded up to a multiple of `ALIGNMENT`."""
+  return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def aligned_host_buffer(nbytes: int) -> np.ndarray:
+  """A fresh uint8 host buffer of `nbytes`, starting on an `ALIGNMENT` boundary."""
+  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+  offset = (-raw.ctypes.data) % ALIGNMENT
+  return raw[offset : offset + nbytes]
+
+
+def host_pointer(buffer: np.ndarray) -> int:
+  """The address of a host buffer's first byte."""
+  return int(buffer.ctypes.data)
+
+
+class HostBufferPool:
+  """Reuses host buffers whose pages are already faulted in (and registered).
+
+  A fresh buffer costs a page fault per 4 KiB page on first write, which
+  dominates receiving into fresh memory (docs/performance.md has the figures).
+  Received leaves are zero-copy views of their buffer, so a buffer is free
+  again only once no view of it is alive; the pool checks that by reference
+  count when a buffer is asked for, and never hands out one still in use.
+
+  Free buffers are kept up to `max_bytes` in total (env var
+  `RDT_JAX_HOST_POOL_BYTES`, default 1 GiB; 0 disables reuse); the least
+  recently used are dropped first, after telling every eviction listener (a
+  backend deregisters the memory).
+  """
+
+  def __init__(self, max_bytes: int | None = None):
+    if max_bytes is None:
+      max_bytes = int(os.environ.get("RDT_JAX_HOST_POOL_BYTES", DEFAULT_POOL_BYTES))
+    self.max_bytes = max_bytes
+    self._buffers: list[np.ndarray] = []  # aligned uint8 views, oldest first
+    self._listeners: list[Callable[[int, int], None]] = []
+    self._lock = threading.Lock()
+
+  def add_eviction_listener(self, fn: Callable[[int, int], None]) -> None:
+    """Calls `fn(pointer, nbytes)` for each buffer the pool stops keeping."""
+    with self._lock:
+      self._listeners.append(fn)
+
+  def _free_at(self, i: int) -> bool:
+    # numpy views all reference the allocation's owner (`.base`) directly, so
+    # it is free when referenced only by the pooled view (plus the argument).
+    return sys.getrefcount(self._buffers[i].base) <= 2
+
+  def acquire(self, nbytes: int) -> np.ndarray:
+    """A 64-byte aligned uint8 buffer of exactly `nbytes`.
+
+    Reuses a free pooled buffer (the smallest that fits, up to 2x `nbytes`),
+    else allocates a fresh one and keeps it for later. The result is a view
+    of the pooled buffer, which stays in use while the view, or any array
+    built on it, is alive.
+    """
+    with self._lock:
+      best = None
+      for i in range(len(self._buffers)):
+        size = self._buffers[i].nbytes
+        if nbytes <= size <= 2 * nbytes and self._free_at(i):
+          if best is None or size < self._buffers[best].nbytes:
+            best = i
+      if best is not None:
+        buf = self._buffers.pop(best)
+        self._buffers.append(buf)  # most recently used last
+        return buf[:nbytes]
+      buf = aligned_host_buffer(nbytes)
+      evicted = []
+      if 0 < nbytes <= self.max_bytes:
+        self._buffers.append(buf)
+        evicted = self._evict(self.max_bytes)
+      listeners = list(self._listeners)
+    self._notify(evicted, listeners)
+    return buf[:nbytes]
+
+  def _evict(self, limit: int) -> list[tuple[int, int]]:
+    """Drops free buffers, oldest first, until at most `limit` bytes are kept."""
+    evicted = []
+    total = sum(b.nbytes for b in self._buffers)
+    i = 0
+    while total > limit and i < len(self._buffers):
+      if self._free_at(i):
+        buf = self._buffers.pop(i)
+        total -= buf.nbytes
+        evicted.append((host_pointer(buf), buf.nbytes))
+        del buf
+      else:
+        i += 1
+    return evicted
+
+  @staticmethod
+  def _notify(evicted: list[tuple[int, int]], listeners: list[Callable[[int, int], None]]) -> None:
+    for pointer, nbytes in evicted:
+      for fn in listeners:
+        fn(pointer, nbytes)
+
+  def region_of(self, view: np.ndarray) -> tuple[int, int] | None:
+    """`(pointer, nbytes)` of the pooled buffer `view` lies in, if any."""
+    p, n = host_pointer(view), view.nbytes
+    with self._lock:
+      for b in self._buffers:
+        start = host_pointer(b)
+        if start <= p and p + n <= start + b.nbytes:
+          return start, b.nbytes
+    return None
+
+  def clear(self) -> None:
+    """Drops every free buffer (telling the listeners)."""
+    with self._lock:
+      evicted = self._evict(0)
+      listeners = list(self._listeners)
+    self._notify(evicted, listeners)
+
+  def pooled_bytes(self) -> int:
+    """Bytes the pool keeps now, in use or free."""
+    with self._lock:
+      return sum(b.nbytes for b in self._buffers)
+
+
+#: The process's host buffer pool (receive buffers and send staging buffers).
+host_pool = HostBufferPool()
+
+
+def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
+  """Packs every chunk of `specs` into one host buffer.
+
+  Returns:
+    per leaf, the byte offset of each chunk; and the total buffer size. Every
+    chunk starts on an `ALIGNMENT` boundary so jax can alias it.
+  """
+  offsets: list[list[int]] = []
+  total = 0
+  for spec in specs:
+    leaf_offsets = []
+    for chunk in spec.chunks:
+      leaf_offsets.append(total)
+      total += aligned(chunk.nbytes)
+    offsets.append(leaf_offsets)
+  return offsets, total
+
+
+def host_chunk(buffer: np.ndarray, offset: int, dtype: np.dtype, chunk: ChunkSpec) -> np.ndarray:
+  """A zero-copy typed view of one chunk inside a host receive buffer."""
+  return buffer[offset : offset + chunk.nbytes].view(dtype).reshape(chunk.shape)
+
+
+@dataclass
+class DeviceBuffer:
+  """A receive buffer in device memory, owned by the framework that made it."""
+
+  array: Any  # a torch uint8 tensor or a jax uint8 array
+  pointer: int
+  nbytes: int
+  device: Device
+
+
+def allocate_device_buffer(nbytes: int, device: Device) -> DeviceBuffer:
+  """A fresh uint8 buffer of `nbytes` on a cuda device.
+
+  Uses torch when it is importable (its allocator hands out writable memory);
+  otherwise a jax array whose buffer the transport writes into before anyone
+  else sees it. Untested here: this machine has no GPU.
+  """
+  from rdt_jax._dlpack import _jax, _torch
+
+  if _torch.available():
+    array, pointer = _torch.empty_bytes(max(nbytes, 1), device)
+  else:
+    array, pointer = _jax.empty_bytes(max(nbytes, 1), device)
+  return DeviceBuffer(array, pointer, nbytes, device)
+
+
+class _HostBytes:
+  """`nbytes` of host memory at `pointer`, as numpy's array interface."""
+
+  def __init__(self, pointer: int, nbytes: int):
+    self.__array_interface__ = {
+        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
+    }
+
+
+class CudaBytes:
+  """`nbytes` of cuda memory at `pointer`, as the CUDA Array Interface."""
+
+  def __init__(self, pointer: int, nbytes: int):
+    self.__cuda_array_interface__ = {
+        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
+        "strides": None,
+    }
+
+
+def host_bytes(pointer: int, nbytes: int) -> np.ndarray:
+  """A writable 1-D uint8 numpy view of `nbytes` of host memory at `pointer`.
+
+  Zero-copy and framework-neutral: the memory may belong to any framework's
+  array. The view does not own it; the caller keeps the owner alive while the
+  view is in use.
+  """
+  return np.asarray(_HostBytes(pointer, nbytes))

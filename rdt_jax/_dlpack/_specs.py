@@ -1,0 +1,120 @@
+"""Framework-neutral descriptions of a leaf: what crosses between processes.
+
+These hold only plain Python values and `np.dtype`s (never a jax, torch or
+NIXL object), so transport metadata built from them pickles anywhere.
+`ml_dtypes` makes bfloat16 and the float8 types real `np.dtype`s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+Framework = Literal["jax", "torch", "numpy"]
+DeviceKind = Literal["cpu", "cuda"]
+
+#: Receive modes accepted by :func:`rdt_jax.receive_as`.
+RECEIVE_MODES: tuple[str, ...] = ("source", "jax", "torch", "numpy")
+
+
+@dataclass(frozen=True)
+class ShardingLayout:
+  """How a sharded `jax.Array` was laid out on its producer.
+
+  Attributes:
+    mesh_shape: shape of the producer's device mesh.
+    axis_names: the mesh's axis names.
+    spec: the `PartitionSpec` entries as plain tuples (None, a name, or a tuple
+      of names per array dimension).
+    device_chunks: for each mesh position (in `mesh.devices.flat` order), the
+      index of the chunk that device holds. Replicated shards share a chunk, so
+      each distinct shard crosses the wire once.
+  """
+
+  mesh_shape: tuple[int, ...]
+  axis_names: tuple[str, ...]
+  spec: tuple
+  device_chunks: tuple[int, ...]
+
+  @property
+  def num_devices(self) -> int:
+    return math.prod(self.mesh_shape)
+
+
+class ChunkSpec(NamedTuple):
+  """One contiguous buffer of a leaf: the whole leaf, or one distinct shard."""
+
+  shape: tuple[int, ...]
+  nbytes: int
+
+
+class LeafSpec(NamedTuple):
+  """What the consumer needs to rebuild one leaf.
+
+  A named tuple rather than a dataclass: metadata of an object with many
+  leaves crosses several processes, and tuples pickle several times faster.
+
+  Attributes:
+    path: the leaf's position in the value, as `jax.tree_util.keystr` prints it
+      (best effort: "" when the producer could not tell).
+    shape: the leaf's global shape.
+    dtype: its numpy dtype (`ml_dtypes` types for bfloat16 and float8).
+    framework: the array type it was sent as.
+    device: the device kind it lives on ("cpu" or "cuda").
+    chunks: the buffers that make up the leaf, one unless it is sharded.
+    sharding: the producer's layout for a sharded `jax.Array`, else None.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  framework: Framework
+  device: DeviceKind
+  chunks: tuple[ChunkSpec, ...]
+  sharding: ShardingLayout | None = None
+
+  @property
+  def nbytes(self) -> int:
+    return sum(c.nbytes for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class DescribedLeaf:
+  """A producer-side leaf: its spec and the raw buffers behind its chunks.
+
+  Stays in the producing process (it holds the arrays); only `spec` crosses.
+
+  Attributes:
+    spec: the metadata sent to consumers.
+    pointers: the address of each chunk's first byte.
+    device_indices: the device index each chunk lives on (0 for host memory).
+    arrays: the framework array behind each chunk (the leaf, or a shard).
+  """
+
+  spec: LeafSpec
+  pointers: tuple[int, ...]
+  device_indices: tuple[int, ...]
+  arrays: tuple[object, ...] = ()
+
+  @property
+  def device(self) -> DeviceKind:
+    return self.spec.device
+
+
+def single_chunk(
+    shape: tuple[int, ...],
+    path: str,
+    framework: Framework,
+    dtype: np.dtype,
+    device: DeviceKind,
+    device_index: int,
+    pointer: int,
+    array: object,
+) -> DescribedLeaf:
+  """The description of an unsharded leaf: one chunk, the whole array."""
+  nbytes = math.prod(shape) * dtype.itemsize
+  spec = LeafSpec(path, shape, dtype, framework, device, (ChunkSpec(shape, nbytes),))
+  return DescribedLeaf(spec, (pointer,), (device_index,), (array,))

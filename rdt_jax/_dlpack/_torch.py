@@ -1,0 +1,203 @@
+"""torch tensors: describe, rebuild from buffers, convert, and byte tensors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from rdt_jax._dlpack._devices import Device, parse_device
+from rdt_jax._dlpack._dtypes import (
+    NUMPY_NATIVE_DTYPES,
+    check_dtype,
+    np_dtype_from_name,
+    unsigned_view_dtype,
+)
+from rdt_jax._dlpack._errors import UnsupportedLeafError
+from rdt_jax._dlpack._lazy import importable
+from rdt_jax._dlpack._memory import CudaBytes, host_bytes
+from rdt_jax._dlpack._specs import DescribedLeaf, single_chunk
+
+
+def available() -> bool:
+  """True if torch can be imported here (checked without importing it)."""
+  return importable("torch")
+
+
+def torch_dtype(dtype: np.dtype, path: str) -> Any:
+  """The `torch.dtype` for a numpy dtype.
+
+  Raises:
+    UnsupportedLeafError: if torch has no such type, naming the leaf.
+  """
+  import torch
+
+  tdt = getattr(torch, dtype.name, None)
+  if not isinstance(tdt, torch.dtype):
+    raise UnsupportedLeafError(
+        path,
+        f"has dtype {dtype.name}, which PyTorch {torch.__version__} has no type for",
+        "Receive it as jax or numpy (rdt_jax.receive_as('jax'|'numpy')) or "
+        "cast it on the producer.",
+    )
+  return tdt
+
+
+def dtype(t: Any) -> np.dtype:
+  """The numpy dtype of a tensor (`ml_dtypes` types for bfloat16 and float8).
+
+  Raises:
+    TypeError: for a torch dtype numpy and `ml_dtypes` have no name for.
+  """
+  return np_dtype_from_name(str(t.dtype).removeprefix("torch."))
+
+
+def describe(x: Any, path: str) -> DescribedLeaf:
+  """A torch leaf as one chunk in host or cuda memory.
+
+  Raises:
+    UnsupportedLeafError: for a sparse or non-contiguous tensor, a dtype or
+      device rdt_jax cannot move, naming the leaf and the fix.
+  """
+  import torch
+
+  if x.layout != torch.strided:
+    raise UnsupportedLeafError(
+        path, f"is a {x.layout} torch tensor", "Convert it with .to_dense() before returning it."
+    )
+  try:
+    dt = dtype(x)
+  except TypeError:
+    raise UnsupportedLeafError(
+        path,
+        f"has torch dtype {str(x.dtype).removeprefix('torch.')}, which has no "
+        "numpy/ml_dtypes equivalent",
+        "Cast it to a standard dtype before returning it.",
+    ) from None
+  dt = check_dtype(dt, path)
+  if not x.is_contiguous():
+    raise UnsupportedLeafError(
+        path,
+        f"is a non-contiguous torch tensor (shape {tuple(x.shape)}, stride {x.stride()})",
+        "Return x.contiguous() instead.",
+    )
+  try:
+    dev = parse_device(x.device)
+  except ValueError:
+    raise UnsupportedLeafError(
+        path,
+        f"lives on torch device {x.device}, which rdt_jax cannot move",
+        "Move it to 'cpu' or 'cuda' first.",
+    ) from None
+  if dev.kind == "cuda":
+    torch.cuda.synchronize(x.device)
+  shape = tuple(int(d) for d in x.shape)
+  return single_chunk(shape, path, "torch", dt, dev.kind, dev.index, pointer(x), x)
+
+
+def pointer(t: Any) -> int:
+  return int(t.data_ptr())
+
+
+def device(t: Any) -> Device:
+  return parse_device(t.device)
+
+
+def is_c_contiguous(t: Any) -> bool:
+  return bool(t.is_contiguous())
+
+
+def is_writable(t: Any) -> bool:
+  return True
+
+
+def from_host(x: np.ndarray, path: str) -> Any:
+  """A host numpy array as a cpu tensor, zero-copy (a byte view for bfloat16
+  and float8).
+
+  Raises:
+    UnsupportedLeafError: for a dtype torch has no type for.
+  """
+  import torch
+
+  tdt = torch_dtype(x.dtype, path)
+  if x.dtype in NUMPY_NATIVE_DTYPES:
+    return torch.from_numpy(x)
+  return torch.from_numpy(x.view(unsigned_view_dtype(x.dtype))).view(tdt)
+
+
+def to_host(t: Any, path: str) -> np.ndarray:
+  """A tensor's values as a host numpy array (zero-copy for cpu tensors)."""
+  import torch
+
+  dt = dtype(t)
+  t = t.detach()
+  if t.device.type != "cpu":
+    t = t.cpu()
+  if dt in NUMPY_NATIVE_DTYPES:
+    return t.numpy()
+  bits = getattr(torch, f"uint{dt.itemsize * 8}")
+  return t.view(bits).numpy().view(dt)
+
+
+def from_jax(x: Any, path: str) -> Any:
+  """A jax array as a tensor, through DLPack (zero-copy) where torch imports it."""
+  import torch
+
+  from rdt_jax._dlpack import _jax
+
+  _jax.check_alive(x, path)
+  torch_dtype(np.dtype(x.dtype), path)
+  if len(x.sharding.device_set) > 1:
+    return from_host(np.asarray(x), path)
+  try:
+    return torch.from_dlpack(x)
+  except (BufferError, RuntimeError, TypeError):
+    # float8 variants torch cannot import through DLPack: go by a byte view.
+    return from_host(np.asarray(x), path)
+
+
+def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: str) -> Any:
+  """A cuda receive buffer (torch or jax uint8) as a tensor. Untested here."""
+  import torch
+
+  if not isinstance(buf, torch.Tensor):
+    buf = torch.from_dlpack(buf)
+  tdt = torch_dtype(dtype, path)
+  return buf[: math.prod(shape) * dtype.itemsize].view(tdt).reshape(shape)
+
+
+def byte_view(t: Any) -> Any:
+  """A contiguous tensor's memory as a flat uint8 tensor (zero-copy)."""
+  import torch
+
+  return t.reshape(-1).view(torch.uint8)
+
+
+def copy_into(target: Any, values: Any) -> None:
+  target.copy_(values)
+
+
+def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:
+  """A uint8 tensor of `nbytes` on `device` and its address."""
+  import torch
+
+  t = torch.empty(nbytes, dtype=torch.uint8, device=str(device))
+  return t, int(t.data_ptr())
+
+
+def bytes_tensor(pointer: int, nbytes: int, device: Device) -> Any:
+  """A 1-D `torch.uint8` tensor over `nbytes` at `pointer` on `device`.
+
+  Zero-copy, for backends whose library takes torch tensors (Ray's GLOO and
+  NCCL collective groups): host memory goes through DLPack from a numpy view,
+  cuda memory through the CUDA Array Interface (untested here: no GPU). The
+  tensor does not own the memory; the caller keeps the owner alive while the
+  tensor is in use.
+  """
+  import torch
+
+  if device.kind == "cpu":
+    return torch.from_dlpack(host_bytes(pointer, nbytes))
+  return torch.as_tensor(CudaBytes(pointer, nbytes), device=str(device))
