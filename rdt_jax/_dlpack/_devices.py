@@ -79,11 +79,15 @@ def parse_device(device: Any) -> Device:
   )
 
 
-def jax_device(device: Device) -> jax.Device:
+def jax_device(device: Device, path: str = "") -> jax.Device:
   """The local jax device for `device`.
 
+  Never silently another device: `cuda:3` is jax's gpu device with local
+  hardware id 3 or an error.
+
   Raises:
-    UnsupportedLeafError: if this process's jax has no such platform.
+    UnsupportedLeafError: if this process's jax has no such platform, or no
+      such device on it, naming the device and those that exist.
   """
   import jax
 
@@ -92,7 +96,7 @@ def jax_device(device: Device) -> jax.Device:
     devices = jax.local_devices(backend=platform)
   except RuntimeError:
     raise UnsupportedLeafError(
-        "",
+        path,
         f"must arrive on {device}, but this process's jax has no {platform} backend",
         "Receive it as numpy or torch, or set a target device "
         "(rdt_jax.set_target_device_for_ref).",
@@ -100,4 +104,10 @@ def jax_device(device: Device) -> jax.Device:
   for d in devices:
     if (d.id if device.kind == "cpu" else d.local_hardware_id) == device.index:
       return d
-  return devices[0]
+  raise UnsupportedLeafError(
+      path,
+      f"must arrive on {device}, but this process's jax has no such {platform} device "
+      f"(it has {', '.join(str(parse_device(d)) for d in devices)})",
+      "Set a target device that exists here (rdt_jax.set_target_device_for_ref), "
+      "or check CUDA_VISIBLE_DEVICES / the actor's num_gpus.",
+  )
