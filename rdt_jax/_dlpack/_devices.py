@@ -35,6 +35,10 @@ class Device:
 CPU: Final = Device("cpu")
 
 
+def _name(device: Device) -> str:
+  return f"{device.kind}:{device.index}"
+
+
 def jax_platform(kind: DeviceKind) -> str:
   """The jax platform (backend) name of a device kind."""
   return "cpu" if kind == "cpu" else "gpu"
@@ -106,8 +110,8 @@ def jax_device(device: Device, path: str = "") -> jax.Device:
       return d
   raise UnsupportedLeafError(
       path,
-      f"must arrive on {device}, but this process's jax has no such {platform} device "
-      f"(it has {', '.join(str(parse_device(d)) for d in devices)})",
+      f"must arrive on {device.kind}:{device.index}, but this process's jax has no such "
+      f"{platform} device (it has {', '.join(_name(parse_device(d)) for d in devices)})",
       "Set a target device that exists here (rdt_jax.set_target_device_for_ref), "
       "or check CUDA_VISIBLE_DEVICES / the actor's num_gpus.",
   )
