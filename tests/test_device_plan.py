@@ -82,7 +82,7 @@ def test_device_chunks_share_one_region_per_device(pool):
   again = ReceivePlan(specs, "source")
   again.allocate()
   assert again.regions[0] is not region  # its leaves are alive
-  del leaves
+  del leaves, leaf  # the loop variable holds the last leaf
   gc.collect()
   third = ReceivePlan(specs, "source")
   third.allocate()
