@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from rdt_jax import _dlpack
-from rdt_jax._dlpack import Device, LeafSpec, RegionPool, UnsupportedLeafError
-from rdt_jax._dlpack import _cupy, _jax, _torch
+from rdt_jax._dlpack import Device, LeafSpec, RegionPool, UnsupportedLeafError, _cupy, _jax, _torch
 from rdt_jax._dlpack._specs import ChunkSpec
 
 CPU = Device("cpu")
@@ -151,6 +150,12 @@ def test_jax_device_without_gpu_backend_names_device():
     _dlpack.jax_device(Device("cuda", 3))
 
 
+def test_check_device_refuses_a_missing_cuda_device_by_name():
+  assert _dlpack.check_device(CPU) == CPU
+  with pytest.raises(UnsupportedLeafError, match=r"Leaf \['w'\] must arrive on cuda:2, but this process has no cuda"):
+    _dlpack.check_device(Device("cuda", 2), "['w']")
+
+
 def test_to_torch_keeps_dtype_dlpack_lacks_on_cpu():
   x = jnp.asarray(values((3,), "float8_e3m4"))
   with pytest.raises(UnsupportedLeafError, match="float8_e3m4, which PyTorch"):
@@ -176,7 +181,7 @@ def test_cupy_is_recognised_without_importing_it():
   assert _dlpack.framework_of(np.zeros(2)) == "numpy"
   with pytest.raises(UnsupportedLeafError, match="cupy is not importable"):
     _cupy.from_dlpack(torch.zeros(2), "['c']")
-  with pytest.raises(UnsupportedLeafError, match="host memory.*cannot become a cupy array"):
+  with pytest.raises(UnsupportedLeafError, match=r"host memory.*cannot become a cupy array"):
     _dlpack.convert_leaf(np.zeros(2), "cupy", "['c']")
 
 

@@ -28,6 +28,7 @@ from rdt_jax._dlpack._cuda import wait_for_copies as wait_for_copies
 from rdt_jax._dlpack._cuda import wait_for_producers as wait_for_producers
 from rdt_jax._dlpack._cuda import wait_received as wait_received
 from rdt_jax._dlpack._devices import Device as Device
+from rdt_jax._dlpack._devices import check_device as check_device
 from rdt_jax._dlpack._devices import jax_device as jax_device
 from rdt_jax._dlpack._devices import parse_device as parse_device
 from rdt_jax._dlpack._dispatch import block_until_ready as block_until_ready
@@ -96,6 +97,7 @@ __all__ = [
     "aligned_host_buffer",
     "block_until_ready",
     "buffer_pointer",
+    "check_device",
     "check_x64",
     "convert_leaf",
     "copy_bytes",

@@ -115,3 +115,34 @@ def jax_device(device: Device, path: str = "") -> jax.Device:
       "Set a target device that exists here (rdt_jax.set_target_device_for_ref), "
       "or check CUDA_VISIBLE_DEVICES / the actor's num_gpus.",
   )
+
+
+def check_device(device: Device, path: str = "") -> Device:
+  """Returns `device` if this process has it; never another one.
+
+  Host memory always exists. A cuda device is looked up through torch when it
+  is importable (its ordinals are the ones `"cuda:N"` names), else through
+  jax's gpu devices.
+
+  Raises:
+    UnsupportedLeafError: naming the device and those this process has.
+  """
+  if device.kind == "cpu":
+    return device
+  from rdt_jax._dlpack._lazy import importable
+
+  if not importable("torch"):
+    jax_device(device, path)
+    return device
+  import torch
+
+  count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+  if device.index < count:
+    return device
+  have = ", ".join(f"cuda:{i}" for i in range(count)) or "no cuda device"
+  raise UnsupportedLeafError(
+      path,
+      f"must arrive on cuda:{device.index}, but this process has {have}",
+      "Set a target device that exists here (rdt_jax.set_target_device_for_ref), "
+      "or check CUDA_VISIBLE_DEVICES / the actor's num_gpus.",
+  )

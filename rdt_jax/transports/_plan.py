@@ -130,6 +130,7 @@ class ReceivePlan:
     framework: Framework = target_fw or (spec.framework if mode == "source" else mode)  # type: ignore[assignment]
     if framework == "cupy" and device.kind == "cpu":
       framework = "numpy"  # host memory was asked for: cupy's host type
+    _dlpack.check_device(device, spec.path)  # cuda:N or an error, never another
     if framework == "jax":
       _dlpack.check_x64(spec.dtype, spec.path)
     return _LeafPlan(spec, framework, device, target if target_fw else None)
