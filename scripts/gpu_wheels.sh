@@ -31,7 +31,7 @@ run python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$
 # Ray's runtime dependencies that GPU images often lack (pure Python or abi3).
 run python3 -m pip download -q --only-binary=:all: --python-version "$PYV" $PLAT -d "$OUT" \
   "click>=7.0" "filelock" "jsonschema" "msgpack<2.0.0,>=1.0.0" "protobuf>=3.20.3" \
-  "pyyaml" "requests" "ml_dtypes"
+  "pyyaml" "requests" "ml_dtypes" "pytest" "pytest-timeout"
 run python3 -m pip wheel -q --no-deps -w "$OUT" .
 if [ "$SPLIT" = 1 ]; then
   for whl in "$OUT"/ray-*.whl "$OUT"/nixl_cu13-*.whl; do
