@@ -184,6 +184,9 @@ def install_reducers() -> None:
     dispatch[torch.Tensor] = _reduce_ex
     dispatch[torch.nn.Parameter] = _reduce_ex
     _reducers_for.add("torch")
+  if "cupy" not in _reducers_for and "cupy" in sys.modules:
+    dispatch[sys.modules["cupy"].ndarray] = _reduce_ex
+    _reducers_for.add("cupy")
 
 
 # --------------------------------------------------------------------------

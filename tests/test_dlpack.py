@@ -199,7 +199,7 @@ def test_torch_meta_device():
 
 
 def test_not_an_array():
-  with pytest.raises(TypeError, match=r"not a jax\.Array, torch\.Tensor or np\.ndarray"):
+  with pytest.raises(TypeError, match=r"not a jax\.Array, torch\.Tensor, np\.ndarray or cupy\.ndarray"):
     _dlpack.describe([1, 2], "['l']")
 
 

@@ -13,15 +13,25 @@ and imports no framework eagerly. Modules:
 * `_numpy`, `_jax`, `_torch`: one module per framework (describe, export,
   rebuild, convert); `_sharding`: sharded `jax.Array` layouts;
 * `_dtypes`, `_devices`, `_memory`: dtypes, the one device parser, host
-  pool / layout / device buffers / byte views;
+  pool / layout / byte views; `_pool`: the device region pool (packed,
+  registered once, never reused while a transfer may write it);
+* `_cuda`: every CUDA-specific step (stream ordering), no-ops on host memory;
+  `_cupy`: cupy arrays (described and converted; not a receive type);
 * `_specs`, `_errors`: the framework-neutral leaf descriptions and the error.
 
 `README.md` beside this file has the design rules.
 """
 
+from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
+from rdt_jax._dlpack._cuda import cuda_available as cuda_available
+from rdt_jax._dlpack._cuda import wait_for_copies as wait_for_copies
+from rdt_jax._dlpack._cuda import wait_for_producers as wait_for_producers
+from rdt_jax._dlpack._cuda import wait_received as wait_received
 from rdt_jax._dlpack._devices import Device as Device
+from rdt_jax._dlpack._devices import check_device as check_device
 from rdt_jax._dlpack._devices import jax_device as jax_device
 from rdt_jax._dlpack._devices import parse_device as parse_device
+from rdt_jax._dlpack._dispatch import block_until_ready as block_until_ready
 from rdt_jax._dlpack._dispatch import buffer_pointer as buffer_pointer
 from rdt_jax._dlpack._dispatch import check_x64 as check_x64
 from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
@@ -44,16 +54,20 @@ from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
 from rdt_jax._dlpack._lazy import importable as importable
 from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
-from rdt_jax._dlpack._memory import DeviceBuffer as DeviceBuffer
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
 from rdt_jax._dlpack._memory import aligned as aligned
 from rdt_jax._dlpack._memory import aligned_host_buffer as aligned_host_buffer
-from rdt_jax._dlpack._memory import allocate_device_buffer as allocate_device_buffer
 from rdt_jax._dlpack._memory import host_bytes as host_bytes
 from rdt_jax._dlpack._memory import host_chunk as host_chunk
 from rdt_jax._dlpack._memory import host_layout as host_layout
 from rdt_jax._dlpack._memory import host_pointer as host_pointer
 from rdt_jax._dlpack._memory import host_pool as host_pool
+from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
+from rdt_jax._dlpack._pool import Region as Region
+from rdt_jax._dlpack._pool import RegionPool as RegionPool
+from rdt_jax._dlpack._pool import device_pool as device_pool
+from rdt_jax._dlpack._pool import pack_layout as pack_layout
+from rdt_jax._dlpack._pool import region_source as region_source
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
 from rdt_jax._dlpack._specs import DescribedLeaf as DescribedLeaf
@@ -65,27 +79,33 @@ from rdt_jax._dlpack._torch import bytes_tensor as torch_bytes
 
 __all__ = [
     "ALIGNMENT",
+    "DEVICE_ALIGNMENT",
     "SUB_BYTE_DTYPE_NAMES",
     "SUPPORTED_DTYPES",
     "ChunkSpec",
     "DescribedLeaf",
     "Device",
-    "DeviceBuffer",
     "DeviceKind",
     "Framework",
     "HostBufferPool",
     "LeafSpec",
+    "Region",
+    "RegionPool",
     "ShardingLayout",
     "UnsupportedLeafError",
     "aligned",
     "aligned_host_buffer",
-    "allocate_device_buffer",
+    "block_until_ready",
     "buffer_pointer",
+    "check_device",
     "check_x64",
     "convert_leaf",
+    "copy_bytes",
     "copy_into",
+    "cuda_available",
     "describe",
     "device_of",
+    "device_pool",
     "dtype_of",
     "framework_of",
     "hold_buffer",
@@ -101,10 +121,15 @@ __all__ = [
     "is_writable",
     "jax_device",
     "np_dtype_from_name",
+    "pack_layout",
     "parse_device",
     "rebuild_device",
     "rebuild_host",
     "receive_sharding",
+    "region_source",
     "to_jax_exact",
     "torch_bytes",
+    "wait_for_copies",
+    "wait_for_producers",
+    "wait_received",
 ]

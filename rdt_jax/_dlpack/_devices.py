@@ -35,6 +35,10 @@ class Device:
 CPU: Final = Device("cpu")
 
 
+def _name(device: Device) -> str:
+  return f"{device.kind}:{device.index}"
+
+
 def jax_platform(kind: DeviceKind) -> str:
   """The jax platform (backend) name of a device kind."""
   return "cpu" if kind == "cpu" else "gpu"
@@ -79,11 +83,15 @@ def parse_device(device: Any) -> Device:
   )
 
 
-def jax_device(device: Device) -> jax.Device:
+def jax_device(device: Device, path: str = "") -> jax.Device:
   """The local jax device for `device`.
 
+  Never silently another device: `cuda:3` is jax's gpu device with local
+  hardware id 3 or an error.
+
   Raises:
-    UnsupportedLeafError: if this process's jax has no such platform.
+    UnsupportedLeafError: if this process's jax has no such platform, or no
+      such device on it, naming the device and those that exist.
   """
   import jax
 
@@ -92,7 +100,7 @@ def jax_device(device: Device) -> jax.Device:
     devices = jax.local_devices(backend=platform)
   except RuntimeError:
     raise UnsupportedLeafError(
-        "",
+        path,
         f"must arrive on {device}, but this process's jax has no {platform} backend",
         "Receive it as numpy or torch, or set a target device "
         "(rdt_jax.set_target_device_for_ref).",
@@ -100,4 +108,41 @@ def jax_device(device: Device) -> jax.Device:
   for d in devices:
     if (d.id if device.kind == "cpu" else d.local_hardware_id) == device.index:
       return d
-  return devices[0]
+  raise UnsupportedLeafError(
+      path,
+      f"must arrive on {device.kind}:{device.index}, but this process's jax has no such "
+      f"{platform} device (it has {', '.join(_name(parse_device(d)) for d in devices)})",
+      "Set a target device that exists here (rdt_jax.set_target_device_for_ref), "
+      "or check CUDA_VISIBLE_DEVICES / the actor's num_gpus.",
+  )
+
+
+def check_device(device: Device, path: str = "") -> Device:
+  """Returns `device` if this process has it; never another one.
+
+  Host memory always exists. A cuda device is looked up through torch when it
+  is importable (its ordinals are the ones `"cuda:N"` names), else through
+  jax's gpu devices.
+
+  Raises:
+    UnsupportedLeafError: naming the device and those this process has.
+  """
+  if device.kind == "cpu":
+    return device
+  from rdt_jax._dlpack._lazy import importable
+
+  if not importable("torch"):
+    jax_device(device, path)
+    return device
+  import torch
+
+  count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+  if device.index < count:
+    return device
+  have = ", ".join(f"cuda:{i}" for i in range(count)) or "no cuda device"
+  raise UnsupportedLeafError(
+      path,
+      f"must arrive on cuda:{device.index}, but this process has {have}",
+      "Set a target device that exists here (rdt_jax.set_target_device_for_ref), "
+      "or check CUDA_VISIBLE_DEVICES / the actor's num_gpus.",
+  )

@@ -2,7 +2,7 @@
 
 Everything outside the layer asks these functions about an array (its
 framework, pointer, device, dtype) and to describe, rebuild or convert it;
-each picks the framework module (`_numpy`, `_jax`, `_torch`) with one flat
+each picks the framework module (`_numpy`, `_jax`, `_torch`, `_cupy`) with one flat
 `if`/`elif` on `framework_of`. Frameworks are never imported here: a value can
 only be a `torch.Tensor` if torch is already imported.
 """
@@ -14,14 +14,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax._dlpack import _jax, _numpy, _sharding, _torch
+from rdt_jax._dlpack import _cupy, _jax, _numpy, _sharding, _torch
 from rdt_jax._dlpack._devices import Device, jax_device
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
-from rdt_jax._dlpack._memory import DeviceBuffer
 from rdt_jax._dlpack._specs import DescribedLeaf, Framework, LeafSpec
 
-_MODULES: Final[dict[str, ModuleType]] = {"numpy": _numpy, "jax": _jax, "torch": _torch}
+_MODULES: Final[dict[str, ModuleType]] = {
+    "numpy": _numpy, "jax": _jax, "torch": _torch, "cupy": _cupy,
+}
 
 
 def framework_of(x: Any) -> Framework | None:
@@ -37,11 +38,14 @@ def framework_of(x: Any) -> Framework | None:
   tensor = loaded_type("torch", "Tensor")
   if tensor is not None and isinstance(x, tensor):
     return "torch"
+  cupy_array = loaded_type("cupy", "ndarray")
+  if cupy_array is not None and isinstance(x, cupy_array):
+    return "cupy"
   return None
 
 
 def is_array(x: Any) -> bool:
-  """True if `x` is a `jax.Array`, `torch.Tensor` or `np.ndarray`."""
+  """True if `x` is a `jax.Array`, `torch.Tensor`, `np.ndarray` or `cupy.ndarray`."""
   return framework_of(x) is not None
 
 
@@ -50,7 +54,7 @@ def _module_of(x: Any, path: str = "") -> ModuleType:
   if fw is None:
     raise TypeError(
         f"Leaf {path or '?'} of type {type(x).__name__} is not a jax.Array, "
-        "torch.Tensor or np.ndarray."
+        "torch.Tensor, np.ndarray or cupy.ndarray."
     )
   return _MODULES[fw]
 
@@ -123,6 +127,18 @@ def check_x64(dtype: np.dtype, path: str) -> None:
 
 
 def _convert(x: Any, src: Framework, dst: Framework, path: str) -> Any:
+  if src == "cupy":  # cuda memory: to the host only when numpy was asked for
+    if dst == "numpy":
+      return _cupy.to_host(x, path)
+    return _jax.from_dlpack_exact(x, path) if dst == "jax" else _torch.from_dlpack(x)
+  if dst == "cupy":
+    if src == "numpy" or device_of(x).kind == "cpu":
+      raise UnsupportedLeafError(
+          path,
+          f"(a {src} array in host memory) cannot become a cupy array, which lives on cuda",
+          "Receive it as numpy, jax or torch instead.",
+      )
+    return _cupy.from_dlpack(x, path)
   if dst == "numpy":
     return _jax.to_host(x, path) if src == "jax" else _torch.to_host(x, path)
   if src == "numpy":
@@ -166,11 +182,23 @@ def to_jax_exact(x: Any, path: str = "") -> Any:
     return convert_leaf(x, "jax", path)
 
 
+def block_until_ready(leaves: list[Any]) -> None:
+  """Waits for the computations producing the jax arrays among `leaves`
+  (each array's own, not the device's); other leaves are ready as they are."""
+  arrays = [x for x in leaves if framework_of(x) == "jax"]
+  if arrays:
+    import jax
+
+    jax.block_until_ready(arrays)
+
+
 def copy_into(target: Any, leaf: Any) -> None:
   """Copies `leaf`'s values into the numpy or torch array `target`."""
   fw = framework_of(target)
   if fw == "numpy":
     _numpy.copy_into(target, convert_leaf(leaf, "numpy"))
+  elif fw == "cupy":
+    _cupy.copy_into(target, convert_leaf(leaf, "cupy"))
   else:
     _torch.copy_into(target, convert_leaf(leaf, "torch"))
 
@@ -202,7 +230,7 @@ def rebuild_host(
   if framework == "numpy":
     return x
   if framework == "jax":
-    return _jax.from_host(x, spec.path, jax_device(device))
+    return _jax.from_host(x, spec.path, jax_device(device, spec.path))
   return _torch.from_host(x, spec.path)
 
 
@@ -212,13 +240,22 @@ def host_to_jax_many(views: list[np.ndarray], device: Device) -> list[Any]:
   return _jax.from_host_many(views, device)
 
 
-def rebuild_device(buffers: list[DeviceBuffer], spec: LeafSpec, framework: Framework) -> Any:
-  """Rebuilds a leaf received into cuda memory. Untested here (no GPU).
+def rebuild_device(views: list[Any], spec: LeafSpec, framework: Framework) -> Any:
+  """Rebuilds a leaf received into device memory as `framework`'s array type.
+
+  Args:
+    views: a uint8 byte view of each of the leaf's chunks inside its received
+      region (torch tensors, or jax arrays in a process without torch).
+    spec: the leaf's metadata.
+    framework: the array type to build; "jax", "torch" and "cupy" stay on the
+      device (zero-copy from torch views), "numpy" is copied to the host
+      (the consumer asked for host arrays).
 
   Raises:
-    UnsupportedLeafError: for a sharded leaf (not implemented on cuda).
+    UnsupportedLeafError: for a sharded leaf (rebuilding shards on cuda
+      devices is not implemented), for a dtype the target framework lacks,
+      or a 64-bit leaf arriving as jax while x64 is off.
   """
-  chunk = spec.chunks[0]
   if spec.sharding is not None:
     raise UnsupportedLeafError(
         spec.path,
@@ -226,10 +263,13 @@ def rebuild_device(buffers: list[DeviceBuffer], spec: LeafSpec, framework: Frame
         "Gather it on the producer, or fetch it to host memory with "
         "rdt_jax.set_target_device_for_ref(ref, 'cpu').",
     )
-  buf = buffers[0].array
+  buf = views[0]
+  shape = spec.chunks[0].shape
   if framework == "jax":
-    return _jax.from_device_bytes(buf, spec.dtype, chunk.shape, spec.path)
+    return _jax.from_device_bytes(buf, spec.dtype, shape, spec.path)
   if framework == "torch":
-    return _torch.from_device_bytes(buf, spec.dtype, chunk.shape, spec.path)
-  host = _torch.to_host(buf, spec.path) if framework_of(buf) == "torch" else np.asarray(buf)
-  return host[: spec.nbytes].view(spec.dtype).reshape(spec.shape)
+    return _torch.from_device_bytes(buf, spec.dtype, shape, spec.path)
+  if framework == "cupy":
+    return _cupy.from_device_bytes(buf, spec.dtype, shape, spec.path)
+  raw = _torch.to_host(buf, spec.path) if framework_of(buf) == "torch" else np.asarray(buf)
+  return raw[: spec.nbytes].view(spec.dtype).reshape(spec.shape)

@@ -148,26 +148,54 @@ def to_host(x: Any, path: str) -> np.ndarray:
 
 
 def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: str) -> Any:
-  """A cuda receive buffer (torch or jax uint8) as a jax.Array. Untested here."""
+  """A leaf's bytes in a received region as a jax.Array on the same device.
+
+  Args:
+    buf: a uint8 byte view of at least the leaf's bytes: a torch tensor (a
+      view into a pooled region) or a jax array (a region of a process
+      without torch).
+    dtype, shape: the leaf's.
+
+  Zero-copy from a torch view for every dtype torch has (DLPack carries
+  bfloat16 and torch's float8 types); a dtype torch lacks (`float8_e3m4`,
+  ...) and a jax region are bitcast on the device (one device copy, never
+  through the host). An empty leaf is made fresh (no bytes to alias).
+
+  Raises:
+    UnsupportedLeafError: for a 64-bit leaf while x64 is off.
+  """
   import jax
   import jax.numpy as jnp
 
   from rdt_jax._dlpack import _torch
-  from rdt_jax._dlpack._lazy import loaded_type
 
   check_x64(dtype, path)
-  tensor: Any = loaded_type("torch", "Tensor")
-  if tensor is not None and isinstance(buf, tensor):
-    t = buf.view(_torch.torch_dtype(dtype, path)) if dtype.itemsize else buf
-    t = t[: math.prod(shape)].reshape(shape)
-    if dtype in NUMPY_NATIVE_DTYPES or dtype == BFLOAT16:
-      return jnp.from_dlpack(t)
-    buf = jnp.from_dlpack(buf)
   n = math.prod(shape)
-  raw = buf[: n * dtype.itemsize]
-  if dtype.itemsize == 1:
-    return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
-  return jax.lax.bitcast_convert_type(raw.reshape(n, dtype.itemsize), dtype).reshape(shape)
+  nbytes = n * dtype.itemsize
+  if _torch.is_tensor(buf):
+    if n == 0:
+      return jnp.zeros(shape, dtype, device=jax_device(parse_device(buf.device)))
+    tdt = _torch.torch_dtype_or_none(dtype)
+    raw = buf[:nbytes]
+    if tdt is not None:
+      return jnp.from_dlpack(raw.view(tdt).reshape(shape))
+    buf = jnp.from_dlpack(raw)
+  if n == 0:
+    return jnp.zeros(shape, dtype, device=next(iter(buf.sharding.device_set)))
+  raw = buf[:nbytes]
+  if dtype.itemsize > 1:
+    raw = raw.reshape(n, dtype.itemsize)
+  return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
+
+
+def bytes_of(x: Any) -> Any:
+  """A single-device array's values as a flat uint8 jax array on its device
+  (a bitcast: one device copy)."""
+  import jax
+  import jax.numpy as jnp
+
+  raw = jax.lax.bitcast_convert_type(x.reshape(-1), jnp.uint8)
+  return raw.reshape(-1)
 
 
 def from_torch(t: Any, path: str) -> Any:
@@ -185,11 +213,26 @@ def from_torch(t: Any, path: str) -> Any:
     return jnp.from_dlpack(t)
   if t.device.type == "cpu":
     return from_host(_torch.to_host(t, path), path)
+  # A cuda dtype jax cannot import through DLPack: bitcast on the device.
   return from_device_bytes(_torch.byte_view(t), dt, tuple(t.shape), path)
 
 
+def from_dlpack_exact(x: Any, path: str) -> Any:
+  """Any DLPack producer (a cupy array) as a jax.Array on its device, zero-copy.
+
+  Raises:
+    UnsupportedLeafError: for a 64-bit leaf while x64 is off.
+  """
+  import jax.numpy as jnp
+
+  check_x64(np.dtype(x.dtype), path)
+  return jnp.from_dlpack(x)
+
+
 def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:
-  """A uint8 jax array of `nbytes` on `device` and its address."""
+  """A uint8 jax array of `nbytes` on `device` and its address, made by
+  XLA's allocator (inside its preallocated pool on a GPU) and ready (its
+  zero fill finished) before any transfer writes it."""
   import jax.numpy as jnp
 
   a = jnp.zeros((nbytes,), jnp.uint8, device=jax_device(device))

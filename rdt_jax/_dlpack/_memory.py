@@ -1,9 +1,9 @@
-"""Memory: receive and staging buffers, their layout, and raw byte views.
+"""Memory: host receive and staging buffers, their layout, and raw byte views.
 
 Host buffers come from one process-wide pool (`host_pool`) of 64-byte aligned,
-already faulted-in buffers; device buffers from the framework that owns the
-device. A backend sees only pointers and sizes; the arrays rebuilt on top of
-these buffers are made by the framework modules.
+already faulted-in buffers; device regions from `_pool.device_pool`. A
+backend sees only pointers and sizes; the arrays rebuilt on top of these
+buffers are made by the framework modules.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 
-from rdt_jax._dlpack._devices import Device
 from rdt_jax._dlpack._specs import ChunkSpec, LeafSpec
 
 #: Host receive buffers start on this boundary: `jnp.from_dlpack` and
@@ -174,32 +172,6 @@ def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
 def host_chunk(buffer: np.ndarray, offset: int, dtype: np.dtype, chunk: ChunkSpec) -> np.ndarray:
   """A zero-copy typed view of one chunk inside a host receive buffer."""
   return buffer[offset : offset + chunk.nbytes].view(dtype).reshape(chunk.shape)
-
-
-@dataclass
-class DeviceBuffer:
-  """A receive buffer in device memory, owned by the framework that made it."""
-
-  array: Any  # a torch uint8 tensor or a jax uint8 array
-  pointer: int
-  nbytes: int
-  device: Device
-
-
-def allocate_device_buffer(nbytes: int, device: Device) -> DeviceBuffer:
-  """A fresh uint8 buffer of `nbytes` on a cuda device.
-
-  Uses torch when it is importable (its allocator hands out writable memory);
-  otherwise a jax array whose buffer the transport writes into before anyone
-  else sees it. Untested here: this machine has no GPU.
-  """
-  from rdt_jax._dlpack import _jax, _torch
-
-  if _torch.available():
-    array, pointer = _torch.empty_bytes(max(nbytes, 1), device)
-  else:
-    array, pointer = _jax.empty_bytes(max(nbytes, 1), device)
-  return DeviceBuffer(array, pointer, nbytes, device)
 
 
 class _HostBytes:

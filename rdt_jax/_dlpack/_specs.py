@@ -13,7 +13,9 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-Framework = Literal["jax", "torch", "numpy"]
+#: The array types a leaf can be sent as. "cupy" is a source only: it is no
+#: receive mode (see `rdt_jax._dlpack._cupy`).
+Framework = Literal["jax", "torch", "numpy", "cupy"]
 DeviceKind = Literal["cpu", "cuda"]
 
 #: Receive modes accepted by :func:`rdt_jax.receive_as`.

@@ -44,6 +44,14 @@ def torch_dtype(dtype: np.dtype, path: str) -> Any:
   return tdt
 
 
+def torch_dtype_or_none(dtype: np.dtype) -> Any:
+  """The `torch.dtype` for a numpy dtype, or None if torch has none."""
+  import torch
+
+  tdt = getattr(torch, dtype.name, None)
+  return tdt if isinstance(tdt, torch.dtype) else None
+
+
 def dtype(t: Any) -> np.dtype:
   """The numpy dtype of a tensor (`ml_dtypes` types for bfloat16 and float8).
 
@@ -90,8 +98,8 @@ def describe(x: Any, path: str) -> DescribedLeaf:
         f"lives on torch device {x.device}, which rdt_jax cannot move",
         "Move it to 'cpu' or 'cuda' first.",
     ) from None
-  if dev.kind == "cuda":
-    torch.cuda.synchronize(x.device)
+  # Queued kernels writing a cuda tensor are waited for once per object and
+  # device, before a backend reads it (`_cuda.wait_for_producers`).
   shape = tuple(int(d) for d in x.shape)
   return single_chunk(shape, path, "torch", dt, dev.kind, dev.index, pointer(x), x)
 
@@ -142,24 +150,66 @@ def to_host(t: Any, path: str) -> np.ndarray:
 
 
 def from_jax(x: Any, path: str) -> Any:
-  """A jax array as a tensor, through DLPack (zero-copy) where torch imports it."""
+  """A jax array as a tensor on the same device, through DLPack (zero-copy).
+
+  A cpu array DLPack cannot carry goes by a host byte view (still on the
+  host). A cuda array never leaves its device: one DLPack cannot carry goes
+  by a bitcast to uint8 on the device (one device copy).
+
+  Raises:
+    UnsupportedLeafError: for a dtype torch lacks, a jax array sharded over
+      several cuda devices, or a cuda array that cannot be handed to torch on
+      its device, naming the leaf, the device and the fix.
+  """
   import torch
 
   from rdt_jax._dlpack import _jax
 
   _jax.check_alive(x, path)
-  torch_dtype(np.dtype(x.dtype), path)
-  if len(x.sharding.device_set) > 1:
+  dt = np.dtype(x.dtype)
+  tdt = torch_dtype(dt, path)
+  devices = list(x.sharding.device_set)
+  on_cuda = devices[0].platform != "cpu"
+  if len(devices) > 1:
+    if on_cuda:
+      raise UnsupportedLeafError(
+          path,
+          f"is a jax.Array sharded over {len(devices)} {devices[0].platform} devices "
+          f"({', '.join(str(d) for d in devices)}); a torch tensor lives on one device",
+          "Gather it onto one device first (jax.device_put(x, device)), or ask for "
+          "host arrays (rdt_jax.to_numpy / receive_as('numpy')).",
+      )
     return from_host(np.asarray(x), path)
   try:
     return torch.from_dlpack(x)
+  except (BufferError, RuntimeError, TypeError) as e:
+    if not on_cuda:  # float8 variants torch cannot import: a host byte view
+      return from_host(np.asarray(x), path)
+    error = e
+  try:
+    raw = _jax.bytes_of(x)
+    return torch.from_dlpack(raw).view(tdt).reshape(tuple(x.shape))
   except (BufferError, RuntimeError, TypeError):
-    # float8 variants torch cannot import through DLPack: go by a byte view.
-    return from_host(np.asarray(x), path)
+    pass
+  raise UnsupportedLeafError(
+      path,
+      f"(dtype {dt.name}) lives on {devices[0]}, and neither DLPack nor a byte view "
+      f"can hand it to torch there ({type(error).__name__}: {error})",
+      "Ask for host arrays (rdt_jax.to_numpy / receive_as('numpy')), or cast it to "
+      "a dtype both frameworks exchange on the device (float32, bfloat16) first.",
+  )
 
 
 def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: str) -> Any:
-  """A cuda receive buffer (torch or jax uint8) as a tensor. Untested here."""
+  """A leaf's bytes in a received region as a tensor on the same device.
+
+  Args:
+    buf: a uint8 byte view of at least the leaf's bytes (a torch tensor,
+      zero-copy; or a jax array, imported through DLPack).
+    dtype, shape: the leaf's.
+
+  Zero-copy. Raises `UnsupportedLeafError` for a dtype torch lacks.
+  """
   import torch
 
   if not isinstance(buf, torch.Tensor):
@@ -180,11 +230,47 @@ def copy_into(target: Any, values: Any) -> None:
 
 
 def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:
-  """A uint8 tensor of `nbytes` on `device` and its address."""
+  """A uint8 tensor of `nbytes` on `device` and its address.
+
+  Memory from torch's caching allocator may still be the target of kernels
+  queued before it was freed; a transfer writes it outside stream order, so
+  the allocating stream is waited for once (`_cuda.settle_fresh`).
+  """
   import torch
 
+  from rdt_jax._dlpack import _cuda
+
   t = torch.empty(nbytes, dtype=torch.uint8, device=str(device))
+  _cuda.settle_fresh(device)
   return t, int(t.data_ptr())
+
+
+def is_tensor(x: Any) -> bool:
+  """True if `x` is a torch tensor (never imports torch)."""
+  from rdt_jax._dlpack._lazy import loaded_type
+
+  tensor = loaded_type("torch", "Tensor")
+  return tensor is not None and isinstance(x, tensor)
+
+
+def storage_use_count(t: Any) -> int:
+  """How many tensors (views, DLPack exports, `t` itself) hold `t`'s storage.
+
+  A jax array made from a view through DLPack holds the view's storage until
+  it is deleted, so this counts it too. Uses torch's `_storage_Use_Count`
+  (private; present since torch 1.x): the storage's reference count, less the
+  temporary Python storage object made to ask.
+  """
+  import torch
+
+  return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
+
+
+def from_dlpack(x: Any) -> Any:
+  """`torch.from_dlpack(x)`: a tensor aliasing `x`'s memory."""
+  import torch
+
+  return torch.from_dlpack(x)
 
 
 def bytes_tensor(pointer: int, nbytes: int, device: Device) -> Any:

@@ -2,7 +2,9 @@
 
 * every registered rdt_jax transport (jax.Array values; one-sided ones are
   used as is, two-sided ones get a collective group over their actors);
-* `ray_nixl_torch`: Ray's built-in `nixl` transport with torch tensors;
+* `ray_nixl_torch`: Ray's built-in `nixl` transport with torch tensors; on
+  cuda also `ray_nccl_torch` (Ray's `nccl`, over an "nccl" collective group)
+  and `ray_cuda_ipc_torch` (Ray's `cuda_ipc`, same-node GPU sharing);
 * `object_store_numpy` / `object_store_jax`: a method without
   `tensor_transport` returning NumPy arrays / jax.Arrays;
 * `memcpy`: NumPy copies of the same bytes in the driver, into buffers that
@@ -31,6 +33,10 @@ from rdt_jax.bench import _actors, _cases
 
 #: Baseline path ids, in table order.
 RAY_NIXL: Final = "ray_nixl_torch"
+RAY_NCCL: Final = "ray_nccl_torch"
+RAY_CUDA_IPC: Final = "ray_cuda_ipc_torch"
+#: Paths over Ray's own transports, with torch tensors (one actor group).
+RAY_TORCH_PATHS: Final = (RAY_NIXL, RAY_NCCL, RAY_CUDA_IPC)
 OS_NUMPY: Final = "object_store_numpy"
 OS_JAX: Final = "object_store_jax"
 MEMCPY: Final = "memcpy"
@@ -43,7 +49,7 @@ _ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
 #: Group backends of two-sided rdt_jax transports, by transport name, for
 #: transports that do not say so themselves (DESIGN.md: jax_gloo uses a
 #: "torch_gloo" group, jax_nccl an "nccl" one).
-_KNOWN_GROUP_BACKENDS: Final = {"jax_gloo": "torch_gloo", "jax_nccl": "nccl"}
+_KNOWN_GROUP_BACKENDS: Final = {"jax_gloo": "torch_gloo", "jax_nccl": "nccl", RAY_NCCL: "nccl"}
 
 #: Ray options of actors that hold cuda memory: a share of the one GPU each,
 #: and no up-front reservation of most of its memory by jax.

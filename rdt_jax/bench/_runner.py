@@ -225,6 +225,30 @@ def _transport_paths(registered: list[str]) -> list[ActorPath]:
   return paths
 
 
+def _ray_cuda_paths() -> list[ActorPath]:
+  """Ray's own device-to-device transports with torch tensors: NCCL (two-sided,
+  over an "nccl" group of the path's actors) and CUDA IPC, where this Ray has
+  them."""
+  from ray.experimental.rdt import util
+
+  util._ensure_default_transports_registered()
+  paths = []
+  for pid, name, label in (
+      (_paths.RAY_NCCL, "NCCL", "Ray nccl (torch)"),
+      (_paths.RAY_CUDA_IPC, "CUDA_IPC", "Ray cuda_ipc (torch)"),
+  ):
+    info = util.transport_manager_info.get(name)
+    if info is None:
+      continue
+    path = ActorPath(pid, label, "baseline", "torch", name.lower(), ("cuda",))
+    path.transport_class = info.transport_manager_class
+    path.one_sided = bool(info.transport_manager_class.is_one_sided())
+    if not path.one_sided:
+      path.refs_skip = "two-sided transport: the driver is not a member of the collective group"
+    paths.append(path)
+  return paths
+
+
 def make_paths(registered: list[str], cases: list[_cases.Case]) -> list[Path]:
   """Every path the benchmark knows, before any actor exists."""
   paths: list[Path] = list(_transport_paths(registered))
@@ -236,6 +260,7 @@ def make_paths(registered: list[str], cases: list[_cases.Case]) -> list[Path]:
           "spins a core in every process that has one, and the driver cannot be paused"
       ),
   ))
+  paths += _ray_cuda_paths()
   paths.append(ActorPath(_paths.OS_NUMPY, "object store (NumPy)", "baseline", "numpy", None, ("cpu",)))
   paths.append(ActorPath(_paths.OS_JAX, "object store (jax.Array)", "baseline", "jax", None, ("cpu", "cuda")))
   paths.append(_paths.MemcpyPath())
@@ -300,8 +325,8 @@ def setup(state: RunState, progress: Progress) -> None:
     for device in actor_devices:
       if device not in p.devices:
         continue
-      name = "ray_nixl" if p.id == _paths.RAY_NIXL else "main"
-      preload = ("torch",) if p.id == _paths.RAY_NIXL else ("jax",)
+      name = "ray_nixl" if p.id in _paths.RAY_TORCH_PATHS else "main"
+      preload = ("torch",) if p.id in _paths.RAY_TORCH_PATHS else ("jax",)
       p.groups[device] = group(
           name,
           device,

@@ -129,6 +129,8 @@ class DlpackTransport(TensorTransportManager):
         leaves=[d.spec for d in described],
     )
     if described:
+      # Queued device work writing the leaves finishes before any read.
+      _dlpack.wait_for_producers(described)
       self._export(obj_id, rdt_object, described, meta)
     return meta
 
@@ -226,6 +228,7 @@ class DlpackTransport(TensorTransportManager):
       handle = self.start_receive(obj_id, meta, communicator_metadata, destinations)
       self.wait_receive(handle, obj_id, -1)
       self.finish_receive(handle)
+    scratch.release_regions()
 
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1
@@ -282,6 +285,7 @@ class DlpackTransport(TensorTransportManager):
       )
     leaves = tensor_transport_metadata.leaves
     described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
+    _dlpack.wait_for_producers(described)
     self.send_buffers(described, tensor_transport_metadata, communicator_metadata)
 
   def garbage_collect(

@@ -20,11 +20,15 @@ zero-copy on both sides (`_dlpack.torch_bytes`: host memory through DLPack,
 cuda memory through the CUDA Array Interface). `ray.get` of such a ref and
 `ray.put(..., _tensor_transport="jax_gloo")` are refused, naming the fixes.
 
-What of `jax_nccl` is untested here (no GPU on the development machine): the
-cuda branch of `_dlpack.torch_bytes`, the two `torch.cuda.synchronize` calls
-in `NcclTransport`, and Ray's NCCL group itself. Everything else (metadata,
-ordering, ranks, scratch receives, rebuilding) is the code `jax_gloo` runs in
-the tests.
+Stream order (`rdt_jax._dlpack._cuda`): the base waits for queued work on the
+leaves once per object and device before `send_buffers`; the consumer
+synchronizes each receiving device once per object after the receives (Ray's
+NCCL stream is private to its group).
+
+What of `jax_nccl` has not run on a GPU yet (docs/gpu.md lists it): the cuda
+branch of `_dlpack.torch_bytes`, the waits above on cuda, and Ray's NCCL group
+itself. Everything else (metadata, ordering, ranks, scratch receives,
+rebuilding) is the code `jax_gloo` runs in the tests.
 
 Dependencies: both need torch (Ray's collective groups move torch tensors),
 and both are registered wherever torch is importable, a CPU-only driver
@@ -145,7 +149,6 @@ class CollectiveTransport(DlpackTransport):
 
     dst_rank = communicator_metadata.dst_rank
     assert dst_rank is not None
-    self._before_send()
     for leaf in leaves:
       for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices):
         if chunk.nbytes == 0:
@@ -181,13 +184,10 @@ class CollectiveTransport(DlpackTransport):
       collective.recv(tensor, src_rank, communicator_metadata.communicator_name)
     self._after_receive(destinations)
 
-  # ---- device hooks (no-ops on cpu)
-
-  def _before_send(self) -> None:
-    """Makes pending device writes to the leaves visible to the communicator."""
-
   def _after_receive(self, destinations: list[Destination]) -> None:
-    """Waits until received bytes are visible to the arrays built from them."""
+    """Waits until received bytes are visible to the arrays built from them
+    (once per cuda device of the object; nothing on cpu)."""
+    _dlpack.wait_received(d.device for d in destinations)
 
 
 class GlooTransport(CollectiveTransport):
@@ -200,8 +200,8 @@ class GlooTransport(CollectiveTransport):
 class NcclTransport(CollectiveTransport):
   """`jax_nccl`: cuda arrays over an `nccl` collective group.
 
-  Untested here (no GPU): the two synchronizations below and the cuda branch
-  of `_dlpack.torch_bytes`; the rest is `jax_gloo`'s code.
+  Not yet run on a GPU: Ray's NCCL group, the cuda branch of
+  `_dlpack.torch_bytes` and the stream waits; the rest is `jax_gloo`'s code.
   """
 
   name = "jax_nccl"
@@ -214,21 +214,6 @@ class NcclTransport(CollectiveTransport):
     import torch
 
     return torch.cuda.is_available()
-
-  def _before_send(self) -> None:
-    # jax leaves are ready (describe waits on them); torch kernels may still
-    # be queued on torch's streams, which Ray's NCCL stream does not wait on.
-    import torch
-
-    torch.cuda.synchronize()
-
-  def _after_receive(self, destinations: list[Destination]) -> None:
-    # Ray's NCCL recv is asynchronous on its own stream; jax and torch read
-    # the buffers on theirs.
-    import torch
-
-    for index in sorted({d.device.index for d in destinations}):
-      torch.cuda.synchronize(index)
 
 
 # --------------------------------------------------------------------------

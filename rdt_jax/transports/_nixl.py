@@ -14,12 +14,15 @@ has the figures):
   while this process exports objects; otherwise it sleeps on a condition.
 * Small host leaves (up to `PACK_MAX_CHUNK` bytes) are copied into one pooled
   staging buffer on the producer, so an object of a thousand small leaves costs
-  one registration and, on the consumer, one descriptor; large leaves are read
+  one registration and, on the consumer, one descriptor; small cuda leaves
+  likewise into one pooled staging region per device
+  (`rdt_jax._dlpack.device_pool`, copied on the device); large leaves are read
   where they are, their registrations cached per buffer and reference-counted
   across objects (sending the same array twice registers it once).
 * Receive (and staging) buffers come from the host buffer pool
-  (`rdt_jax._dlpack.host_pool`): already faulted in, and registered once while
-  the pool keeps them.
+  (`rdt_jax._dlpack.host_pool`) and the device region pool
+  (`rdt_jax._dlpack.device_pool`, one region per object and device): already
+  faulted in / allocated, and registered once while the pools keep them.
 * A consumer's view of a producer's agent is extended (metadata loaded again,
   connection kept) when the producer registered new memory, and rebuilt (the
   agent removed and added, which reconnects) at most every
@@ -168,6 +171,7 @@ class _Export:
   keys: list[tuple] = field(default_factory=list)
   staging: Any = None  # the pooled staging buffer of packed chunks
   holds: list[Any] = field(default_factory=list)  # see _dlpack.hold_buffer
+  regions: list[Any] = field(default_factory=list)  # pooled device staging regions
 
 
 @dataclass
@@ -236,6 +240,7 @@ class NixlTransport(DlpackTransport):
         self._agent = api.nixl_agent(name, config)
         self._poller = _Poller(self._agent)
         _dlpack.host_pool.add_eviction_listener(self._on_pool_eviction)
+        _dlpack.device_pool.add_eviction_listener(self._on_device_pool_eviction)
       return self._agent
 
   def _register(self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False) -> tuple:
@@ -269,6 +274,12 @@ class NixlTransport(DlpackTransport):
     with self._lock:
       key = (pointer, nbytes, "cpu", 0)
       reg = self._registrations.pop(key, None)
+      if reg is not None:
+        self._agent.deregister_memory(reg.handle)
+
+  def _on_device_pool_eviction(self, pointer: int, nbytes: int, device: _dlpack.Device) -> None:
+    with self._lock:
+      reg = self._registrations.pop((pointer, nbytes, device.kind, device.index), None)
       if reg is not None:
         self._agent.deregister_memory(reg.handle)
 
@@ -309,7 +320,7 @@ class NixlTransport(DlpackTransport):
         if chunk.nbytes
     ]
     export = _Export()
-    packed = self._pack(chunks, export)
+    packed = self._pack(chunks, export) | self._pack_device(chunks, export)
     for i, (pointer, nbytes, device) in enumerate(chunks):
       if i in packed:  # a copy: later changes to the array cannot reach it
         address, region = packed[i]
@@ -363,6 +374,39 @@ class NixlTransport(DlpackTransport):
     export.staging = staging
     return packed
 
+  def _pack_device(
+      self, chunks: list[tuple[int, int, _dlpack.Device]], export: _Export
+  ) -> dict[int, tuple[int, int]]:
+    """Copies small cuda chunks into one pooled staging region per device
+    (a device-to-device copy, waited for once per device).
+
+    Needs torch here (the copies are torch byte copies); without it every
+    chunk is read in place. Region ids are `1 + device index` (0 is the host
+    staging buffer, negative ids are chunks read in place).
+    """
+    if not _dlpack.importable("torch"):
+      return {}
+    by_device: dict[_dlpack.Device, list[int]] = {}
+    for i, (_, n, d) in enumerate(chunks):
+      if d.kind != "cpu" and n <= PACK_MAX_CHUNK:
+        by_device.setdefault(d, []).append(i)
+    packed = {}
+    for device, small in by_device.items():
+      total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
+      region = _dlpack.device_pool.acquire(total, device, "torch")
+      export.regions.append(region)
+      self._register(region.pointer, region.nbytes, device, pooled=region.kept)
+      if not region.kept:
+        export.keys.append((region.pointer, region.nbytes, device.kind, device.index))
+      offset = 0
+      for i in small:
+        pointer, nbytes, _ = chunks[i]
+        _dlpack.copy_bytes(region.pointer + offset, pointer, nbytes, device)
+        packed[i] = (region.pointer + offset, 1 + device.index)
+        offset += _dlpack.aligned(nbytes)
+      _dlpack.wait_for_copies(device)
+    return packed
+
   def release(self, obj_id: str) -> None:
     with self._lock:
       export = self._exports.pop(obj_id, None)
@@ -370,6 +414,8 @@ class NixlTransport(DlpackTransport):
         self._poller.set_active(False)
     if export is not None:
       self._unregister(export.keys)
+      for region in export.regions:
+        region.release()
 
   # ---- consumer
 

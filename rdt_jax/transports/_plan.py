@@ -4,8 +4,10 @@ its leaves are rebuilt from there.
 A `ReceivePlan` decides, per leaf, the array type it arrives as (receive mode
 or target), its device, and its memory: host chunks share one pooled, 64-byte
 aligned buffer (one allocation and one registration for an object of many
-small leaves, every leaf a zero-copy view into it); device chunks get a
-buffer each; leaves with a numpy/torch target are received straight into the
+small leaves, every leaf a zero-copy view into it); device chunks share one
+pooled region per device (`_dlpack.device_pool`, registered once while the
+pool keeps it, released for reuse only after the bytes landed and the leaves
+were built); leaves with a numpy/torch target are received straight into the
 target's memory. Backends see only the resulting `Destination`s.
 """
 
@@ -74,7 +76,8 @@ class _LeafPlan:
   device: Device
   target: Any = None  # a numpy/torch array received in place, or a jax template
   host_offsets: list[int] = field(default_factory=list)
-  device_buffers: list[_dlpack.DeviceBuffer] = field(default_factory=list)
+  region: _dlpack.Region | None = None  # the device region its chunks lie in
+  device_offsets: list[int] = field(default_factory=list)
 
   @property
   def in_place(self) -> bool:
@@ -107,6 +110,7 @@ class ReceivePlan:
     ]
     self.host: np.ndarray | None = None
     self._host_region: tuple[int, int] | None = None
+    self.regions: list[_dlpack.Region] = []
     self.destinations: list[Destination] = []
 
   def placements(self) -> list[Placement]:
@@ -124,6 +128,9 @@ class ReceivePlan:
     elif device is None:
       device = Device(spec.device)
     framework: Framework = target_fw or (spec.framework if mode == "source" else mode)  # type: ignore[assignment]
+    if framework == "cupy" and device.kind == "cpu":
+      framework = "numpy"  # host memory was asked for: cupy's host type
+    _dlpack.check_device(device, spec.path)  # cuda:N or an error, never another
     if framework == "jax":
       _dlpack.check_x64(spec.dtype, spec.path)
     return _LeafPlan(spec, framework, device, target if target_fw else None)
@@ -138,10 +145,33 @@ class ReceivePlan:
       self._host_region = _dlpack.host_pool.region_of(self.host)
     for plan, leaf_offsets in zip(host_plans, offsets):
       plan.host_offsets = leaf_offsets
+    self._allocate_regions()
     for plan in self.plans:
       for i, chunk in enumerate(plan.spec.chunks):
         self.destinations.append(self._destination(plan, i, chunk.nbytes))
     return self.destinations
+
+  def _allocate_regions(self) -> None:
+    """One pooled region per device for every device chunk not received in place."""
+    by_device: dict[Device, list[_LeafPlan]] = {}
+    for p in self.plans:
+      if p.device.kind != "cpu" and not p.in_place:
+        by_device.setdefault(p.device, []).append(p)
+    for device, plans in by_device.items():
+      offsets, total = _dlpack.pack_layout([p.spec for p in plans])
+      source = _dlpack.region_source({p.framework for p in plans})
+      region = _dlpack.device_pool.acquire(total, device, source)
+      self.regions.append(region)
+      for p, leaf_offsets in zip(plans, offsets):
+        p.region, p.device_offsets = region, leaf_offsets
+
+  def release_regions(self) -> None:
+    """The bytes landed and nothing more will be built here: the device
+    regions may be reused once the leaves on them are gone. Call only after
+    the transfer reported success; after a failure they stay held."""
+    for region in self.regions:
+      region.release()
+    self.regions = []
 
   def _destination(self, plan: _LeafPlan, i: int, nbytes: int) -> Destination:
     if plan.in_place:
@@ -156,12 +186,31 @@ class ReceivePlan:
       if self._host_region is not None:  # a pooled buffer: faulted in, reusable
         return Destination(base + offset, nbytes, plan.device, view, self._host_region, True)
       return Destination(base + offset, nbytes, plan.device, view, (base, self.host.nbytes))
-    buf = _dlpack.allocate_device_buffer(nbytes, plan.device)
-    plan.device_buffers.append(buf)
-    return Destination(buf.pointer, nbytes, plan.device, buf.array, (buf.pointer, buf.nbytes))
+    region = plan.region
+    assert region is not None
+    pointer = region.pointer + plan.device_offsets[i]
+    return Destination(
+        pointer, nbytes, plan.device, region.root, (region.pointer, region.nbytes), region.kept
+    )
 
   def build(self) -> list[Any]:
-    """The received leaves, as each plan's framework (after the bytes moved)."""
+    """The received leaves, as each plan's framework (after the bytes moved).
+
+    Releases the device regions afterwards (`release_regions`); a region
+    whose leaves are device copies ("jax-copy") only once those copies ran.
+    """
+    try:
+      leaves = self._build_all()
+    except BaseException:
+      if all(r.source != "jax-copy" for r in self.regions):
+        self.release_regions()  # no copy out of them can still be queued
+      raise
+    if any(r.source == "jax-copy" for r in self.regions):
+      _dlpack.block_until_ready(leaves)
+    self.release_regions()
+    return leaves
+
+  def _build_all(self) -> list[Any]:
     leaves = [self._build_leaf(p) for p in self.plans]
     # Host leaves arriving as jax are made in one call per device: jax's
     # per-array overhead dominates objects of many small leaves.
@@ -193,7 +242,12 @@ class ReceivePlan:
     if plan.in_place:
       return plan.target
     if plan.device.kind != "cpu":
-      return _dlpack.rebuild_device(plan.device_buffers, spec, plan.framework)
+      region = plan.region
+      assert region is not None
+      views = [
+          region.view(off, chunk.nbytes) for off, chunk in zip(plan.device_offsets, spec.chunks)
+      ]
+      return _dlpack.rebuild_device(views, spec, plan.framework)
     assert self.host is not None
     views = [
         _dlpack.host_chunk(self.host, off, spec.dtype, chunk)

@@ -1,0 +1,144 @@
+"""Every CUDA-specific step of rdt_jax, and nothing else: stream ordering.
+
+Transports never touch streams themselves; they call these through the
+`rdt_jax._dlpack` namespace. Each function is a no-op for host memory, so
+the callers run the same code on cpu (where the tests exercise it) and cuda.
+
+Rules (docs/gpu.md states them for users):
+
+* Producer: before a backend reads an object's device memory,
+  `wait_for_producers` waits once per object and device: one CUDA event
+  recorded on the current torch (or cupy) stream of each device the object's
+  tensors live on, synchronized; jax leaves were already waited for one by
+  one (`block_until_ready` when described: that waits for the array's own
+  computation, not the device). Work a user queued on a side stream of their
+  own must be synchronized by them, as for Ray's own transports.
+* Consumer: memory freshly taken from a framework's caching allocator may
+  still be the target of kernels queued on its stream (the allocator reuses
+  blocks in stream order; a DMA engine does not wait for that order):
+  `settle_fresh` waits for the allocating stream once per region.
+* Consumer of a two-sided backend: Ray's NCCL receive runs on Ray's own
+  stream, which it does not expose; `wait_received` synchronizes each
+  receiving device once per object (not per leaf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rdt_jax._dlpack._devices import Device
+from rdt_jax._dlpack._lazy import loaded_type
+from rdt_jax._dlpack._specs import DescribedLeaf
+
+
+def wait_for_producers(leaves: Iterable[DescribedLeaf]) -> int:
+  """Waits until queued work writing the leaves' cuda memory is done.
+
+  One event per (framework, device) of the object's torch and cupy cuda
+  leaves, recorded on that framework's current stream of the device and
+  synchronized. jax leaves need nothing here (described after
+  `block_until_ready`).
+
+  Returns:
+    the number of events waited on (0 for an object in host memory).
+  """
+  wanted: set[tuple[str, int]] = set()
+  for leaf in leaves:
+    if leaf.device == "cuda" and leaf.spec.framework != "jax":
+      for index in leaf.device_indices:
+        wanted.add((_framework_of_arrays(leaf), index))
+  for framework, index in sorted(wanted):
+    _record_and_wait(framework, index)
+  return len(wanted)
+
+
+def _framework_of_arrays(leaf: DescribedLeaf) -> str:
+  cupy_array = loaded_type("cupy", "ndarray")
+  if cupy_array is not None and leaf.arrays and isinstance(leaf.arrays[0], cupy_array):
+    return "cupy"
+  return "torch"
+
+
+def _record_and_wait(framework: str, index: int) -> None:
+  if framework == "cupy":
+    import cupy
+
+    with cupy.cuda.Device(index):
+      event = cupy.cuda.Event(block=False, disable_timing=True)
+      event.record(cupy.cuda.get_current_stream())
+      event.synchronize()
+    return
+  import torch
+
+  event = torch.cuda.Event()
+  event.record(torch.cuda.current_stream(index))
+  event.synchronize()
+
+
+def settle_fresh(device: Device) -> None:
+  """Waits for torch's current stream on `device` (no-op for host memory):
+  called once for each region freshly taken from torch's caching allocator,
+  before a transfer writes it outside stream order."""
+  if device.kind == "cpu":
+    return
+  import torch
+
+  torch.cuda.current_stream(device.index).synchronize()
+
+
+def wait_received(devices: Iterable[Device]) -> None:
+  """Makes bytes a two-sided receive wrote visible to the arrays built on
+  them: synchronizes each cuda device once (Ray's NCCL stream is private)."""
+  for index in sorted({d.index for d in devices if d.kind != "cpu"}):
+    import torch
+
+    torch.cuda.synchronize(index)
+
+
+def copy_bytes(dst: int, src: int, nbytes: int, device: Device) -> None:
+  """Copies `nbytes` from `src` to `dst`, both on `device`, in stream order
+  (the current torch stream; call `wait_for_copies` before anything outside
+  that order reads `dst`)."""
+  if device.kind == "cpu":
+    import ctypes
+
+    ctypes.memmove(dst, src, nbytes)
+    return
+  from rdt_jax._dlpack import _torch
+
+  _torch.bytes_tensor(dst, nbytes, device).copy_(_torch.bytes_tensor(src, nbytes, device))
+
+
+def wait_for_copies(device: Device) -> None:
+  """Waits for the copies `copy_bytes` queued on `device` (no-op on cpu)."""
+  if device.kind == "cpu":
+    return
+  import torch
+
+  event = torch.cuda.Event()
+  event.record(torch.cuda.current_stream(device.index))
+  event.synchronize()
+
+
+def cuda_available(framework: str) -> bool:
+  """True if `framework` ("torch", "jax" or "cupy") sees a cuda device here;
+  imports nothing that is not importable."""
+  from rdt_jax._dlpack._lazy import importable
+
+  if not importable(framework):
+    return False
+  try:
+    if framework == "torch":
+      import torch
+
+      return bool(torch.cuda.is_available())
+    if framework == "jax":
+      import jax
+
+      return bool(jax.devices("gpu"))
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount()) > 0
+  except Exception:
+    return False
+

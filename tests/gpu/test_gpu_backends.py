@@ -1,0 +1,355 @@
+"""The backend suite on CUDA devices (skipped without CUDA; see conftest.py).
+
+Covers jax_nixl VRAM -> VRAM, VRAM -> host and host -> VRAM, jax_nccl over a
+backend="nccl" group, jax_transfer on GPU; jax, torch and cupy leaves mixed;
+bfloat16 and float8; empty and 0-d leaves; receive_as; targets and target
+devices (`cuda:N` honoured or refused by name); the device region pool
+(registered once, reused); producer stream order; sharded arrays across the
+local GPUs where there are two or more.
+
+Every actor takes a share of one GPU, so XLA's preallocation is off in the
+actors (docs/gpu.md: the memory rule).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import ray
+
+import rdt_jax
+from rdt_jax import _dlpack
+
+#: Registered before the actor classes: `ray.method` checks transport names.
+REGISTERED = rdt_jax.register()
+NCCL = "jax_nccl" if "jax_nccl" in REGISTERED else "jax_nixl"
+TRANSFER = "jax_transfer" if "jax_transfer" in REGISTERED else "jax_nixl"
+GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NIXL_LOG_LEVEL": "WARN"}
+SHARE = 0.2
+
+
+def _gpu_count() -> int:
+  try:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+  except ImportError:
+    return 0
+
+
+def _has(module: str) -> bool:
+  return _dlpack.importable(module)
+
+
+def make_tree(device: str = "cuda", cupy_leaf: bool = True) -> dict:
+  """The mixed tree every test sends, on `device` ("cuda" or "cpu")."""
+  import jax
+  import jax.numpy as jnp
+  import ml_dtypes
+  import torch
+
+  platform = "gpu" if device == "cuda" else "cpu"
+  jd = jax.devices(platform)[0]
+  ref = reference()
+  tree = {
+      "jax_f32": jax.device_put(ref["jax_f32"], jd),
+      "jax_bf16": jax.device_put(ref["jax_bf16"], jd),
+      "jax_f8": jax.device_put(ref["jax_f8"], jd),
+      "jax_f8_e3m4": jax.device_put(ref["jax_f8_e3m4"], jd),
+      "jax_empty": jnp.zeros((0, 3), jnp.float32, device=jd),
+      "jax_scalar": jax.device_put(ref["jax_scalar"], jd),
+      "jax_big": jax.device_put(ref["jax_big"], jd),
+      "torch_f32": torch.from_numpy(ref["torch_f32"]).to(device),
+      "torch_bf16": torch.from_numpy(ref["torch_bf16"].view(np.uint16)).view(torch.bfloat16).to(device),
+      "torch_empty": torch.zeros((2, 0), device=device),
+      "step": 3,
+  }
+  assert tree["jax_f8"].dtype == ml_dtypes.float8_e4m3fn
+  if cupy_leaf and device == "cuda" and _has("cupy"):
+    import cupy
+
+    tree["cupy_i32"] = cupy.asarray(ref["cupy_i32"])
+  return tree
+
+
+def reference() -> dict:
+  """Host values of `make_tree`'s leaves."""
+  import ml_dtypes
+
+  rng = np.random.default_rng(12)
+  return {
+      "jax_f32": rng.standard_normal((64, 33)).astype(np.float32),
+      "jax_bf16": rng.standard_normal((17,)).astype(ml_dtypes.bfloat16),
+      "jax_f8": rng.standard_normal((5, 5)).astype(ml_dtypes.float8_e4m3fn),
+      "jax_f8_e3m4": rng.standard_normal((9,)).astype(ml_dtypes.float8_e3m4),
+      "jax_empty": np.zeros((0, 3), np.float32),
+      "jax_scalar": np.float32(2.5),
+      "jax_big": rng.standard_normal((1 << 20,)).astype(np.float32),  # 4 MiB: read in place
+      "torch_f32": rng.standard_normal((8, 8)).astype(np.float32),
+      "torch_bf16": rng.standard_normal((6,)).astype(ml_dtypes.bfloat16),
+      "torch_empty": np.zeros((2, 0), np.float32),
+      "cupy_i32": np.arange(100, dtype=np.int32),
+  }
+
+
+def describe_leaves(tree: dict) -> dict:
+  """(framework, device kind, device index, dtype name) of each array leaf."""
+  out = {}
+  for k, v in tree.items():
+    fw = _dlpack.framework_of(v)
+    if fw is not None:
+      d = _dlpack.device_of(v)
+      out[k] = (fw, d.kind, d.index, _dlpack.dtype_of(v).name)
+  return out
+
+
+def check_values(tree: dict) -> list[str]:
+  """Leaves whose values differ from `reference()` (empty list: all equal)."""
+  ref = reference()
+  bad = []
+  for k, v in tree.items():
+    if _dlpack.framework_of(v) is None:
+      continue
+    host = _dlpack.convert_leaf(v, "numpy")
+    if host.shape != ref[k].shape or host.tobytes() != np.asarray(ref[k]).tobytes():
+      bad.append(k)
+  return bad
+
+
+@ray.remote(num_gpus=SHARE, enable_tensor_transport=True)
+class GpuActor:
+  def __init__(self):
+    rdt_jax.register()
+
+  def devices(self) -> int:
+    return _gpu_count()
+
+  @ray.method(tensor_transport="jax_nixl")
+  def nixl(self, device: str = "cuda", cupy_leaf: bool = True):
+    return make_tree(device, cupy_leaf)
+
+  @ray.method(tensor_transport=NCCL)
+  def nccl(self):
+    return make_tree("cuda")
+
+  @ray.method(tensor_transport=TRANSFER)
+  def transfer(self):
+    return make_tree("cuda", cupy_leaf=False)
+
+  @ray.method(tensor_transport="jax_nixl")
+  def after_queued_work(self):
+    """A torch result whose kernels are still queued when it is returned."""
+    import torch
+
+    x = torch.ones((2048, 2048), device="cuda")
+    for _ in range(20):
+      x = (x @ x) / 2048.0
+    return {"x": x}
+
+  def receive_as(self, mode: str) -> None:
+    rdt_jax.receive_as(mode)
+
+  def take(self, tree: dict) -> tuple[dict, list[str]]:
+    return describe_leaves(tree), check_values(tree)
+
+  def take_value(self, tree: dict) -> float:
+    return float(_dlpack.convert_leaf(tree["x"], "numpy").astype(np.float64).sum())
+
+  def get(self, refs: list, device: str | None = None) -> tuple[dict, list[str]]:
+    ref = refs[0]
+    if device is not None:
+      rdt_jax.set_target_device_for_ref(ref, device)
+    tree = ray.get(ref)
+    return describe_leaves(tree), check_values(tree)
+
+  def get_error(self, refs: list, device: str) -> str:
+    rdt_jax.set_target_device_for_ref(refs[0], device)
+    try:
+      ray.get(refs[0])
+    except Exception as e:
+      return str(e)
+    return ""
+
+  def pool_state(self) -> tuple[int, int]:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    t = get_tensor_transport_manager("JAX_NIXL")
+    return t.num_pooled_registrations(), _dlpack.device_pool.pooled_bytes()
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+  here = pathlib.Path(__file__).resolve().parent
+  # Workers import this module's actor classes by reference, and rdt_jax.
+  paths = [str(here), str(here.parent), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
+  rdt_jax.register()
+  ray.init(
+      num_cpus=8,
+      num_gpus=_gpu_count(),
+      include_dashboard=False,
+      logging_level="warning",
+      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **GPU_ENV}},
+  )
+  yield
+  ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(gpu_ray):
+  return GpuActor.remote(), GpuActor.remote()
+
+
+def expected_kinds(tree_keys: list[str], mode: str, kind: str) -> dict:
+  out = {}
+  for k in tree_keys:
+    src = k.split("_")[0]
+    fw = src if mode == "source" else mode
+    if src == "cupy" and kind == "cpu" and mode == "source":
+      fw = "numpy"
+    out[k] = (fw, "cpu" if fw == "numpy" else kind)
+  return out
+
+
+def assert_arrived(described: dict, bad: list[str], mode: str, kind: str) -> None:
+  assert bad == [], f"wrong values in {bad}"
+  want = expected_kinds(list(described), mode, kind)
+  got = {k: (v[0], v[1]) for k, v in described.items()}
+  assert got == want
+
+
+# --------------------------------------------------------------------------
+# jax_nixl
+
+
+def test_nixl_vram_to_vram(pair):
+  producer, consumer = pair
+  described, bad = ray.get(consumer.take.remote(producer.nixl.remote()))
+  assert_arrived(described, bad, "source", "cuda")
+  assert described["jax_f8_e3m4"][3] == "float8_e3m4"
+
+
+def test_nixl_vram_to_host(pair):
+  producer, consumer = pair
+  ref = producer.nixl.remote()
+  described, bad = ray.get(consumer.get.remote([ref], "cpu"))
+  assert_arrived(described, bad, "source", "cpu")
+
+
+def test_nixl_host_to_vram(pair):
+  producer, consumer = pair
+  ref = producer.nixl.remote("cpu")
+  described, bad = ray.get(consumer.get.remote([ref], "cuda:0"))
+  assert_arrived(described, bad, "source", "cuda")
+
+
+def test_nixl_driver_get(pair):
+  producer, _ = pair
+  tree = ray.get(producer.nixl.remote(cupy_leaf=False))
+  assert check_values(tree) == []
+
+
+@pytest.mark.parametrize("mode", ["jax", "torch", "numpy"])
+def test_receive_as(pair, mode):
+  producer, consumer = pair
+  ray.get(consumer.receive_as.remote(mode))
+  try:
+    ref = producer.nixl.remote(cupy_leaf=False)
+    if mode == "torch":
+      # torch has no float8_e3m4: refused by name, never sent another way.
+      assert "float8_e3m4" in ray.get(consumer.get_error.remote([ref], "cuda:0"))
+      return
+    described, bad = ray.get(consumer.get.remote([ref], None))
+    assert_arrived(described, bad, mode, "cuda")
+  finally:
+    ray.get(consumer.receive_as.remote("source"))
+
+
+def test_target_device_that_does_not_exist_is_refused_by_name(pair):
+  producer, consumer = pair
+  n = ray.get(consumer.devices.remote())
+  message = ray.get(consumer.get_error.remote([producer.nixl.remote()], f"cuda:{n}"))
+  assert f"cuda:{n}" in message and "this process has cuda:0" in message
+
+
+def test_device_regions_registered_once(pair):
+  producer, consumer = pair
+  for _ in range(2):
+    ray.get(consumer.take.remote(producer.nixl.remote(cupy_leaf=False)))
+  before = ray.get(consumer.pool_state.remote())
+  for _ in range(3):
+    ray.get(consumer.take.remote(producer.nixl.remote(cupy_leaf=False)))
+  assert ray.get(consumer.pool_state.remote()) == before
+
+
+def test_producer_queued_work_completes_before_the_read(pair):
+  producer, consumer = pair
+  value = ray.get(consumer.take_value.remote(producer.after_queued_work.remote()))
+  assert value == pytest.approx(2048.0 * 2048.0, rel=1e-3)
+
+
+# --------------------------------------------------------------------------
+# jax_nccl, jax_transfer
+
+
+def test_nccl_group(gpu_ray):
+  if not _has("cupy") or NCCL != "jax_nccl":
+    pytest.skip("jax_nccl is not registered or Ray's NCCL group lacks cupy here")
+  from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+  producer, consumer = GpuActor.remote(), GpuActor.remote()
+  group = create_collective_group([producer, consumer], backend="nccl")
+  try:
+    described, bad = ray.get(consumer.take.remote(producer.nccl.remote()))
+    assert_arrived(described, bad, "source", "cuda")
+  finally:
+    destroy_collective_group(group)
+
+
+def test_transfer_on_gpu(gpu_ray):
+  if TRANSFER != "jax_transfer":
+    pytest.skip("this jax has no jax.experimental.transfer")
+  producer, consumer = GpuActor.remote(), GpuActor.remote()
+  described, bad = ray.get(consumer.take.remote(producer.transfer.remote()))
+  assert_arrived(described, bad, "source", "cuda")
+
+
+# --------------------------------------------------------------------------
+# Sharded arrays across local GPUs
+
+
+@ray.remote(num_gpus=2, enable_tensor_transport=True)
+class TwoGpuActor:
+  def __init__(self):
+    rdt_jax.register()
+
+  @ray.method(tensor_transport="jax_nixl")
+  def sharded(self):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices("gpu")[:2]), ("x",))
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    return {"s": jax.device_put(x, NamedSharding(mesh, PartitionSpec("x")))}
+
+  def get(self, refs: list, device: str | None) -> str:
+    if device is not None:
+      rdt_jax.set_target_device_for_ref(refs[0], device)
+    try:
+      tree = ray.get(refs[0])
+    except Exception as e:
+      return f"error: {e}"
+    host = _dlpack.convert_leaf(tree["s"], "numpy")
+    ok = np.array_equal(host, np.arange(64, dtype=np.float32).reshape(8, 8))
+    return "ok" if ok else "wrong values"
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two or more local GPUs")
+def test_sharded_across_local_gpus(gpu_ray):
+  producer, consumer = TwoGpuActor.remote(), TwoGpuActor.remote()
+  assert ray.get(consumer.get.remote([producer.sharded.remote()], "cpu")) == "ok"
+  # On cuda: rebuilding shards there is not implemented yet, refused by name.
+  message = ray.get(consumer.get.remote([producer.sharded.remote()], None))
+  assert message == "ok" or ("['s']" in message and "sharded" in message)

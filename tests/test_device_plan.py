@@ -1,0 +1,150 @@
+"""The receive plan's device branch, with host memory standing in for cuda.
+
+`ReceivePlan` packs every cuda chunk of an object into one pooled region per
+device. The pool takes its allocator as a parameter; here a stand-in gives
+cpu torch tensors for `cuda:N`, so the plan's real code runs: layout,
+destinations, one region per device, rebuild as jax/torch/numpy, release only
+after success, reuse once the leaves are gone. (No Ray session; Ray is
+imported by the transports package.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from rdt_jax import _dlpack
+from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, RegionPool
+from rdt_jax.transports._plan import ReceivePlan
+
+
+class HostStandIn:
+  """Host memory for every device: the pool's `Allocator` protocol."""
+
+  def __init__(self):
+    self.allocated: list[tuple[int, Device, str]] = []
+
+  def allocate(self, nbytes, device, source):
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    self.allocated.append((nbytes, device, source))
+    return t, int(t.data_ptr())
+
+  def in_use(self, root):
+    return _dlpack._torch.storage_use_count(root) > 1
+
+  def view(self, root, offset, nbytes):
+    return root[offset : offset + nbytes]
+
+
+@pytest.fixture
+def pool(monkeypatch):
+  allocator = HostStandIn()
+  p = RegionPool(allocator, max_bytes=1 << 20)
+  monkeypatch.setattr(_dlpack, "device_pool", p)
+  # This host has no cuda device; the plan is told it has two.
+  monkeypatch.setattr(_dlpack, "check_device", lambda d, path="": d)
+  p.stand_in = allocator
+  return p
+
+
+def spec(path, x, framework="jax", device="cuda"):
+  return LeafSpec(path, x.shape, x.dtype, framework, device, (ChunkSpec(x.shape, x.nbytes),))
+
+
+def land(destinations, arrays):
+  """What a backend does: the bytes of each leaf into its destination."""
+  for d, x in zip(destinations, arrays):
+    assert d.nbytes == x.nbytes
+    if x.nbytes:
+      ctypes.memmove(d.pointer, x.ctypes.data, x.nbytes)
+
+
+def test_device_chunks_share_one_region_per_device(pool):
+  xs = [np.arange(6, dtype=np.float32), np.zeros((0, 3), np.float32), np.array(7, np.int32),
+        np.arange(4, dtype=np.float32).astype(_dlpack.np_dtype_from_name("bfloat16"))]
+  specs = [spec(f"['{i}']", x, fw) for i, (x, fw) in enumerate(zip(xs, ["jax", "torch", "jax", "torch"]))]
+  plan = ReceivePlan(specs, "source")
+  dests = plan.allocate()
+  assert len(plan.regions) == 1 and pool.stand_in.allocated == [(768, Device("cuda"), "jax")]
+  region = plan.regions[0]
+  assert {d.region for d in dests} == {(region.pointer, region.nbytes)} and all(d.pooled for d in dests)
+  assert all((d.pointer - region.pointer) % _dlpack.DEVICE_ALIGNMENT == 0 for d in dests)
+  land(dests, xs)
+  leaves = plan.build()
+  assert [_dlpack.framework_of(x) for x in leaves] == ["jax", "torch", "jax", "torch"]
+  for x, leaf in zip(xs, leaves):
+    np.testing.assert_array_equal(_dlpack.convert_leaf(leaf, "numpy"), x)
+  assert leaves[0].unsafe_buffer_pointer() == region.pointer  # zero-copy
+  assert not region.held  # released after the build
+  again = ReceivePlan(specs, "source")
+  again.allocate()
+  assert again.regions[0] is not region  # its leaves are alive
+  del leaves, leaf  # the loop variable holds the last leaf
+  gc.collect()
+  third = ReceivePlan(specs, "source")
+  third.allocate()
+  assert third.regions[0] is region
+
+
+def test_one_region_per_device(pool):
+  a, b = np.ones(3, np.float32), np.full(5, 2, np.int32)
+  plan = ReceivePlan([spec("['a']", a), spec("['b']", b)], "torch")
+  plan.plans[1].device = Device("cuda", 1)  # as a target device would
+  dests = plan.allocate()
+  assert [r.device for r in plan.regions] == [Device("cuda", 0), Device("cuda", 1)]
+  assert all(r.source == "torch" for r in plan.regions)
+  land(dests, [a, b])
+  out = plan.build()
+  np.testing.assert_array_equal(out[1].numpy(), b)
+
+
+def test_a_failed_transfer_leaves_its_region_quarantined(pool):
+  x = np.ones(8, np.float32)
+  plan = ReceivePlan([spec("['w']", x)], "jax")
+  plan.allocate()
+  failed = plan.regions[0]
+  del plan  # the transfer timed out or failed: the plan is dropped unbuilt
+  gc.collect()
+  other = ReceivePlan([spec("['w']", x)], "jax")
+  other.allocate()
+  assert other.regions[0] is not failed and failed.held
+
+
+def test_build_error_after_landing_releases(pool):
+  x = np.ones(2, _dlpack.np_dtype_from_name("float8_e3m4"))
+  plan = ReceivePlan([spec("['f']", x)], "torch")
+  land(plan.allocate(), [x])
+  with pytest.raises(_dlpack.UnsupportedLeafError, match=r"Leaf \['f'\] has dtype float8_e3m4"):
+    plan.build()
+  assert plan.regions == [] and pool.quarantined() == 0
+
+
+def test_64_bit_leaf_as_jax_without_x64_is_refused_before_allocating(pool):
+  x = np.ones(2, np.float64)
+  assert not jax.config.jax_enable_x64
+  with pytest.raises(_dlpack.UnsupportedLeafError, match="jax_enable_x64"):
+    ReceivePlan([spec("['d']", x)], "jax")
+  assert pool.stand_in.allocated == []
+
+
+def test_cupy_leaf_to_host_arrives_as_numpy(pool):
+  x = np.arange(3, dtype=np.float32)
+  plan = ReceivePlan(
+      [spec("['c']", x, framework="cupy")], "source",
+      _targets_device("cpu"),
+  )
+  land(plan.allocate(), [x])
+  (out,) = plan.build()
+  assert isinstance(out, np.ndarray)
+  np.testing.assert_array_equal(out, x)
+
+
+def _targets_device(device):
+  from rdt_jax._targets import Target
+
+  return Target(device=_dlpack.parse_device(device))
