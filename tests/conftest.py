@@ -1,13 +1,18 @@
-"""Shared fixtures: one local Ray session per test module."""
+"""Shared fixtures: one local Ray session per test module.
+
+Helpers the modules share (arrays, digests, waiting) live in `_helpers`.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
-import time
 
 import pytest
 import ray
+
+# test_arrays imports wait_for from here.
+from _helpers import wait_for  # noqa: F401
 
 TESTS_DIR = pathlib.Path(__file__).parent
 REPO = TESTS_DIR.parent
@@ -32,28 +37,6 @@ def start_ray(**kwargs) -> None:
       runtime_env={"env_vars": env_vars, **runtime_env},
       **kwargs,
   )
-
-
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2) -> bool:
-  """Polls `predicate` until it is true or `timeout` seconds pass."""
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(interval)
-  return predicate()
-
-
-def wait_meta(ref):
-  """Waits until this process (the owner) knows the ref's transport metadata.
-
-  Ray lends an RDT ref inside a container (e.g. `actor.f.remote([ref])`) only
-  once that is so; `ray.wait` alone returns slightly earlier.
-  """
-  manager = ray._private.worker.global_worker.rdt_manager
-  meta = manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60)
-  assert meta is not None, f"no transport metadata for {ref} after 60 s"
-  return meta
 
 
 @pytest.fixture(scope="module")
