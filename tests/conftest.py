@@ -20,7 +20,9 @@ REPO = TESTS_DIR.parent
 # examples/ too: a transport registered by one test module (the shm example)
 # stays in this process's Ray registry for the modules after it, whose new
 # actors then receive it, so their workers must be able to import it.
-WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO), str(REPO / "examples")])
+# Not the repository root: workers import rdt_jax as installed (editable in
+# .venv, from the wheel in scripts/test_wheel.sh), like the driver.
+WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO / "examples")])
 
 
 def start_ray(**kwargs) -> None:
@@ -31,6 +33,9 @@ def start_ray(**kwargs) -> None:
   runtime_env = kwargs.pop("runtime_env", {})
   env_vars = {"PYTHONPATH": WORKER_PYTHONPATH, **runtime_env.pop("env_vars", {})}
   ray.init(
+      # A new local Ray, never one found running on this machine (another
+      # checkout's test run, say): ray.init() without an address joins it.
+      address=kwargs.pop("address", "local"),
       num_cpus=kwargs.pop("num_cpus", 8),
       include_dashboard=False,
       logging_level="warning",
