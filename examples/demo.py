@@ -58,7 +58,9 @@ def make_params(total_mb: int, leaves: int) -> dict:
 class Learner:
   def __init__(self, total_mb: int, leaves: int):
     self.params = make_params(total_mb, leaves)
-    self.params = {k: {n: v.block_until_ready() for n, v in layer.items()} for k, layer in self.params.items()}
+    self.params = {
+        k: {n: v.block_until_ready() for n, v in layer.items()} for k, layer in self.params.items()
+    }
 
   def summary(self) -> tuple[int, int, dict]:
     import jax

@@ -94,7 +94,10 @@ def main() -> int:
   expected = (np.arange(12, dtype=np.float32).reshape(3, 4) * 2 + 1).tolist()
   assert result["w"] == expected, result
   assert result["kinds"] == ["ArrayImpl"] and result["step"] == 1, result
-  print(f"JAX -> PyTorch -> JAX: leaves arrived as {result['kinds']}, w updated, step {result['step']}")
+  print(
+      f"JAX -> PyTorch -> JAX: leaves arrived as {result['kinds']}, w updated, "
+      f"step {result['step']}"
+  )
   # docs: end three-hop
 
   # docs: begin sharded

@@ -53,7 +53,7 @@ class ShmTransport(rdt_jax.DlpackTransport):
     fd = self.files[obj_id] = os.memfd_create(f"rdt-jax-{obj_id}")
     with open(fd, "wb", closefd=False) as f:
       for leaf in leaves:
-        for pointer, chunk in zip(leaf.pointers, leaf.spec.chunks):
+        for pointer, chunk in zip(leaf.pointers, leaf.spec.chunks, strict=True):
           f.write(_memory(pointer, chunk.nbytes))
     meta.path = f"/proc/{os.getpid()}/fd/{fd}"
 

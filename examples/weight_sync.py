@@ -29,7 +29,10 @@ class Learner:
     import jax.numpy as jnp
 
     width = int((mb * (1 << 20) / 4 / layers) ** 0.5)
-    self.params = {f"layer{i}": {"w": jnp.zeros((width, width)), "b": jnp.zeros(width)} for i in range(layers)}
+    self.params = {
+        f"layer{i}": {"w": jnp.zeros((width, width)), "b": jnp.zeros(width)}
+        for i in range(layers)
+    }
 
   def shapes(self) -> dict:
     import jax
@@ -51,7 +54,7 @@ class Generator:
     import torch
 
     self.params = {
-        name: {k: torch.empty(shape, dtype=getattr(torch, dtype)) for k, (shape, dtype) in layer.items()}
+        name: {k: torch.empty(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in layer.items()}
         for name, layer in shapes.items()
     }
     self.addresses = self._addresses()
@@ -63,7 +66,8 @@ class Generator:
     """Receives the learner's parameters into this generator's tensors."""
     rdt_jax.set_target_for_ref(refs[0], self.params)
     new = ray.get(refs[0])
-    in_place = new["layer0"]["w"] is self.params["layer0"]["w"] and self._addresses() == self.addresses
+    w = self.params["layer0"]["w"]
+    in_place = new["layer0"]["w"] is w and self._addresses() == self.addresses
     return float(self.params["layer0"]["w"][0, 0]), in_place
 
 
@@ -85,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     results = ray.get([g.sync.remote(refs) for g in generators])
     elapsed = time.perf_counter() - t0
     assert all(value == float(step) and in_place for value, in_place in results), results
-    print(f"step {step}: {args.generators} generators synced {args.mb} MiB in place in {elapsed:.3f} s")
+    print(
+        f"step {step}: {args.generators} generators synced {args.mb} MiB in place "
+        f"in {elapsed:.3f} s"
+    )
   # docs: end sync-loop
   ray.shutdown()
   return 0

@@ -1,10 +1,12 @@
-"""Shared fixtures: one local Ray session per test module."""
+"""Shared fixtures: one local Ray session per test module.
+
+Helpers the modules share (arrays, digests, waiting) live in `_helpers`.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
-import time
 
 import pytest
 import ray
@@ -15,7 +17,9 @@ REPO = TESTS_DIR.parent
 # examples/ too: a transport registered by one test module (the shm example)
 # stays in this process's Ray registry for the modules after it, whose new
 # actors then receive it, so their workers must be able to import it.
-WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO), str(REPO / "examples")])
+# Not the repository root: workers import rdt_jax as installed (editable in
+# .venv, from the wheel in scripts/test_wheel.sh), like the driver.
+WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO / "examples")])
 
 
 def start_ray(**kwargs) -> None:
@@ -26,34 +30,15 @@ def start_ray(**kwargs) -> None:
   runtime_env = kwargs.pop("runtime_env", {})
   env_vars = {"PYTHONPATH": WORKER_PYTHONPATH, **runtime_env.pop("env_vars", {})}
   ray.init(
+      # A new local Ray, never one found running on this machine (another
+      # checkout's test run, say): ray.init() without an address joins it.
+      address=kwargs.pop("address", "local"),
       num_cpus=kwargs.pop("num_cpus", 8),
       include_dashboard=False,
       logging_level="warning",
       runtime_env={"env_vars": env_vars, **runtime_env},
       **kwargs,
   )
-
-
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2) -> bool:
-  """Polls `predicate` until it is true or `timeout` seconds pass."""
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(interval)
-  return predicate()
-
-
-def wait_meta(ref):
-  """Waits until this process (the owner) knows the ref's transport metadata.
-
-  Ray lends an RDT ref inside a container (e.g. `actor.f.remote([ref])`) only
-  once that is so; `ray.wait` alone returns slightly earlier.
-  """
-  manager = ray._private.worker.global_worker.rdt_manager
-  meta = manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60)
-  assert meta is not None, f"no transport metadata for {ref} after 60 s"
-  return meta
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ call with `.options(tensor_transport=...)`.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -24,6 +23,15 @@ from ray.experimental.collective import create_collective_group, destroy_collect
 
 import conftest
 import rdt_jax
+from _helpers import (
+    expected,
+    int4_leaf,
+    sample,
+    transport_manager,
+    tree_fingerprint,
+    wait_for,
+    wait_meta,
+)
 
 EXAMPLES = conftest.REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -35,7 +43,6 @@ rdt_jax.register_transport(ShmTransport)
 
 TRANSPORTS = ["jax_nixl", "jax_gloo", "jax_transfer", "shm_example"]
 ONE_SIDED = ["jax_nixl", "jax_transfer", "shm_example"]
-WORKER_PATH = os.pathsep.join([conftest.WORKER_PYTHONPATH, str(EXAMPLES)])
 FOUR_CPUS = "--xla_force_host_platform_device_count=4"
 WIDE = {"env_vars": {"JAX_ENABLE_X64": "1", "XLA_FLAGS": FOUR_CPUS}}
 
@@ -43,45 +50,6 @@ DTYPES = [
     "bool", "int8", "uint16", "int32", "int64", "float16", "bfloat16", "float32",
     "float64", "complex64", "float8_e4m3fn", "float8_e5m2", "float8_e3m4",
 ]
-
-
-def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
-  """Deterministic values of any dtype, as a numpy array."""
-  rng = np.random.default_rng(seed)
-  dtype = rdt_jax._dlpack.np_dtype_from_name(dtype_name)
-  if dtype == np.bool_:
-    return rng.integers(0, 2, shape).astype(bool)
-  if dtype.kind in "iu":
-    return rng.integers(0, 100, shape).astype(dtype)
-  if dtype.kind == "c":
-    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-  return (rng.standard_normal(shape) * 2).astype(dtype)
-
-
-def fingerprint(x) -> tuple:
-  """(framework, dtype name, shape, sha256 of the bytes) of one array."""
-  fw = rdt_jax._dlpack.framework_of(x)
-  host = np.asarray(rdt_jax.to_numpy(x))
-  return fw, host.dtype.name, tuple(host.shape), hashlib.sha256(host.tobytes()).hexdigest()
-
-
-def tree_fingerprint(tree):
-  return jax.tree_util.tree_map(
-      lambda x: fingerprint(x) if rdt_jax._dlpack.is_array(x) else x,
-      tree,
-      is_leaf=rdt_jax._dlpack.is_array,
-  )
-
-
-def expected(build, *args):
-  with jax.enable_x64(True):
-    return tree_fingerprint(build(*args))
-
-
-def transport_manager(name: str):
-  from ray.experimental.rdt.util import get_tensor_transport_manager
-
-  return get_tensor_transport_manager(name.upper())
 
 
 # Builders run on the producer (pickled by reference; tests/ is on PYTHONPATH).
@@ -139,10 +107,6 @@ def int64_leaf():
   return {"i": jnp.arange(5, dtype=jnp.int64)}
 
 
-def int4_leaf():
-  return {"q": jnp.zeros(8, jnp.int4)}
-
-
 @ray.remote(enable_tensor_transport=True)
 class Producer:
   def make(self, build, *args):
@@ -174,7 +138,7 @@ class Consumer:
 
 @pytest.fixture(scope="module")
 def actors():
-  conftest.start_ray(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PATH}})
+  conftest.start_ray(num_cpus=4)  # examples/ is on the workers' PYTHONPATH
   producer = Producer.options(runtime_env=WIDE).remote()
   wide = Consumer.options(runtime_env=WIDE).remote()
   narrow = Consumer.remote()
@@ -187,9 +151,6 @@ def actors():
 @pytest.fixture(params=TRANSPORTS)
 def transport(request):
   return request.param
-
-
-wait_for = conftest.wait_for
 
 
 def make(producer, transport: str, build, *args):
@@ -323,9 +284,7 @@ def test_gloo_needs_a_group(actors):
 def test_transfer_pulls_onto_the_target_device(actors):
   producer, wide, _ = actors
   ref = make(producer, "jax_transfer", float32_tree, 32, 4)
-  # Ray lends an RDT ref inside a list only once the owner has its metadata.
-  manager = ray._private.worker.global_worker.rdt_manager
-  assert manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60) is not None
+  wait_meta(ref)  # Ray lends an RDT ref inside a list only once the owner has its metadata
   devices, n_type, got = ray.get(wide.get_onto_device.remote([ref], 2))
   assert devices == [2] and n_type == "ndarray"
   assert got == expected(float32_tree, 32, 4)
@@ -345,8 +304,7 @@ def test_transfer_fails_fast_when_the_producer_died(actors):
   _, wide, _ = actors
   doomed = Producer.remote()
   ref = make(doomed, "jax_transfer", float32_tree, 8)
-  manager = ray._private.worker.global_worker.rdt_manager
-  assert manager.wait_for_tensor_transport_metadata(ref.hex(), timeout=60) is not None
+  wait_meta(ref)
   ray.kill(doomed)
   start = time.monotonic()
   with pytest.raises(Exception, match=r"producer may have died"):

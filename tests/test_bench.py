@@ -32,7 +32,8 @@ def bench_run(tmp_path_factory):
       "--cases", ",".join(TINY_CASES), "--reps", "2", "--warmup", "1",
       "--out", str(out), "--label", "tiny",
   ]
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+  pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+  env = {**os.environ, "PYTHONPATH": pythonpath}
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   doc = json.loads((out / "bench-tiny.json").read_text())
@@ -95,7 +96,8 @@ def test_ratios_targets_and_checks(bench_run):
   assert all(t["met"] is None for n, t in by_name.items() if "256 MiB" in n)  # not in this run
   plain = doc["plain_check"]
   assert plain["nbytes"] == 64 * 1024
-  assert plain["ratio"] == pytest.approx(plain["with_rdt_jax_median_s"] / plain["without_rdt_jax_median_s"])
+  ratio = plain["with_rdt_jax_median_s"] / plain["without_rdt_jax_median_s"]
+  assert plain["ratio"] == pytest.approx(ratio)
   # The plain check's processes really differ in whether rdt_jax was imported.
   groups = doc["groups"]
   assert all(not i["rdt_jax"] for i in groups["plain_without_rdt_jax@cpu"]["infos"])
@@ -104,7 +106,7 @@ def test_ratios_targets_and_checks(bench_run):
 
 
 def test_markdown_table_and_plot(bench_run):
-  doc, md, stdout, stderr, out = bench_run
+  _, md, stdout, stderr, out = bench_run
   assert md in stdout  # the table is printed too
   for heading in ("## End-to-end time", "## Bandwidth", "## jax_nixl: ratio", "## Targets",
                   "## Plain method"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import rdt_jax
+from _helpers import wait_for
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import ChunkSpec
 
@@ -316,15 +316,6 @@ def test_host_pool_reuses_only_free_buffers():
   del t
   pool.clear()
   assert pool.pooled_bytes() == 0
-
-
-def wait_for(predicate, timeout: float, interval: float) -> bool:
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return True
-    time.sleep(interval)
-  return bool(predicate())
 
 
 def _pooled_buffer_free(pool, pointer: int) -> bool:

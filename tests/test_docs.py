@@ -19,6 +19,7 @@ line.
 from __future__ import annotations
 
 import ast
+import itertools
 import pathlib
 import re
 import subprocess
@@ -131,7 +132,7 @@ def files_the_tests_run() -> set[pathlib.Path]:
   for example in test_examples.EXAMPLES:
     script = test_examples.EXAMPLES_DIR / example.script
     files |= {script.resolve(), script.with_suffix(".out").resolve()}
-  for caller, callee in zip(CI_CHAIN, CI_CHAIN[1:]):
+  for caller, callee in itertools.pairwise(CI_CHAIN):
     assert callee in (REPO / caller).read_text(), f"{caller} no longer runs {callee}"
   files |= {(REPO / name).resolve() for name in CI_CHAIN}
   return files
@@ -144,13 +145,14 @@ def test_every_code_block_is_included_or_doctested(page):
   for kind, argument, body, line in code_blocks(page):
     where = f"docs/{page.name}:{line}"
     if kind == "literalinclude":
-      target = (DOCS / argument.lstrip("/") if argument.startswith("/") else page.parent / argument).resolve()
+      base = DOCS if argument.startswith("/") else page.parent
+      target = (base / argument.lstrip("/")).resolve()
       if target not in tested_files:
         problems.append(f"{where}: includes {argument}, which no test runs")
     elif kind in DOCTEST_DIRECTIVES or kind == "toctree":
       pass
     elif kind == "eval-rst":
-      bad = [l for l in body.splitlines() if l.strip() and not AUTODOC_LINE.match(l)]
+      bad = [line for line in body.splitlines() if line.strip() and not AUTODOC_LINE.match(line)]
       if bad:
         problems.append(f"{where}: eval-rst may hold autodoc directives only, not {bad[0]!r}")
     elif kind == "include":
@@ -169,7 +171,8 @@ def test_every_code_block_is_included_or_doctested(page):
 
 def test_api_page_documents_exactly_the_public_names():
   text = (DOCS / "api.md").read_text()
-  documented = re.findall(r"^\.\. auto(?:function|class|exception)::\s+rdt_jax\.(\w+)\s*$", text, re.M)
+  directive = r"^\.\. auto(?:function|class|exception)::\s+rdt_jax\.(\w+)\s*$"
+  documented = re.findall(directive, text, re.M)
   assert sorted(documented) == sorted(rdt_jax.__all__), (
       f"api.md documents {sorted(documented)}, rdt_jax.__all__ is {sorted(rdt_jax.__all__)}"
   )

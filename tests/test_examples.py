@@ -12,7 +12,6 @@ runs as written.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 import subprocess
@@ -20,6 +19,8 @@ import sys
 from typing import NamedTuple
 
 import pytest
+
+from _helpers import clean_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = REPO / "examples"
@@ -43,14 +44,6 @@ EXAMPLES = [
 ]
 
 
-def example_env() -> dict[str, str]:
-  """The caller's environment minus what pytest or the tests add."""
-  env = dict(os.environ)
-  env.pop("PYTHONPATH", None)
-  env.pop("RAY_ADDRESS", None)  # examples start their own local Ray
-  return env
-
-
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: " ".join((e.script, *e.args)))
 def test_example_runs(example: Example, tmp_path: pathlib.Path):
   source = EXAMPLES_DIR / example.script
@@ -61,7 +54,7 @@ def test_example_runs(example: Example, tmp_path: pathlib.Path):
   proc = subprocess.run(
       [sys.executable, str(script), *example.args],
       cwd=tmp_path,
-      env=example_env(),
+      env=clean_env(),
       capture_output=True,
       text=True,
       timeout=example.timeout_s,

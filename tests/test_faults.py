@@ -10,17 +10,24 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import ray
 
 import rdt_jax
-from conftest import WORKER_PYTHONPATH, start_ray, wait_for, wait_meta
+from _helpers import (
+    digest,
+    jax_bytes,
+    nixl_counts,
+    process_rss,
+    race,
+    random_bytes,
+    transport_manager,
+    wait_for,
+    wait_meta,
+)
+from conftest import WORKER_PYTHONPATH, start_ray
 
 rdt_jax.register()
 
@@ -29,45 +36,36 @@ DEATH_BOUND_S = 30.0
 VIEW_REBUILD_S = 1.0
 
 
+def expected_digest(nbytes: int, seed: int = 0) -> str:
+  """The digest of what `Producer.make(nbytes, seed)` holds."""
+  return digest(random_bytes(nbytes, seed))
+
+
+def transfers_exactly(producer, consumer, nbytes: int, seed: int) -> bool:
+  """One new object from `producer`, read by `consumer`: are the bytes exact?"""
+  ref = producer.make.remote(nbytes, seed)
+  return ray.get(consumer.digest.remote(ref), timeout=60) == expected_digest(nbytes, seed)
+
+
 def nixl_transport():
-  from ray.experimental.rdt.util import get_tensor_transport_manager
-
-  return get_tensor_transport_manager("JAX_NIXL")
-
-
-def payload(nbytes: int, seed: int = 0):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8))
-
-
-def digest(x) -> int:
-  host = np.ascontiguousarray(rdt_jax.to_numpy(x)).reshape(-1)
-  pad = (-host.size) % 8
-  words = np.concatenate([host, np.zeros(pad, np.uint8)]).view(np.uint64)
-  return int(np.bitwise_xor.reduce(words)) if words.size else 0
-
-
-def expected_digest(nbytes: int, seed: int = 0) -> int:
-  return digest(np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8))
+  return transport_manager("jax_nixl")
 
 
 @ray.remote(enable_tensor_transport=True)
 class Producer:
   @ray.method(tensor_transport="jax_nixl")
   def make(self, nbytes: int, seed: int = 0):
-    return {"x": payload(nbytes, seed)}
+    return {"x": jax_bytes(nbytes, seed)}
 
   @ray.method(tensor_transport="jax_nixl")
   def make_many(self, sizes: list[int], seed: int):
-    return [payload(n, seed + i) for i, n in enumerate(sizes)]
+    return [jax_bytes(n, seed + i) for i, n in enumerate(sizes)]
 
   def stats(self):
-    t = nixl_transport()
-    return t.num_registrations(), t.num_objects()
+    return nixl_counts()
 
   def rss(self) -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+    return process_rss()
 
   def ping(self) -> str:
     return "ok"
@@ -78,19 +76,17 @@ class Consumer:
   def __init__(self):
     self.old_meta = None
 
-  def digest(self, value) -> int:
+  def digest(self, value) -> str:
     return digest(value["x"])
 
-  def digests(self, value) -> list[int]:
+  def digests(self, value) -> list[str]:
     return [digest(x) for x in value]
 
   def stats(self) -> int:
-    return nixl_transport().num_registrations()
+    return nixl_counts()[0]
 
   def rss(self) -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+    return process_rss()
 
   def keep_metadata(self, refs) -> None:
     """Keeps a copy of a ref's transport metadata (descriptors included)."""
@@ -105,7 +101,7 @@ class Consumer:
     try:
       request = transport.fetch_multiple_tensors("stale", self.old_meta, None)
       transport.wait_fetch_complete(request, timeout=10)
-    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+    except Exception as e:
       return f"{type(e).__name__}: {e}"
     return "read succeeded"
 
@@ -120,7 +116,7 @@ class Consumer:
     try:
       transport.wait_fetch_complete(request)
       outcome = "completed"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       outcome = f"{type(e).__name__}: {e}"
     del request
     return outcome, transport.num_registrations()
@@ -128,7 +124,8 @@ class Consumer:
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray():
-  start_ray(num_cpus=24, runtime_env={"env_vars": {"RDT_JAX_NIXL_VIEW_REBUILD_S": str(VIEW_REBUILD_S)}})
+  rebuild = {"RDT_JAX_NIXL_VIEW_REBUILD_S": str(VIEW_REBUILD_S)}
+  start_ray(num_cpus=24, runtime_env={"env_vars": rebuild})
   yield
   ray.shutdown()
 
@@ -155,7 +152,7 @@ def test_producer_killed_before_fetch(consumer):
     ray.get(ref, timeout=DEATH_BOUND_S)
   # The consumer keeps working, and holds nothing for the failed transfer.
   fresh = Producer.remote()
-  assert ray.get(consumer.digest.remote(fresh.make.remote(1 << 20, 1))) == expected_digest(1 << 20, 1)
+  assert transfers_exactly(fresh, consumer, 1 << 20, 1)
   assert ray.get(consumer.stats.remote()) == 0
   ray.kill(fresh)
 
@@ -164,22 +161,11 @@ def test_producer_killed_during_a_large_fetch(consumer):
   producer = Producer.remote()
   ref = producer.make.remote(512 << 20)
   ray.wait([ref])
-  outcome = {}
-
-  def fetch():
-    try:
-      outcome["value"] = ray.get(consumer.digest.remote(ref), timeout=DEATH_BOUND_S * 2)
-    except Exception as e:  # noqa: BLE001
-      outcome["error"] = e
-
-  t0 = time.monotonic()
-  thread = threading.Thread(target=fetch)
-  thread.start()
-  time.sleep(0.05)
-  ray.kill(producer)
-  thread.join(DEATH_BOUND_S * 2)
-  assert not thread.is_alive()
-  elapsed = time.monotonic() - t0
+  outcome, elapsed = race(
+      lambda: ray.get(consumer.digest.remote(ref), timeout=DEATH_BOUND_S * 2),
+      lambda: ray.kill(producer),
+      DEATH_BOUND_S * 2,
+  )
   print(f"producer killed during a 512 MiB fetch: {sorted(outcome)[0]} after {elapsed:.2f} s")
   assert elapsed < DEATH_BOUND_S
   # Either the read finished first (then it is exact) or it failed with a Ray error.
@@ -205,7 +191,7 @@ def test_consumer_killed_during_a_fetch():
   # The producer frees the object and keeps serving others.
   assert wait_for(lambda: ray.get(producer.stats.remote()) == (0, 0))
   other = Consumer.remote()
-  assert ray.get(other.digest.remote(producer.make.remote(1 << 20, 2))) == expected_digest(1 << 20, 2)
+  assert transfers_exactly(producer, other, 1 << 20, 2)
   ray.kill(other)
   ray.kill(producer)
 
@@ -241,7 +227,7 @@ def test_driver_exits_with_transfers_in_flight(consumer):
   # This driver's cluster and actors are unaffected.
   t0 = time.monotonic()
   producer = Producer.remote()
-  assert ray.get(consumer.digest.remote(producer.make.remote(1 << 20, 3)), timeout=60) == expected_digest(1 << 20, 3)
+  assert transfers_exactly(producer, consumer, 1 << 20, 3)
   print(f"after a driver exited mid-transfer: next transfer done in {time.monotonic() - t0:.2f} s")
   ray.kill(producer)
 
@@ -313,7 +299,8 @@ def test_two_thousand_mixed_transfers_leave_nothing_behind():
   assert ray.get(consumer.stats.remote()) == 0
   growth_p = ray.get(producer.rss.remote()) - rss_p
   growth_c = ray.get(consumer.rss.remote()) - rss_c
-  print(f"RSS growth over 2,000 transfers: producer {growth_p >> 20} MiB, consumer {growth_c >> 20} MiB")
+  print(f"RSS growth over 2,000 transfers: producer {growth_p >> 20} MiB, "
+        f"consumer {growth_c >> 20} MiB")
   assert growth_p < 64 << 20 and growth_c < 64 << 20
   ray.kill(producer)
   ray.kill(consumer)
@@ -329,7 +316,7 @@ def test_stale_descriptor_read_fails(consumer):
   # A fetch after the rebuild interval rebuilds the consumer's view of the
   # producer's agent without the freed region.
   time.sleep(VIEW_REBUILD_S + 0.1)
-  assert ray.get(consumer.digest.remote(producer.make.remote(2 << 20, 6))) == expected_digest(2 << 20, 6)
+  assert transfers_exactly(producer, consumer, 2 << 20, 6)
   outcome = ray.get(consumer.stale_read.remote())
   assert outcome != "read succeeded" and "NIXL_ERR_NOT_FOUND" in outcome
   assert ray.get(consumer.stats.remote()) == 0

@@ -10,7 +10,7 @@ import ray
 import torch
 
 import rdt_jax
-from conftest import wait_meta
+from _helpers import framework_of, is_array, wait_meta
 
 rdt_jax.register()
 
@@ -20,9 +20,7 @@ TWO_DEVICES = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count
 
 def kinds(tree):
   return jax.tree_util.tree_map(
-      lambda x: rdt_jax._dlpack.framework_of(x) or type(x).__name__,
-      tree,
-      is_leaf=rdt_jax._dlpack.is_array,
+      lambda x: framework_of(x) or type(x).__name__, tree, is_leaf=is_array
   )
 
 
@@ -69,7 +67,7 @@ class Node:
     """Receives a value and returns it scaled, as whatever type it arrived as."""
     out = {}
     for k, v in value.items():
-      fw = rdt_jax._dlpack.framework_of(v)
+      fw = framework_of(v)
       if fw in ("jax", "numpy"):
         out[k] = (v * scale).astype(v.dtype)
       elif fw == "torch":
@@ -98,7 +96,7 @@ class Node:
   def sync_into_params(self, refs):
     rdt_jax.set_target_for_ref(refs[0], self.params)
     got = ray.get(refs[0])
-    same = all(got[k] is self.params[k] for k in self.params if isinstance(self.params[k], np.ndarray))
+    same = all(got[k] is v for k, v in self.params.items() if isinstance(v, np.ndarray))
     return same, rdt_jax.to_numpy(self.params)
 
   def get_on_device(self, refs, device):
@@ -130,7 +128,7 @@ def two():
 
 
 def modes(nodes, *names):
-  ray.get([n.set_mode.remote(m) for n, m in zip(nodes, names)])
+  ray.get([n.set_mode.remote(m) for n, m in zip(nodes, names, strict=False)])
   return nodes
 
 
@@ -140,7 +138,7 @@ def expected_numpy(build, *args):
 
 def assert_tree_equal(got, want):
   assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
     if isinstance(b, np.ndarray):
       assert a.dtype == b.dtype and a.shape == b.shape
       np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
@@ -180,7 +178,7 @@ def test_receive_as_in_the_driver(nodes):
     value = ray.get(ref)
   finally:
     rdt_jax.receive_as("source")
-  assert {k: rdt_jax._dlpack.framework_of(v) for k, v in value.items() if k != "step"} == dict.fromkeys(
+  assert {k: framework_of(v) for k, v in value.items() if k != "step"} == dict.fromkeys(
       ["jax", "torch", "param", "numpy", "bf16"], "numpy"
   )
 

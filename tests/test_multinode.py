@@ -7,9 +7,6 @@ custom resources, so every transfer below crosses a node boundary.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,17 +15,13 @@ from ray.cluster_utils import Cluster
 from ray.experimental.collective import create_collective_group, destroy_collective_group
 
 import rdt_jax
+from _helpers import race, tree_fingerprint
 from conftest import WORKER_PYTHONPATH
 
 rdt_jax.register()
 
 DEATH_BOUND_S = 30.0
 BACKENDS = ["jax_nixl", "jax_gloo", "jax_transfer"]
-
-
-def digest(x) -> int:
-  host = np.ascontiguousarray(rdt_jax.to_numpy(x)).reshape(-1).view(np.uint8)
-  return int(np.bitwise_xor.reduce(np.concatenate([host, np.zeros((-host.size) % 8, np.uint8)]).view(np.uint64)))
 
 
 def values(nbytes: int, seed: int):
@@ -41,7 +34,7 @@ def values(nbytes: int, seed: int):
 
 
 def expected(nbytes: int, seed: int) -> dict:
-  return {k: digest(v) for k, v in values(nbytes, seed).items()}
+  return tree_fingerprint(values(nbytes, seed))
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -53,7 +46,7 @@ class Node:
     return values(nbytes, seed)
 
   def digests(self, value) -> dict:
-    return {k: digest(v) for k, v in value.items()}
+    return tree_fingerprint(value)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +92,7 @@ def test_driver_get_from_another_node(pair, transport):
   a, _ = pair
   ref = a.make.options(tensor_transport=transport).remote(256 << 10, 2)
   got = ray.get(ref, timeout=120)
-  assert {k: digest(v) for k, v in got.items()} == expected(256 << 10, 2)
+  assert tree_fingerprint(got) == expected(256 << 10, 2)
 
 
 def test_node_removed_mid_transfer(cluster):
@@ -109,22 +102,12 @@ def test_node_removed_mid_transfer(cluster):
   producer, consumer = on("doomed").remote(), on("head").remote()
   ref = producer.make.options(tensor_transport="jax_nixl").remote(256 << 20, 3)
   ray.wait([ref])
-  outcome = {}
-
-  def fetch():
-    try:
-      outcome["value"] = ray.get(consumer.digests.remote(ref), timeout=DEATH_BOUND_S * 3)
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-      outcome["error"] = e
-
-  t0 = time.monotonic()
-  thread = threading.Thread(target=fetch)
-  thread.start()
-  time.sleep(0.05)
-  c.remove_node(doomed_node)
-  thread.join(DEATH_BOUND_S * 3)
-  assert not thread.is_alive(), "the fetch hung after its node was removed"
-  assert time.monotonic() - t0 < DEATH_BOUND_S * 2
+  outcome, elapsed = race(
+      lambda: ray.get(consumer.digests.remote(ref), timeout=DEATH_BOUND_S * 3),
+      lambda: c.remove_node(doomed_node),
+      DEATH_BOUND_S * 3,
+  )
+  assert elapsed < DEATH_BOUND_S * 2, "the fetch hung after its node was removed"
   if "value" in outcome:  # the read finished before the node went away
     assert outcome["value"] == expected(256 << 20, 3)
   else:

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-import gc
-import hashlib
-import time
-
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 import ray
 
 import rdt_jax
-from conftest import wait_for
+from _helpers import (
+    expected,
+    fingerprint,
+    int4_leaf,
+    jax_bytes,
+    nixl_counts,
+    process_rss,
+    sample,
+    transport_manager,
+    tree_fingerprint,
+    wait_for,
+    wait_meta,
+)
 
 # Before the classes below: @ray.method checks the transport name on definition.
 rdt_jax.register()
@@ -28,46 +35,6 @@ JAX_DTYPES = [
     "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3",
     "float8_e8m0fnu",
 ]
-
-
-def dtype_of(name: str) -> np.dtype:
-  return rdt_jax._dlpack.np_dtype_from_name(name)
-
-
-def sample(shape: tuple, dtype_name: str, seed: int = 0) -> np.ndarray:
-  """Deterministic values of any dtype, as a numpy array."""
-  rng = np.random.default_rng(seed)
-  dtype = dtype_of(dtype_name)
-  if dtype == np.bool_:
-    return rng.integers(0, 2, shape).astype(bool)
-  if dtype.kind in "iu":
-    info = np.iinfo(dtype)
-    return rng.integers(max(info.min, -100), min(info.max, 100), shape).astype(dtype)
-  if dtype.kind == "c":
-    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-  return (rng.standard_normal(shape) * 2).astype(dtype)
-
-
-def fingerprint(x) -> tuple:
-  """(framework, dtype name, shape, sha256 of the bytes) of one array."""
-  fw = rdt_jax._dlpack.framework_of(x)
-  host = rdt_jax.to_numpy(x)
-  digest = hashlib.sha256(np.ascontiguousarray(host).view(np.uint8).tobytes()).hexdigest()
-  return fw, host.dtype.name, tuple(host.shape), digest
-
-
-def tree_fingerprint(tree):
-  return jax.tree_util.tree_map(
-      lambda x: fingerprint(x) if rdt_jax._dlpack.is_array(x) else x,
-      tree,
-      is_leaf=rdt_jax._dlpack.is_array,
-  )
-
-
-def nixl_transport():
-  from ray.experimental.rdt.util import get_tensor_transport_manager
-
-  return get_tensor_transport_manager("JAX_NIXL")
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -100,14 +67,10 @@ class Producer:
     return [ray.put(build(*args), _tensor_transport="jax_nixl")]
 
   def stats(self):
-    t = nixl_transport()
-    return t.num_registrations(), t.num_objects()
+    return nixl_counts()
 
   def rss(self):
-    import psutil
-
-    gc.collect()
-    return psutil.Process().memory_info().rss
+    return process_rss()
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -123,18 +86,16 @@ class Consumer:
     return [ref]
 
   def stats(self):
-    return nixl_transport().num_registrations()
+    return nixl_counts()[0]
 
   def pooled(self):
     from rdt_jax import _dlpack
 
-    return nixl_transport().num_pooled_registrations(), _dlpack.host_pool.pooled_bytes()
+    pooled_regs = transport_manager("jax_nixl").num_pooled_registrations()
+    return pooled_regs, _dlpack.host_pool.pooled_bytes()
 
   def rss(self):
-    import psutil
-
-    gc.collect()
-    return psutil.Process().memory_info().rss
+    return process_rss()
 
 
 # Builders run on the producer (pickled by reference; tests/ is on PYTHONPATH).
@@ -154,18 +115,10 @@ def jax_leaf(shape, dtype_name, seed=0):
   return {"x": jnp.asarray(sample(shape, dtype_name, seed))}
 
 
-def one_array(nbytes: int, seed: int = 0):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8))
-
-
 def deleted_leaf():
   x = jnp.ones(3)
   x.delete()
   return {"params": {"w": x}}
-
-
-def int4_leaf():
-  return {"q": jnp.zeros(8, jnp.int4)}
 
 
 def prng_leaf():
@@ -194,11 +147,6 @@ def producer():
 @pytest.fixture(scope="module")
 def consumer():
   return Consumer.options(runtime_env=X64).remote()
-
-
-def expected(build, *args):
-  with jax.enable_x64(True):
-    return tree_fingerprint(build(*args))
 
 
 def test_register_is_idempotent():
@@ -230,8 +178,8 @@ def test_zero_d_and_empty(producer, consumer, shape):
 
 def test_256_mib_array(producer, consumer):
   nbytes = 256 << 20
-  ref = producer.make.remote(one_array, nbytes)
-  assert ray.get(consumer.fingerprint.remote(ref)) == expected(one_array, nbytes)
+  ref = producer.make.remote(jax_bytes, nbytes)
+  assert ray.get(consumer.fingerprint.remote(ref)) == expected(jax_bytes, nbytes)
 
 
 def test_driver_get(producer):
@@ -263,10 +211,10 @@ def test_put_is_a_fresh_actors_first_action():
 
 
 def test_eight_refs_in_one_get(producer):
-  refs = [producer.make.remote(one_array, 1 << 20, seed) for seed in range(8)]
+  refs = [producer.make.remote(jax_bytes, 1 << 20, seed) for seed in range(8)]
   values = ray.get(refs)
   for seed, v in enumerate(values):
-    assert fingerprint(v) == expected(one_array, 1 << 20, seed)
+    assert fingerprint(v) == expected(jax_bytes, 1 << 20, seed)
 
 
 def test_three_consumers_of_one_ref(producer):
@@ -280,13 +228,13 @@ def test_three_consumers_of_one_ref(producer):
 
 def test_batched_get_while_producer_frees_objects(producer):
   for round_ in range(10):
-    keep = [producer.make.remote(one_array, 256 << 10, round_ * 16 + i) for i in range(8)]
-    drop = [producer.make.remote(one_array, 256 << 10, 999) for _ in range(8)]
+    keep = [producer.make.remote(jax_bytes, 256 << 10, round_ * 16 + i) for i in range(8)]
+    drop = [producer.make.remote(jax_bytes, 256 << 10, 999) for _ in range(8)]
     ray.wait(drop, num_returns=len(drop))
     del drop  # frees race with the fetches below
     values = ray.get(keep)
     assert [fingerprint(v) for v in values] == [
-        expected(one_array, 256 << 10, round_ * 16 + i) for i in range(8)
+        expected(jax_bytes, 256 << 10, round_ * 16 + i) for i in range(8)
     ]
 
 
@@ -315,10 +263,10 @@ def test_donating_after_return_does_not_change_what_consumers_read(producer, con
 def test_registrations_released_and_rss_bounded():
   p, c = Producer.remote(), Consumer.remote()
   for i in range(20):  # warm up: agents, connections, allocator pools
-    ray.get(c.fingerprint.remote(p.make.remote(one_array, 1 << 20, i)))
+    ray.get(c.fingerprint.remote(p.make.remote(jax_bytes, 1 << 20, i)))
   rss_p, rss_c = ray.get(p.rss.remote()), ray.get(c.rss.remote())
   for i in range(200):
-    ref = p.make.remote(one_array, 1 << 20, i)
+    ref = p.make.remote(jax_bytes, 1 << 20, i)
     ray.get(c.fingerprint.remote(ref))
     del ref
   assert wait_for(lambda: ray.get(p.stats.remote()) == (0, 0))
@@ -407,7 +355,10 @@ def test_coalesce_merges_only_within_one_registration():
   )
   # Not contiguous on the remote side.
   gap = [(5000, 10, 0), (6000, 20, 0), (6064, 5, 0)]
-  assert coalesce(local, gap, same) == ([(1000, 10, 0), (1064, 69, 0)], [(5000, 10, 0), (6000, 69, 0)])
+  assert coalesce(local, gap, same) == (
+      [(1000, 10, 0), (1064, 69, 0)],
+      [(5000, 10, 0), (6000, 69, 0)],
+  )
 
 
 @ray.remote  # no enable_tensor_transport: a consumer-only actor
@@ -425,8 +376,6 @@ class PlainConsumer:
 
 
 def test_consumer_without_enable_tensor_transport(producer):
-  from conftest import wait_meta
-
   plain = PlainConsumer.remote()
   ref = producer.make.remote(params_tree, 16)
   assert ray.get(plain.fingerprint.remote(ref)) == expected(params_tree, 16)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+
+from _helpers import clean_env
 
 
 def test_short_soak_run_is_clean(tmp_path):
   out = tmp_path / "soak.json"
-  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
   proc = subprocess.run(
       [sys.executable, "-m", "rdt_jax", "soak", "--minutes", "0.25", "--generators", "2",
        "--mb", "8", "--out", str(out)],
-      capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+      capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   report = json.loads(out.read_text())
