@@ -71,13 +71,24 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
 
   Raises:
     TypeError: if `ref` is not an ObjectRef.
-    ValueError: if `ref` is not an RDT object, or (when the metadata is known)
-      a target leaf's shape or dtype differs from the value's, naming the leaf.
+    ValueError: if `ref` is not an RDT object, is an object of a two-sided
+      transport (whose bytes no consumer-side target can reach), or (when the
+      metadata is known) a target leaf's shape or dtype differs from the
+      value's, naming the leaf.
     UnsupportedLeafError: (when the metadata is known) for a slice outside
       the leaf's shape, or a target sharding over devices this process does
       not have, naming the leaf and the fix.
   """
   obj_id = _check_rdt_ref(ref)
+  if _seam.is_two_sided_object(obj_id):
+    raise ValueError(
+        f"{ref} is an object of a two-sided transport (jax_gloo, jax_nccl): "
+        "Ray moves it only as an argument of a task, before the task runs, "
+        "and the producer sends what Ray's caller asked for, so no target set "
+        "in the consumer can reach it. Return it with "
+        "tensor_transport='jax_nixl' (or 'jax_transfer') to receive it into "
+        "targets, with a sharding of your own, or as a slice."
+    )
   buffers = _flatten_target(target)
   meta = _seam.transport_metadata(obj_id)
   if meta is not None:

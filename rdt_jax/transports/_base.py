@@ -25,6 +25,7 @@ subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
 
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 from dataclasses import dataclass
@@ -440,6 +441,12 @@ class WholeArrayTransport(DlpackTransport):
     placements = plan.placements()
     if not placements:
       return None
+    pulled = [
+        spec.nbytes if p.layout is None
+        else sum(math.prod(_dlpack.box_shape(b)) for b in p.layout.pieces) * spec.dtype.itemsize
+        for spec, p in zip(meta.leaves, placements)
+    ]
+    self._count(fetches=1, bytes=sum(pulled), destinations=len(placements))
     return self._wrap_errors(
         obj_id, self.start_pull, obj_id, meta, communicator_metadata, placements
     )

@@ -71,17 +71,17 @@ class Placement:
 
   Attributes:
     device: the leaf's receive device.
-    template: a jax target array whose sharding the leaf should get, or None.
-    sharding: the `jax.sharding.Sharding` the pulled array should have, or
-      None for the backend's default (the producer's layout on `device`).
-    box: for a slice, the `(start, stop)` range per axis to pull (the array
-      pulled has the box's shape); None for the whole leaf.
+    template: a jax target array whose sharding the leaf should get, or None
+      (its sharding has the producer's layout, or one device).
+    layout: for a leaf resharded on receive, what the consumer asks for (a
+      box of the leaf, split into pieces over `layout.devices`); the backend
+      must deliver exactly that, with `layout.sharding` (or on `device` when
+      it is None). None otherwise.
   """
 
   device: Device
   template: Any = None
-  sharding: Any = None
-  box: _dlpack.Box | None = None
+  layout: _dlpack.TargetLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -145,15 +145,10 @@ class ReceivePlan:
 
   def placements(self) -> list[Placement]:
     """One `Placement` per leaf, for backends that receive whole arrays."""
-    out = []
-    for p in self.plans:
-      if p.layout is not None:
-        full = p.layout.box == _dlpack.full_box(p.spec.shape)
-        out.append(Placement(p.device, None, p.layout.sharding, None if full else p.layout.box))
-      else:
-        template = p.target if _dlpack.framework_of(p.target) == "jax" else None
-        out.append(Placement(p.device, template, None if template is None else template.sharding))
-    return out
+    return [
+        Placement(p.device, p.target if _dlpack.framework_of(p.target) == "jax" else None, p.layout)
+        for p in self.plans
+    ]
 
   @staticmethod
   def _plan_leaf(spec: LeafSpec, mode: str, target: Any, device: Device | None) -> _LeafPlan:
