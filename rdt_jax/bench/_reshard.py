@@ -16,6 +16,9 @@ generator's `ray.get` time and the bytes its backend was asked to move
 * `slice`: every generator asks for its slice (`rdt_jax.Slice`) and only that
   crosses; jax_nixl reads one descriptor per contiguous run (one per row of
   each source shard for the strided `wq`);
+* `slice_rows`: as `slice`, but every generator takes leading rows of both
+  weights (contiguous runs: one descriptor per source shard overlapped), to
+  separate the cost of strided reads;
 * `producer_gather`: the trainer cuts each generator's slices into contiguous
   arrays (a device copy on the trainer, timed) and puts one object per
   generator, which the generator pulls whole: the alternative to strided reads.
@@ -42,7 +45,7 @@ import ray
 
 import rdt_jax
 
-VARIANTS = ("full", "slice", "producer_gather")
+VARIANTS = ("full", "slice", "slice_rows", "producer_gather")
 
 
 def _weights(width: int, layers: int) -> dict[str, Any]:
@@ -62,12 +65,14 @@ def _weights(width: int, layers: int) -> dict[str, Any]:
   return out
 
 
-def _slices(width: int, layers: int, rank: int, world: int) -> dict[str, Any]:
-  """Generator `rank`'s index ranges of every weight."""
+def _slices(width: int, layers: int, rank: int, world: int, rows_only: bool = False) -> dict[str, Any]:
+  """Generator `rank`'s index ranges of every weight (`rows_only`: leading
+  rows of both weights, the contiguous case)."""
   k = 4 * width // world
   cols = (slice(None), slice(rank * k, (rank + 1) * k))
   rows = (slice(rank * k, (rank + 1) * k), slice(None))
-  return {f"l{i}": {"wq": cols, "wo": rows} for i in range(layers)}
+  q_rows = (slice(rank * width // world, (rank + 1) * width // world), slice(None))
+  return {f"l{i}": {"wq": q_rows if rows_only else cols, "wo": rows} for i in range(layers)}
 
 
 def _checksum(tree: Any) -> str:
@@ -106,12 +111,12 @@ class _Trainer:
       refs.append(ray.put(part, _tensor_transport=transport))
     return refs, time.perf_counter() - t0
 
-  def expected(self, world: int) -> list[str]:
+  def expected(self, world: int, rows_only: bool) -> list[str]:
     import jax
 
     out = []
     for rank in range(world):
-      index = _slices(self.width, self.layers, rank, world)
+      index = _slices(self.width, self.layers, rank, world, rows_only)
       out.append(_checksum(jax.tree_util.tree_map(lambda x, i: np.asarray(x)[i], self.params, index)))
     return out
 
@@ -128,10 +133,10 @@ class _Generator:
 
     manager: Any = get_tensor_transport_manager(transport.upper())
     manager.receive_stats(reset=True)
-    index = _slices(self.width, self.layers, self.rank, self.world)
+    index = _slices(self.width, self.layers, self.rank, self.world, variant == "slice_rows")
     ref = refs[self.rank] if variant == "producer_gather" else refs[0]
     t0 = time.perf_counter()
-    if variant == "slice":
+    if variant in ("slice", "slice_rows"):
       rdt_jax.set_target_for_ref(ref, jax.tree_util.tree_map(
           lambda i: rdt_jax.Slice(i), index, is_leaf=lambda v: isinstance(v, tuple)
       ))
@@ -179,7 +184,7 @@ def run(args: Any) -> dict[str, Any]:
   try:
     trainer = _Trainer.options(runtime_env=eight).remote(width, layers)  # type: ignore[attr-defined]
     gens = [_Generator.remote(r, world, width, layers) for r in range(world)]  # type: ignore[attr-defined]
-    expected = ray.get(trainer.expected.remote(world))
+    expected = {rows: ray.get(trainer.expected.remote(world, rows)) for rows in (False, True)}
     samples: list[dict[str, Any]] = []
     for rep in range(reps + 1):  # the first round warms up, unrecorded
       for transport in transports:
@@ -193,7 +198,7 @@ def run(args: Any) -> dict[str, Any]:
           results = ray.get([g.pull.remote(refs, transport, variant) for g in gens])
           wall = time.perf_counter() - start
           for rank, r in enumerate(results):
-            if r["checksum"] != expected[rank]:
+            if r["checksum"] != expected[variant == "slice_rows"][rank]:
               raise RuntimeError(f"{transport}/{variant}: generator {rank} got wrong values")
           if rep:
             samples.append({"transport": transport, "variant": variant, "wall_s": wall,
@@ -256,7 +261,7 @@ def markdown(doc: dict[str, Any]) -> str:
       f"({4 * c['width']} x {c['width']}) float32 over {c['trainer_devices']} devices "
       f"(rows split), {c['full_nbytes'] / (1 << 20):.0f} MiB; {c['generators']} generator "
       f"processes, each needing 1/{c['generators']} of every weight (wq by columns, wo by "
-      f"rows). Medians of {c['reps']} rounds; `fetch` is one generator's `ray.get` (plus the "
+      f"rows; `slice_rows`: both by rows). Medians of {c['reps']} rounds; `fetch` is one generator's `ray.get` (plus the "
       "local cut for `full`), `round` the driver's time for the trainer call and every "
       "generator's fetch; `gather` the trainer's slicing for `producer_gather`.",
       "",
