@@ -246,18 +246,19 @@ def test_mesh_to_mesh(trainer, wide, transport, src_spec, mesh, spec):
   assert stats["fetches"] == 1
 
 
-def test_same_device_count_other_spec(trainer):
+@pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
+def test_same_device_count_other_spec(trainer, transport):
+  """8 devices to 8 devices, other layouts. On jax_transfer this is the case
+  where a pull with the target sharding paired shards by position and
+  delivered wrong values; the producer now cuts each target shard."""
   eight = Node.options(runtime_env=devices_env(8)).remote()
-  ref = make(trainer, "jax_nixl", sharded, ("a", "b"))
-  got, stats, _ = ray.get(eight.fetch.remote([ref], "jax_nixl", template_target, (8,), (None, None)))
-  np.testing.assert_array_equal(got["w"]["values"], FULL)
-  assert got["w"]["spec"] == (None, None) and len(got["w"]["devices"]) == 8
-  assert stats["bytes"] == NBYTES
-  ref = make(trainer, "jax_nixl", sharded, ("a", "b"))
-  got, stats, _ = ray.get(eight.fetch.remote([ref], "jax_nixl", template_target, (4, 2), ("y", "x")))
-  np.testing.assert_array_equal(got["w"]["values"], FULL)
-  assert got["w"]["mesh"] == {"x": 4, "y": 2} and got["w"]["spec"] == ("y", "x")
-  assert stats["bytes"] == NBYTES
+  for mesh, spec in (((8,), (None, None)), ((4, 2), ("y", "x")), ((8,), ("x",))):
+    ref = make(trainer, transport, sharded, ("a", "b"))
+    got, stats, _ = ray.get(eight.fetch.remote([ref], transport, template_target, mesh, spec))
+    np.testing.assert_array_equal(got["w"]["values"], FULL)
+    assert got["w"]["mesh"] == dict(zip(("x", "y"), mesh)) and got["w"]["spec"] == spec
+    assert len(got["w"]["devices"]) == 8
+    assert stats["bytes"] == NBYTES
   ray.kill(eight)
 
 
@@ -419,6 +420,25 @@ def test_two_sided_ref_refuses_targets(trainer):
 
 
 # ---- the plan itself, without Ray: runs and bytes
+
+
+@pytest.mark.parametrize(
+    "target, error, pattern",
+    [
+        (rdt_jax.Slice[..., 0:2], rdt_jax.UnsupportedLeafError, r"\['w'\] has a Slice with an Ellipsis"),
+        (rdt_jax.Slice["a"], rdt_jax.UnsupportedLeafError, r"\['w'\] has a Slice index 'a' on axis 0"),
+        (rdt_jax.Slice[2:1], rdt_jax.UnsupportedLeafError, r"\['w'\].*\[2:1\] on axis 0.*start <= stop"),
+        (rdt_jax.Slice((slice(0, 2),), into=[1, 2]), TypeError, r"Slice.into for leaf \['w'\] is a list"),
+    ],
+    ids=["ellipsis", "not-an-index", "reversed", "into-not-an-array"],
+)
+def test_more_bad_slices(target, error, pattern):
+  from rdt_jax._targets import Target
+  from rdt_jax.transports._plan import ReceivePlan
+
+  spec = _dlpack.describe(jnp.asarray(FULL), "['w']").spec
+  with pytest.raises(error, match=pattern):
+    ReceivePlan([spec], "source", Target(buffers={"['w']": target}))
 
 
 def test_copy_runs_match_numpy_cut():

@@ -141,7 +141,9 @@ def rebuild_sharded(chunk_views: list[np.ndarray], spec: LeafSpec) -> Any:
       "cpu",
       "Give the consumer at least as many devices (e.g. XLA_FLAGS="
       f"--xla_force_host_platform_device_count={layout.num_devices} in "
-      "its runtime_env), or receive it as numpy (rdt_jax.receive_as('numpy')), "
+      "its runtime_env), ask for a sharding over this process's devices "
+      "(rdt_jax.set_target_for_ref with a jax.sharding.Sharding leaf, which "
+      "reshards on receive), or receive it as numpy (rdt_jax.receive_as('numpy')), "
       "which assembles the global array.",
   )
   arrays = [

@@ -261,8 +261,8 @@ def markdown(doc: dict[str, Any]) -> str:
       f"({4 * c['width']} x {c['width']}) float32 over {c['trainer_devices']} devices "
       f"(rows split), {c['full_nbytes'] / (1 << 20):.0f} MiB; {c['generators']} generator "
       f"processes, each needing 1/{c['generators']} of every weight (wq by columns, wo by "
-      f"rows; `slice_rows`: both by rows). Medians of {c['reps']} rounds; `fetch` is one generator's `ray.get` (plus the "
-      "local cut for `full`), `round` the driver's time for the trainer call and every "
+      f"rows; `slice_rows`: both by rows). Medians of {c['reps']} rounds; `fetch` is one "
+      "generator's `ray.get` (plus the local cut for `full`), `round` the driver's time for the trainer call and every "
       "generator's fetch; `gather` the trainer's slicing for `producer_gather`.",
       "",
       "| transport | variant | bytes moved per generator | of the full payload | "
