@@ -18,6 +18,7 @@ if TYPE_CHECKING:
   from rdt_jax._convert import to_jax as to_jax
   from rdt_jax._convert import to_numpy as to_numpy
   from rdt_jax._convert import to_torch as to_torch
+  from rdt_jax._dlpack import Slice as Slice
   from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
   from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
   from rdt_jax._registry import receive_as as receive_as
@@ -35,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "Destination": "rdt_jax.transports._plan",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
+    "Slice": "rdt_jax._dlpack",
     "UnsupportedLeafError": "rdt_jax._dlpack",
     "receive_as": "rdt_jax._registry",
     "register": "rdt_jax._registry",

@@ -93,6 +93,13 @@ def transport_metadata(obj_id: str) -> Any:
   return None if meta is None else meta.tensor_transport_meta
 
 
+def is_two_sided_object(obj_id: str) -> bool:
+  """True if this process knows `obj_id` as an object of a two-sided transport."""
+  meta = _rdt_manager().get_rdt_metadata(obj_id)
+  info = None if meta is None else transport_info(str(meta.tensor_transport_backend))
+  return info is not None and not info.transport_manager_class.is_one_sided()
+
+
 def actor_id(actor: Any) -> str:
   """The hex id of an actor handle."""
   return str(actor._actor_id.hex())

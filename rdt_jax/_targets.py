@@ -41,29 +41,54 @@ def _check_rdt_ref(ref: Any) -> str:
 
 
 def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
-  """Receives the next `ray.get(ref)` in this process into existing arrays.
+  """Receives the next `ray.get(ref)` in this process into existing arrays,
+  with a sharding of this process's choice, or only a slice of each leaf.
 
   `target` has the structure of the value behind `ref` (or is a list in the
   value's leaf order, as with Ray's own function); each array leaf of the
-  value is received into the `target` leaf at the same pytree path. The
-  weight-sync pattern: a generator passes its current parameters.
+  value arrives as its `target` leaf at the same pytree path asks:
 
   * `np.ndarray` and `torch.Tensor` targets (C-contiguous, same shape and
     dtype) are written in place, and `ray.get` returns those very objects.
   * jax arrays are immutable: writing into one would change values that
     compiled computations and other references already hold. A jax target is
-    therefore a placement template: the leaf arrives as a new `jax.Array` on
-    the target's device. Delete the old array (or donate it) to free it.
+    therefore a placement template: the leaf arrives as a new `jax.Array`
+    with the target's sharding. Delete the old array (or donate it) to free it.
+  * A `jax.sharding.Sharding` is a template without the array: the leaf
+    arrives as a `jax.Array` with that sharding.
+  * An `rdt_jax.Slice` (e.g. `rdt_jax.Slice[r * k:(r + 1) * k, :]`) receives
+    only that index range, as a C-contiguous array of the slice's shape
+    (`Slice.into` picks the array or sharding it lands in).
 
-  Shapes and dtypes are checked against the object's metadata when it is
-  known here, and otherwise when the fetch starts.
+  A sharding that differs from the producer's (other mesh shape, device count
+  or partition spec, replicated or not) is resharded on receive: each of this
+  process's devices gets exactly its shard, and, with `jax_nixl`, only the
+  bytes some device here needs cross the wire, each distinct source shard
+  read once (docs/resharding.md). Resharding lands in cpu memory.
+
+  Everything is checked against the object's metadata when it is known here
+  (else when the fetch starts, before any byte moves).
 
   Raises:
     TypeError: if `ref` is not an ObjectRef.
-    ValueError: if `ref` is not an RDT object, or (when the metadata is known)
-      a target leaf's shape or dtype differs from the value's, naming the leaf.
+    ValueError: if `ref` is not an RDT object, is an object of a two-sided
+      transport (whose bytes no consumer-side target can reach), or (when the
+      metadata is known) a target leaf's shape or dtype differs from the
+      value's, naming the leaf.
+    UnsupportedLeafError: (when the metadata is known) for a slice outside
+      the leaf's shape, or a target sharding over devices this process does
+      not have, naming the leaf and the fix.
   """
   obj_id = _check_rdt_ref(ref)
+  if _seam.is_two_sided_object(obj_id):
+    raise ValueError(
+        f"{ref} is an object of a two-sided transport (jax_gloo, jax_nccl): "
+        "Ray moves it only as an argument of a task, before the task runs, "
+        "and the producer sends what Ray's caller asked for, so no target set "
+        "in the consumer can reach it. Return it with "
+        "tensor_transport='jax_nixl' (or 'jax_transfer') to receive it into "
+        "targets, with a sharding of your own, or as a slice."
+    )
   buffers = _flatten_target(target)
   meta = _seam.transport_metadata(obj_id)
   if meta is not None:
@@ -97,30 +122,38 @@ def pop_target(obj_id: str) -> Target | None:
     return _targets.pop(obj_id, None)
 
 
+def _is_target_leaf(x: Any) -> bool:
+  return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
+
+
 def _flatten_target(target: Any) -> dict[str, Any]:
   import jax
 
-  if _dlpack.is_array(target):
+  if _is_target_leaf(target):
     return {"": target}
-  flat, _ = jax.tree_util.tree_flatten_with_path(target)
-  buffers = {jax.tree_util.keystr(p): x for p, x in flat if _dlpack.is_array(x)}
+  flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)
+  buffers = {jax.tree_util.keystr(p): x for p, x in flat if _is_target_leaf(x)}
   if not buffers:
-    raise ValueError("The target holds no jax, torch or numpy arrays.")
+    raise ValueError(
+        "The target holds no jax, torch or numpy arrays, rdt_jax.Slice or "
+        "jax.sharding.Sharding leaves."
+    )
   return buffers
 
 
 def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
-  """The target array for each leaf, in leaf order, checked against it.
+  """The target of each leaf, in leaf order, checked against it.
 
   Targets are matched by pytree path; a target given as a plain list matches
-  the value's leaves in order.
+  the value's leaves in order. Every check that needs no bytes runs here, so a
+  target that cannot work fails before anything moves.
 
   Raises:
     ValueError: naming the first leaf whose target is missing, has another
       shape or dtype, is not C-contiguous, or is a read-only numpy array.
+    UnsupportedLeafError: naming the leaf, for a slice out of range or a target
+      sharding this process cannot hold (see `leaf_layout`).
   """
-  import numpy as np
-
   positional = [f"[{i}]" for i in range(len(leaves))]
   if set(buffers) == set(positional):
     buffers = {leaf.path: buffers[p] for p, leaf in zip(positional, leaves)}
@@ -133,24 +166,84 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
           "have the value's structure."
       )
     buf = buffers[leaf.path]
-    shape = tuple(int(n) for n in buf.shape)
-    dtype = _dlpack.dtype_of(buf)
-    if shape != leaf.shape or dtype != np.dtype(leaf.dtype):
-      raise ValueError(
-          f"Target for leaf {leaf.path} has shape {shape} and dtype "
-          f"{dtype.name}, but the value's leaf has shape {leaf.shape} and "
-          f"dtype {leaf.dtype.name}."
-      )
-    if not _dlpack.is_c_contiguous(buf):
-      raise ValueError(
-          f"Target for leaf {leaf.path} is not C-contiguous; pass a "
-          "contiguous array to receive into."
-      )
-    if _dlpack.framework_of(buf) == "numpy" and not _dlpack.is_writable(buf):
-      raise ValueError(
-          f"Target for leaf {leaf.path} is a read-only numpy array (arrays "
-          "from Ray's object store are); pass a writable copy (x.copy())."
-      )
+    leaf_layout(leaf, buf)
     aligned.append(buf)
   return aligned
 
+
+def leaf_layout(leaf: Any, target: Any) -> _dlpack.TargetLayout | None:
+  """Checks one leaf's target; returns the part and split it asks for.
+
+  None means the leaf arrives whole by the plain path: a numpy/torch array
+  of the leaf's shape (written in place), or a single-device jax template for
+  an unsharded leaf. Otherwise the leaf is resharded on receive: a
+  `jax.sharding.Sharding` (or a jax template spread over several devices,
+  or any jax template of a sharded leaf) splits the whole leaf over this
+  process's devices; an `rdt_jax.Slice` asks for one box of it.
+
+  Raises:
+    ValueError, UnsupportedLeafError: as `align_targets` documents.
+  """
+  path = leaf.path
+  if isinstance(target, _dlpack.Slice):
+    box = target.box(leaf.shape, path)
+    into = target.into
+    sharding = None
+    if _dlpack.is_sharding(into):
+      sharding = into
+    elif _dlpack.framework_of(into) == "jax":
+      _check_buffer(leaf, into, _dlpack.box_shape(box), "slice ")
+      sharding = into.sharding
+    elif into is not None:
+      if not _dlpack.is_array(into):
+        raise TypeError(
+            f"Slice.into for leaf {path} is a {type(into).__name__}; pass a "
+            "numpy array, torch tensor, jax array or jax.sharding.Sharding."
+        )
+      _check_buffer(leaf, into, _dlpack.box_shape(box), "slice ")
+      _check_writable(leaf, into)
+    return _dlpack.target_layout(box, sharding, path)
+  full = _dlpack.full_box(leaf.shape)
+  if _dlpack.is_sharding(target):
+    return _dlpack.target_layout(full, target, path)
+  _check_buffer(leaf, target, leaf.shape, "")
+  if _dlpack.framework_of(target) != "jax":
+    _check_writable(leaf, target)
+    return None
+  sharding = target.sharding
+  if leaf.sharding is None and len(target.devices()) == 1:
+    return None  # a placement: the plain path puts it on that device
+  if _dlpack.device_of(target).kind != "cpu":
+    raise _dlpack.UnsupportedLeafError(
+        path,
+        f"has a jax target sharded over {_dlpack.device_of(target).kind} devices; "
+        "resharding on receive lands in cpu memory only (not implemented on cuda)",
+        "Give a target sharded over cpu devices, or a single-device target.",
+    )
+  return _dlpack.target_layout(full, sharding, path)
+
+
+def _check_buffer(leaf: Any, buf: Any, shape: tuple[int, ...], what: str) -> None:
+  import numpy as np
+
+  got = tuple(int(n) for n in buf.shape)
+  dtype = _dlpack.dtype_of(buf)
+  if got != shape or dtype != np.dtype(leaf.dtype):
+    raise ValueError(
+        f"Target for leaf {leaf.path} has shape {got} and dtype "
+        f"{dtype.name}, but the value's leaf {what}has shape {shape} and "
+        f"dtype {leaf.dtype.name}."
+    )
+
+
+def _check_writable(leaf: Any, buf: Any) -> None:
+  if not _dlpack.is_c_contiguous(buf):
+    raise ValueError(
+        f"Target for leaf {leaf.path} is not C-contiguous; pass a "
+        "contiguous array to receive into."
+    )
+  if _dlpack.framework_of(buf) == "numpy" and not _dlpack.is_writable(buf):
+    raise ValueError(
+        f"Target for leaf {leaf.path} is a read-only numpy array (arrays "
+        "from Ray's object store are); pass a writable copy (x.copy())."
+    )

@@ -143,3 +143,35 @@ def test_checksum_matches_plain_actor():
   x = _cases.host_leaf(4096 + 12, 0)
   checksum = _plain.plain_actor_class().prepare.__globals__["_checksum"]
   assert checksum(x) == _cases.host_checksum(x)
+
+
+def test_reshard_case_reports_bytes_per_generator(tmp_path):
+  """`rdt-jax bench --reshard`: every variant checked against the trainer's
+  weights; a slice moves half of the payload to each of two generators."""
+  cmd = [
+      sys.executable, "-m", "rdt_jax", "bench", "--reshard", "--reps", "1",
+      "--reshard-mb", "2", "--reshard-transports", "jax_nixl,jax_transfer", "--out", str(tmp_path),
+  ]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  doc = json.loads((tmp_path / "bench-reshard.json").read_text())
+  full = doc["config"]["full_nbytes"]
+  rows = {(s["transport"], s["variant"]): s for s in doc["summary"]}
+  for transport in ("jax_nixl", "jax_transfer"):
+    assert rows[(transport, "full")]["bytes_per_consumer"] == [full, full]
+    for variant in ("slice", "slice_rows", "producer_gather"):
+      assert rows[(transport, variant)]["bytes_per_consumer"] == [full // 2, full // 2]
+  # Strided column slices cost a descriptor per row of each source shard;
+  # leading-row slices one per source shard overlapped.
+  descriptors = {k: v["descriptors_per_consumer"][0] for k, v in rows.items()}
+  assert descriptors[("jax_nixl", "slice")] > descriptors[("jax_nixl", "slice_rows")]
+  assert "| jax_nixl | slice |" in (tmp_path / "bench-reshard.md").read_text()
+
+
+def test_reshard_refuses_an_unknown_transport(tmp_path):
+  cmd = [sys.executable, "-m", "rdt_jax", "bench", "--reshard", "--reshard-transports", "jax_nope",
+         "--out", str(tmp_path)]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Unknown or unregistered transport(s) ['jax_nope']" in proc.stderr

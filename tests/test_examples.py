@@ -41,6 +41,7 @@ EXAMPLES = [
     Example("pipeline.py"),
     Example("weight_sync.py", ("--generators", "2", "--steps", "3", "--mb", "4")),
     Example("shm_transport.py"),
+    Example("reshard.py"),
 ]
 
 

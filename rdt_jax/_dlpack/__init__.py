@@ -47,6 +47,7 @@ from rdt_jax._dlpack._dispatch import is_c_contiguous as is_c_contiguous
 from rdt_jax._dlpack._dispatch import is_writable as is_writable
 from rdt_jax._dlpack._dispatch import rebuild_device as rebuild_device
 from rdt_jax._dlpack._dispatch import rebuild_host as rebuild_host
+from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
 from rdt_jax._dlpack._dispatch import to_jax_exact as to_jax_exact
 from rdt_jax._dlpack._dtypes import SUB_BYTE_DTYPE_NAMES as SUB_BYTE_DTYPE_NAMES
 from rdt_jax._dlpack._dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
@@ -68,7 +69,19 @@ from rdt_jax._dlpack._pool import RegionPool as RegionPool
 from rdt_jax._dlpack._pool import device_pool as device_pool
 from rdt_jax._dlpack._pool import pack_layout as pack_layout
 from rdt_jax._dlpack._pool import region_source as region_source
+from rdt_jax._dlpack._sharding import Box as Box
+from rdt_jax._dlpack._sharding import Slice as Slice
+from rdt_jax._dlpack._sharding import TargetLayout as TargetLayout
+from rdt_jax._dlpack._sharding import box_shape as box_shape
+from rdt_jax._dlpack._sharding import build_sharded as build_sharded
+from rdt_jax._dlpack._sharding import copy_runs as copy_runs
+from rdt_jax._dlpack._sharding import cut as cut
+from rdt_jax._dlpack._sharding import full_box as full_box
+from rdt_jax._dlpack._sharding import intersect as intersect
+from rdt_jax._dlpack._sharding import is_sharding as is_sharding
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
+from rdt_jax._dlpack._sharding import source_boxes as source_boxes
+from rdt_jax._dlpack._sharding import target_layout as target_layout
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
 from rdt_jax._dlpack._specs import DescribedLeaf as DescribedLeaf
 from rdt_jax._dlpack._specs import DeviceKind as DeviceKind
@@ -82,6 +95,7 @@ __all__ = [
     "DEVICE_ALIGNMENT",
     "SUB_BYTE_DTYPE_NAMES",
     "SUPPORTED_DTYPES",
+    "Box",
     "ChunkSpec",
     "DescribedLeaf",
     "Device",
@@ -92,22 +106,29 @@ __all__ = [
     "Region",
     "RegionPool",
     "ShardingLayout",
+    "Slice",
+    "TargetLayout",
     "UnsupportedLeafError",
     "aligned",
     "aligned_host_buffer",
     "block_until_ready",
+    "box_shape",
     "buffer_pointer",
+    "build_sharded",
     "check_device",
     "check_x64",
     "convert_leaf",
     "copy_bytes",
     "copy_into",
+    "copy_runs",
     "cuda_available",
+    "cut",
     "describe",
     "device_of",
     "device_pool",
     "dtype_of",
     "framework_of",
+    "full_box",
     "hold_buffer",
     "host_bytes",
     "host_chunk",
@@ -116,8 +137,10 @@ __all__ = [
     "host_pool",
     "host_to_jax_many",
     "importable",
+    "intersect",
     "is_array",
     "is_c_contiguous",
+    "is_sharding",
     "is_writable",
     "jax_device",
     "np_dtype_from_name",
@@ -125,8 +148,11 @@ __all__ = [
     "parse_device",
     "rebuild_device",
     "rebuild_host",
+    "rebuild_view",
     "receive_sharding",
     "region_source",
+    "source_boxes",
+    "target_layout",
     "to_jax_exact",
     "torch_bytes",
     "wait_for_copies",

@@ -227,11 +227,17 @@ def rebuild_host(
     x = _sharding.assemble_host(views, spec)
   else:
     x = views[0]
+  return rebuild_view(x, framework, device, spec.path)
+
+
+def rebuild_view(x: np.ndarray, framework: Framework, device: Device, path: str) -> Any:
+  """One typed host view as `framework`'s array, zero-copy (jax on the cpu
+  `device`; the view must be 64-byte aligned for jax to alias it)."""
   if framework == "numpy":
     return x
   if framework == "jax":
-    return _jax.from_host(x, spec.path, jax_device(device, spec.path))
-  return _torch.from_host(x, spec.path)
+    return _jax.from_host(x, path, jax_device(device, path))
+  return _torch.from_host(x, path)
 
 
 def host_to_jax_many(views: list[np.ndarray], device: Device) -> list[Any]:

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="do not SIGSTOP the actors of paths not being measured")
   parser.add_argument("--label", default=None,
                       help="output file suffix (default: quick, full or custom)")
+  from rdt_jax.bench import _reshard
+
+  _reshard.add_arguments(parser)
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -263,6 +266,14 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
   An invalid combination of options exits through `parser.error`.
   """
+  if getattr(args, "reshard", False):
+    from rdt_jax.bench import _reshard
+
+    try:
+      _reshard.run(args)
+    except ValueError as e:
+      parser.error(str(e))
+    return 0
   try:
     config = config_from_args(args)
     validate(config)

@@ -25,6 +25,7 @@ subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
 
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 from dataclasses import dataclass
@@ -73,6 +74,11 @@ class DlpackTransport(TensorTransportManager):
   * `name`: the lower-case transport name users pass as `tensor_transport`;
   * `devices`: the device kinds it moves ("cpu", "cuda");
   * `is_one_sided()` and `can_abort_transport()` (Ray's static methods);
+  * `reads_parts` (default False): True if `start_receive` honours each
+    destination's `source` and `source_offset` (and may be given byte runs
+    of chunks, `Destination.part`), so a resharded or sliced leaf moves only
+    the bytes the consumer needs; otherwise such a leaf's chunks arrive
+    whole, one destination per chunk in order, and are cut on the host;
 
   and implements, on the producer, `export_buffers(obj_id, leaves, meta)`
   (make the described buffers reachable, add what consumers need to `meta`)
@@ -89,6 +95,8 @@ class DlpackTransport(TensorTransportManager):
   name: ClassVar[str]
   devices: ClassVar[tuple[str, ...]] = ("cpu",)
   metadata_class: ClassVar[type[DlpackTransportMetadata]] = DlpackTransportMetadata
+  #: True if the backend reads any byte range of a source chunk (see above).
+  reads_parts: ClassVar[bool] = False
   #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._seam`).
   _rdt_jax_transport: ClassVar[bool] = True
 
@@ -96,6 +104,28 @@ class DlpackTransport(TensorTransportManager):
     self._aborted: set[str] = set()
     self._aborted_lock = threading.Lock()
     self._actors_with_transport: dict[str, bool] = {}
+    self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0}
+    self._stats_lock = threading.Lock()
+
+  def receive_stats(self, reset: bool = False) -> dict[str, int]:
+    """What this process's fetches asked the backend to move, since the last
+    reset: `fetches`, `bytes` (payload bytes of every destination),
+    `destinations`, and `descriptors` (transfer descriptors the backend
+    posted, for backends that count them; jax_nixl does).
+
+    Args:
+      reset: zero the counters after reading them.
+    """
+    with self._stats_lock:
+      out = dict(self._stats)
+      if reset:
+        self._stats = dict.fromkeys(self._stats, 0)
+    return out
+
+  def _count(self, **counts: int) -> None:
+    with self._stats_lock:
+      for k, v in counts.items():
+        self._stats[k] += v
 
   # ---- Ray's interface, shared by every backend.
 
@@ -200,7 +230,8 @@ class DlpackTransport(TensorTransportManager):
     return request
 
   def _prepare(self, plan: ReceivePlan) -> None:
-    plan.allocate()
+    plan.allocate(self.reads_parts)
+    self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
 
   def _start(
       self,
@@ -414,6 +445,12 @@ class WholeArrayTransport(DlpackTransport):
     placements = plan.placements()
     if not placements:
       return None
+    pulled = [
+        spec.nbytes if p.layout is None
+        else sum(math.prod(_dlpack.box_shape(b)) for b in p.layout.pieces) * spec.dtype.itemsize
+        for spec, p in zip(meta.leaves, placements)
+    ]
+    self._count(fetches=1, bytes=sum(pulled), destinations=len(placements))
     return self._wrap_errors(
         obj_id, self.start_pull, obj_id, meta, communicator_metadata, placements
     )

@@ -131,6 +131,26 @@ def coalesce(
   return [(a, b, c) for a, b, c in out_l], [(a, b, c) for a, b, c in out_r]
 
 
+def read_pairs(
+    dests: list[Destination], meta: NixlTransportMetadata
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], list[Any]]:
+  """The (local, remote, region key) lists `coalesce` takes, one per
+  non-empty destination: each reads `nbytes` at its source chunk's address
+  plus `source_offset`. A byte run of a resharded leaf (`part`) gets a region
+  key of its own: the bytes after it are not padding, so it never merges.
+  """
+  # meta.addresses lists only non-empty chunks, in leaf order.
+  nonempty = [i for i, c in enumerate(c for leaf in meta.leaves for c in leaf.chunks) if c.nbytes]
+  slot = {chunk: k for k, chunk in enumerate(nonempty)}
+  local, remote, regions = [], [], []
+  for n, d in enumerate(dests):
+    k = slot[d.source] if d.source >= 0 else n
+    local.append((d.pointer, d.nbytes, _host_or(d.device).index))
+    remote.append((meta.addresses[k] + d.source_offset, d.nbytes, meta.device_ids[k]))
+    regions.append((d.region, meta.regions[k], n) if d.part else (d.region, meta.regions[k]))
+  return local, remote, regions
+
+
 class _Poller:
   """Progresses an agent's target side while the process exports objects."""
 
@@ -189,6 +209,7 @@ class NixlTransport(DlpackTransport):
   name = "jax_nixl"
   devices = ("cpu", "cuda")
   metadata_class = NixlTransportMetadata
+  reads_parts = True  # a READ descriptor may start anywhere in a chunk
 
   def __init__(self) -> None:
     super().__init__()
@@ -435,11 +456,8 @@ class NixlTransport(DlpackTransport):
     self._refresh_remote(remote, meta)
     keys = self._register_destinations(dests)
     try:
-      local, remote_descs = coalesce(
-          [(d.pointer, d.nbytes, _host_or(d.device).index) for d in dests],
-          [(a, d.nbytes, i) for a, d, i in zip(meta.addresses, dests, meta.device_ids)],
-          [(d.region, r) for d, r in zip(dests, meta.regions)],
-      )
+      local, remote_descs = coalesce(*read_pairs(dests, meta))
+      self._count(descriptors=len(local))
       local_mem = _mem_type(dests[0].device.kind)
       remote_mem = _mem_type(meta.tensor_device or "cpu")
 

@@ -9,10 +9,19 @@ pooled region per device (`_dlpack.device_pool`, registered once while the
 pool keeps it, released for reuse only after the bytes landed and the leaves
 were built); leaves with a numpy/torch target are received straight into the
 target's memory. Backends see only the resulting `Destination`s.
+
+A leaf the consumer asks to reshard (a target sharding, or an
+`rdt_jax.Slice`) is planned as copies from each source chunk's part to each
+target piece (`rdt_jax._dlpack.target_layout`): for a backend that reads
+parts (`reads_parts`: one-sided, byte-addressed), one `Destination` per
+contiguous byte run of each (source chunk, target piece) intersection, so only
+the bytes a piece needs cross; for any other backend, the leaf's whole chunks
+are received into scratch memory and the pieces cut from them on the host.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +29,7 @@ import numpy as np
 
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Device, Framework, LeafSpec
-from rdt_jax._targets import Target, align_targets
+from rdt_jax._targets import Target, align_targets, leaf_layout
 
 
 @dataclass
@@ -38,6 +47,13 @@ class Destination:
     pooled: True if `region` belongs to the process's host buffer pool and
       outlives this transfer (a backend may keep it registered until the
       pool evicts it; see `rdt_jax._dlpack.HostBufferPool`).
+    source: the index of the source chunk this destination's bytes come
+      from, counting every chunk of every leaf of the object in leaf order.
+    source_offset: where in that source chunk the bytes start.
+    part: True if this is a byte run of a resharded leaf (a part of a chunk,
+      or a chunk going to a buffer laid out differently): only backends that
+      read parts (`DlpackTransport.reads_parts`) are given such destinations,
+      and the bytes after `nbytes` are not padding (never read past them).
   """
 
   pointer: int
@@ -46,6 +62,9 @@ class Destination:
   array: Any
   region: tuple[int, int]
   pooled: bool = False
+  source: int = -1
+  source_offset: int = 0
+  part: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,11 +73,17 @@ class Placement:
 
   Attributes:
     device: the leaf's receive device.
-    template: a jax target array whose sharding the leaf should get, or None.
+    template: a jax target array whose sharding the leaf should get, or None
+      (its sharding has the producer's layout, or one device).
+    layout: for a leaf resharded on receive, what the consumer asks for (a
+      box of the leaf, split into pieces over `layout.devices`); the backend
+      must deliver exactly that, with `layout.sharding` (or on `device` when
+      it is None). None otherwise.
   """
 
   device: Device
   template: Any = None
+  layout: _dlpack.TargetLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,9 @@ class _LeafPlan:
   host_offsets: list[int] = field(default_factory=list)
   region: _dlpack.Region | None = None  # the device region its chunks lie in
   device_offsets: list[int] = field(default_factory=list)
+  layout: _dlpack.TargetLayout | None = None  # set when resharded on receive
+  into: Any = None  # a numpy/torch array a resharded leaf lands in
+  piece_offsets: list[int] = field(default_factory=list)
 
   @property
   def in_place(self) -> bool:
@@ -112,22 +140,44 @@ class ReceivePlan:
     self._host_region: tuple[int, int] | None = None
     self.regions: list[_dlpack.Region] = []
     self.destinations: list[Destination] = []
+    self.reads_parts = True
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes the backend is asked to move (after `allocate`)."""
+    return sum(d.nbytes for d in self.destinations)
 
   def placements(self) -> list[Placement]:
     """One `Placement` per leaf, for backends that receive whole arrays."""
     return [
-        Placement(p.device, p.target if _dlpack.framework_of(p.target) == "jax" else None)
+        Placement(p.device, p.target if _dlpack.framework_of(p.target) == "jax" else None, p.layout)
         for p in self.plans
     ]
 
   @staticmethod
   def _plan_leaf(spec: LeafSpec, mode: str, target: Any, device: Device | None) -> _LeafPlan:
+    layout = None if target is None else leaf_layout(spec, target)
+    if layout is not None:
+      into = target.into if isinstance(target, _dlpack.Slice) else None
+      into_fw = _dlpack.framework_of(into)
+      if layout.sharding is not None or _dlpack.is_sharding(target) or into_fw == "jax":
+        framework: Framework = "jax"
+      elif into_fw is not None:
+        framework = into_fw
+      else:
+        framework = spec.framework if mode == "source" else mode  # type: ignore[assignment]
+      if framework == "jax":
+        _dlpack.check_x64(spec.dtype, spec.path)
+      return _LeafPlan(
+          spec, framework, Device("cpu"), layout=layout,
+          into=into if into_fw in ("numpy", "torch") else None,
+      )
     target_fw = _dlpack.framework_of(target)
     if target_fw is not None:
       device = _dlpack.device_of(target)
     elif device is None:
       device = Device(spec.device)
-    framework: Framework = target_fw or (spec.framework if mode == "source" else mode)  # type: ignore[assignment]
+    framework = target_fw or (spec.framework if mode == "source" else mode)  # type: ignore[assignment]
     if framework == "cupy" and device.kind == "cpu":
       framework = "numpy"  # host memory was asked for: cupy's host type
     _dlpack.check_device(device, spec.path)  # cuda:N or an error, never another
@@ -135,20 +185,42 @@ class ReceivePlan:
       _dlpack.check_x64(spec.dtype, spec.path)
     return _LeafPlan(spec, framework, device, target if target_fw else None)
 
-  def allocate(self) -> list[Destination]:
-    """Takes the receive memory of every chunk; returns (and keeps) one
-    `Destination` per chunk, in leaf order."""
-    host_plans = [p for p in self.plans if p.device.kind == "cpu" and not p.in_place]
+  def allocate(self, reads_parts: bool = True) -> list[Destination]:
+    """Takes the receive memory of every chunk; returns (and keeps) the
+    `Destination`s, in leaf order.
+
+    One per chunk, except for resharded leaves when `reads_parts`: one per
+    byte run of each (source chunk, target piece) intersection. Without
+    `reads_parts` a resharded leaf's chunks are received whole into scratch
+    memory and cut on the host in `build`.
+    """
+    self.reads_parts = reads_parts
+    host_plans = [
+        p for p in self.plans
+        if p.device.kind == "cpu" and not p.in_place and (p.layout is None or not reads_parts)
+    ]
     offsets, total = _dlpack.host_layout([p.spec for p in host_plans])
-    if host_plans:
-      self.host = _dlpack.host_pool.acquire(total)
-      self._host_region = _dlpack.host_pool.region_of(self.host)
     for plan, leaf_offsets in zip(host_plans, offsets):
       plan.host_offsets = leaf_offsets
     self._allocate_regions()
     for plan in self.plans:
-      for i, chunk in enumerate(plan.spec.chunks):
-        self.destinations.append(self._destination(plan, i, chunk.nbytes))
+      if plan.layout is not None and plan.into is None:
+        for piece in plan.layout.pieces:
+          plan.piece_offsets.append(total)
+          total += _dlpack.aligned(_piece_nbytes(piece, plan.spec))
+    if total or host_plans:
+      self.host = _dlpack.host_pool.acquire(total)
+      self._host_region = _dlpack.host_pool.region_of(self.host)
+    source = 0
+    for plan in self.plans:
+      if plan.layout is not None and reads_parts:
+        self.destinations.extend(self._runs(plan, source))
+      else:
+        for i, chunk in enumerate(plan.spec.chunks):
+          d = self._destination(plan, i, chunk.nbytes)
+          d.source = source + i
+          self.destinations.append(d)
+      source += len(plan.spec.chunks)
     return self.destinations
 
   def _allocate_regions(self) -> None:
@@ -172,6 +244,40 @@ class ReceivePlan:
     for region in self.regions:
       region.release()
     self.regions = []
+
+  def _piece_memory(self, plan: _LeafPlan, p: int) -> tuple[int, tuple[int, int], bool, np.ndarray]:
+    """(pointer, region, pooled, uint8 view) of piece `p`'s receive buffer."""
+    nbytes = _piece_nbytes(plan.layout.pieces[p], plan.spec)  # type: ignore[union-attr]
+    if plan.into is not None:
+      pointer = _dlpack.buffer_pointer(plan.into)
+      return pointer, (pointer, nbytes), False, _dlpack.host_bytes(pointer, nbytes)
+    assert self.host is not None
+    offset = plan.piece_offsets[p]
+    base = _dlpack.host_pointer(self.host)
+    view = self.host[offset : offset + nbytes]
+    if self._host_region is not None:
+      return base + offset, self._host_region, True, view
+    return base + offset, (base, self.host.nbytes), False, view
+
+  def _runs(self, plan: _LeafPlan, source: int) -> list[Destination]:
+    """A destination per byte run a resharded leaf's pieces need."""
+    layout = plan.layout
+    assert layout is not None
+    boxes = _dlpack.source_boxes(plan.spec)
+    itemsize = plan.spec.dtype.itemsize
+    out = []
+    for p, piece in enumerate(layout.pieces):
+      pointer, region, pooled, view = self._piece_memory(plan, p)
+      for c, box in enumerate(boxes):
+        part = _dlpack.intersect(box, piece)
+        if part is None:
+          continue
+        for src_off, dst_off, n in _dlpack.copy_runs(box, piece, part, itemsize):
+          out.append(Destination(
+              pointer + dst_off, n, plan.device, view[dst_off : dst_off + n], region,
+              pooled, source + c, src_off, True,
+          ))
+    return out
 
   def _destination(self, plan: _LeafPlan, i: int, nbytes: int) -> Destination:
     if plan.in_place:
@@ -232,13 +338,38 @@ class ReceivePlan:
 
   @staticmethod
   def _adopt_leaf(plan: _LeafPlan, leaf: Any) -> Any:
+    if plan.into is not None:
+      _dlpack.copy_into(plan.into, leaf)
+      return plan.into
     if plan.target is not None and plan.framework != "jax":
       _dlpack.copy_into(plan.target, leaf)
       return plan.target
     return _dlpack.convert_leaf(leaf, plan.framework, plan.spec.path)
 
+  def _build_resharded(self, plan: _LeafPlan) -> Any:
+    layout, spec = plan.layout, plan.spec
+    assert layout is not None
+    views = [
+        self._piece_memory(plan, p)[3].view(spec.dtype).reshape(_dlpack.box_shape(piece))
+        for p, piece in enumerate(layout.pieces)
+    ]
+    if not self.reads_parts:  # whole chunks arrived in scratch memory: cut
+      assert self.host is not None
+      boxes = _dlpack.source_boxes(spec)
+      for off, chunk, box in zip(plan.host_offsets, spec.chunks, boxes):
+        chunk_view = _dlpack.host_chunk(self.host, off, spec.dtype, chunk)
+        for view, piece in zip(views, layout.pieces):
+          _dlpack.cut(view, piece, chunk_view, box)
+    if plan.into is not None:
+      return plan.into
+    if layout.sharding is not None:
+      return _dlpack.build_sharded(views, layout, spec.path)
+    return _dlpack.rebuild_view(views[0], plan.framework, plan.device, spec.path)
+
   def _build_leaf(self, plan: _LeafPlan) -> Any:
     spec = plan.spec
+    if plan.layout is not None:
+      return self._build_resharded(plan)
     if plan.in_place:
       return plan.target
     if plan.device.kind != "cpu":
@@ -261,3 +392,7 @@ class ReceivePlan:
       _dlpack.copy_into(plan.target, leaf)
       return plan.target
     return leaf
+
+
+def _piece_nbytes(piece: _dlpack.Box, spec: LeafSpec) -> int:
+  return math.prod(_dlpack.box_shape(piece)) * spec.dtype.itemsize

@@ -22,13 +22,22 @@ How rdt_jax uses it:
   `wait_pull` waits for the arrays to be ready.
 * Consumer: each leaf is pulled onto the device the receive plan chose, with
   the producer's mesh shape, axis names and partition spec for a sharded leaf
-  (`_dlpack.receive_sharding`), or onto a jax target's own sharding; then the
+  (`_dlpack.receive_sharding`), or onto a single-device jax target; then the
   base converts it to the leaf's arriving type (numpy/torch leaves arrive as
   their source type again).
+* Resharding (a target sharding or an `rdt_jax.Slice`) is done by the
+  producer: jax's transfer server (jax 0.10) pairs source and destination
+  shards by position, so pulling with another sharding moves the wrong bytes
+  or fails. The offer request names the boxes the consumer needs (each
+  distinct target shard, or the slice); the producer offers each as a
+  single-device array cut from the leaf (a device copy on the producer), and
+  only those bytes cross; replicated target shards are copied on the
+  consumer.
 
 Limits: addresses are loopback (`HOST`), so producer and consumer share a
 host. A sharded leaf needs as many devices on the consumer as on the
-producer, whatever type it arrives as (the pull moves shard to shard).
+producer, whatever type it arrives as (the pull moves shard to shard),
+unless the consumer gives a target sharding or slice of its own.
 Untested here: gpu and tpu transfer servers (no accelerator on the
 development machine).
 """
@@ -101,11 +110,11 @@ class _OfferService:
     with conn:
       while True:
         try:
-          obj_id, uuid = conn.recv()
+          obj_id, uuid, cuts = conn.recv()
         except (EOFError, OSError):
           return
         try:
-          conn.send(self._transport.offer(obj_id, uuid))
+          conn.send(self._transport.offer(obj_id, uuid, cuts))
         except (EOFError, OSError):
           return
 
@@ -180,8 +189,14 @@ class TransferTransport(WholeArrayTransport):
     meta.offer_address = self._service.address
     meta.authkey = self._service.authkey
 
-  def offer(self, obj_id: str, uuid: int) -> str | None:
+  def offer(self, obj_id: str, uuid: int, cuts: list[Any] | None = None) -> str | None:
     """Offers `obj_id`'s arrays for one pull under `uuid`.
+
+    Args:
+      cuts: per offered array, None (offer it as it is) or a list of boxes
+        (one `(start, stop)` per axis each): offer instead, for each non-empty
+        box, that part of the array as a single-device array (a slice computed
+        on the producer's devices), in order.
 
     Returns:
       None, or why it cannot (the object was freed).
@@ -191,6 +206,12 @@ class TransferTransport(WholeArrayTransport):
     if entry is None:
       return f"object {obj_id} is no longer offered (it was freed)"
     platform, arrays = entry
+    if cuts is not None:
+      arrays = [
+          part
+          for a, boxes in zip(arrays, cuts)
+          for part in ([a] if boxes is None else [_cut(a, box) for box in boxes if _volume(box)])
+      ]
     self._server(platform).await_pull(uuid, arrays)
     return None
 
@@ -207,7 +228,9 @@ class TransferTransport(WholeArrayTransport):
         self._connections[key] = self._server(platform).connect(address)
       return self._connections[key]
 
-  def _request_offer(self, meta: TransferTransportMetadata, obj_id: str, uuid: int) -> None:
+  def _request_offer(
+      self, meta: TransferTransportMetadata, obj_id: str, uuid: int, cuts: list[Any]
+  ) -> None:
     assert meta.offer_address is not None
     address = (meta.offer_address[0], int(meta.offer_address[1]))
     try:
@@ -216,7 +239,7 @@ class TransferTransport(WholeArrayTransport):
           self._clients[address] = (Client(address, authkey=meta.authkey), threading.Lock())
         client, lock = self._clients[address]
       with lock:
-        client.send((obj_id, uuid))
+        client.send((obj_id, uuid, cuts))
         problem = client.recv()
     except (EOFError, OSError):
       with self._lock:
@@ -236,43 +259,103 @@ class TransferTransport(WholeArrayTransport):
       placements: list[Placement],
   ) -> list[Any]:
     import jax
-    import jax.numpy as jnp
 
-    structs = []
+    structs: list[Any] = []  # what is pulled, in offer order
+    cuts: list[Any] = []  # per offered (non-empty) leaf: None or its boxes
+    recipes: list[tuple[Any, ...]] = []  # per leaf: how to make it from `structs`
     for spec, p in zip(meta.leaves, placements):
-      sharding = (
-          p.template.sharding
-          if p.template is not None
-          else _dlpack.receive_sharding(spec, p.device)
-      )
-      structs.append(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding))
-    full = [s for s in structs if math.prod(s.shape)]
+      if p.layout is None:
+        sharding = p.template.sharding if p.template is not None else _dlpack.receive_sharding(spec, p.device)
+        struct = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+        if spec.nbytes:
+          cuts.append(None)
+          recipes.append(("whole", len(structs)))
+          structs.append(struct)
+        else:  # empty leaves hold no bytes (and are not offered): made here
+          recipes.append(("empty", struct))
+        continue
+      # Resharded: each distinct target piece is cut on the producer and
+      # pulled as a single-device array onto the first device that holds it
+      # (jax's transfer server pairs shards by position, so pulling the whole
+      # array with another sharding would move the wrong bytes).
+      layout = p.layout
+      devices = [
+          layout.devices[layout.device_pieces.index(i)] if layout.sharding is not None
+          else _dlpack.jax_device(p.device)
+          for i in range(len(layout.pieces))
+      ]
+      indices: list[Any] = []
+      for box, device in zip(layout.pieces, devices):
+        struct = jax.ShapeDtypeStruct(
+            _dlpack.box_shape(box), spec.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+        )
+        if _volume(box):
+          indices.append(len(structs))
+          structs.append(struct)
+        else:
+          indices.append(struct)
+      if spec.nbytes:
+        cuts.append(list(layout.pieces))
+      recipes.append(("pieces", indices, layout, devices))
     pulled = []
-    if full:
+    if structs:
       platform = _platform(placements[0].device.kind)
       assert meta.server_address is not None
       connection = self._connection(platform, meta.server_address)
       uuid = secrets.randbits(62)
-      self._request_offer(meta, obj_id, uuid)
-      pulled = connection.pull(uuid, full)
-    # Empty leaves hold no bytes (and are not offered): made here.
-    with jax.enable_x64(True):
-      arrays = iter(pulled)
-      return [
-          next(arrays) if math.prod(s.shape) else jnp.zeros(s.shape, s.dtype, device=s.sharding)
-          for s in structs
-      ]
+      self._request_offer(meta, obj_id, uuid, cuts)
+      pulled = connection.pull(uuid, structs)
+    return [pulled, recipes]
 
   def wait_pull(self, handle: list[Any], obj_id: str, timeout: float) -> list[Any]:
+    import jax
+    import jax.numpy as jnp
+
+    pulled, recipes = handle
     deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
     sleep = 0.0
-    while not all(a.is_ready() for a in handle):
+    while not all(a.is_ready() for a in pulled):
       if self.aborted(obj_id):
         raise RuntimeError(f"jax_transfer pull of object {obj_id} was aborted.")
       if deadline is not None and time.monotonic() >= deadline:
         raise TimeoutError(f"jax_transfer pull of object {obj_id} timed out after {timeout}s.")
       sleep = min(0.001, sleep + 0.00005)
       time.sleep(sleep)
-    for a in handle:
+    for a in pulled:
       a.block_until_ready()  # raises the pull's error, if any
-    return handle
+
+    def empty(struct: Any) -> Any:
+      with jax.enable_x64(True):
+        return jnp.zeros(struct.shape, struct.dtype, device=struct.sharding)
+
+    out = []
+    for recipe in recipes:
+      if recipe[0] == "whole":
+        out.append(pulled[recipe[1]])
+      elif recipe[0] == "empty":
+        out.append(empty(recipe[1]))
+      else:
+        _, indices, layout, devices = recipe
+        pieces = [pulled[i] if isinstance(i, int) else empty(i) for i in indices]
+        if layout.sharding is None:
+          out.append(pieces[0])
+          continue
+        # Replicated target shards: the piece crossed once; copies are local.
+        shards = [
+            pieces[i] if devices[i] == d else jax.device_put(pieces[i], d)
+            for d, i in zip(layout.devices, layout.device_pieces)
+        ]
+        out.append(jax.make_array_from_single_device_arrays(layout.shape, layout.sharding, shards))
+    return out
+
+
+def _volume(box: Any) -> int:
+  return math.prod(hi - lo for lo, hi in box)
+
+
+def _cut(array: Any, box: Any) -> Any:
+  """`array[box]` as a single-device array on the producer (a copy)."""
+  import jax
+
+  part = array[tuple(slice(lo, hi) for lo, hi in box)]
+  return jax.device_put(part, next(iter(array.devices())))
