@@ -137,7 +137,7 @@ def main() -> None:
   for n in med["this"]:
     print(f"\n{n} leaves ({4096 if n == '1' else args.bytes} bytes)")
     print(f"{'stage':<9}" + "".join(f"{k + ' (ms)':>13}" for k in trees) + ("    ratio" if args.compare else ""))
-    for s in STAGES + ("total",):
+    for s in (*STAGES, "total"):
       vals = {k: (sum(med[k][n].values()) if s == "total" else med[k][n][s]) for k in trees}
       line = f"{s:<9}" + "".join(f"{vals[k] * 1e3:>13.3f}" for k in trees)
       if args.compare and vals["base"] > 0:

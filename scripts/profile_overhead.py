@@ -130,7 +130,6 @@ def main() -> None:
   remote = ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
   prod = remote(Producer).options(num_cpus=0).remote()
   cons = remote(Consumer).options(num_cpus=0).remote()
-  sizes = {n: (1 if n == 1 else args.bytes) for n in counts}
   sizes = {n: (4096 if n == 1 else args.bytes) for n in counts}
   expected = {n: ray.get(prod.build.remote(n, sizes[n])) for n in counts}
   rows: dict[int, list[tuple[float, float, float]]] = {n: [] for n in counts}
@@ -150,7 +149,9 @@ def main() -> None:
   print(f"{'leaves':>7} {'bytes':>10} {'end-to-end':>11} {'producer put':>13} {'consumer get':>13} {'rest (Ray)':>11}")
   for n in counts:
     e2e, tp, tg = med[n]
-    print(f"{n:>7} {sizes[n]:>10} {e2e * 1e3:>8.2f} ms {tp * 1e3:>10.2f} ms {tg * 1e3:>10.2f} ms {(e2e - tp - tg) * 1e3:>8.2f} ms")
+    rest = e2e - tp - tg
+    print(f"{n:>7} {sizes[n]:>10} {e2e * 1e3:>8.2f} ms {tp * 1e3:>10.2f} ms "
+          f"{tg * 1e3:>10.2f} ms {rest * 1e3:>8.2f} ms")
   big = [n for n in counts if sizes[n] == args.bytes]
   if len(big) >= 2:
     a, b = min(big), max(big)

@@ -11,8 +11,10 @@ from rdt_jax._dlpack import ChunkSpec, LeafSpec, ShardingLayout
 from rdt_jax._metadata import DlpackTransportMetadata, _Ints, _Leaves
 from rdt_jax.transports._nixl import NixlTransportMetadata
 
+F32 = np.dtype("float32")
 
-def _leaf(i: int, shape=(4, 2), dtype=np.dtype("float32"), framework="jax") -> LeafSpec:
+
+def _leaf(i: int, shape=(4, 2), dtype=F32, framework="jax") -> LeafSpec:
   nbytes = int(np.prod(shape)) * dtype.itemsize
   return LeafSpec(f"['w'][{i}]", shape, dtype, framework, "cpu", (ChunkSpec(shape, nbytes),))
 
