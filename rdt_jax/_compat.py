@@ -113,7 +113,16 @@ def host_arrays_to_jax(views: list, device: Any) -> list:
 
       sharding = SingleDeviceSharding(device)
       put = xla_client.batched_device_put
-      return [put(core.ShapedArray(v.shape, v.dtype), sharding, [v], [device], True, False) for v in views]
+      devices = [device]
+      avals: dict[tuple, Any] = {}  # one aval per (shape, dtype): leaves repeat them
+      out = []
+      for v in views:
+        key = (v.shape, v.dtype)
+        aval = avals.get(key)
+        if aval is None:
+          aval = avals[key] = core.ShapedArray(v.shape, v.dtype)
+        out.append(put(aval, sharding, [v], devices, True, False))
+      return out
     except (ImportError, AttributeError, TypeError):
       _fast_put_broken = True
   return jax.device_put(views, device)

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough to finish in about a minute on 2 cores: one array, a pytree,
 # refs (batch and loop) and the plain check. Fan-out would start 2 more actors
 # per group; its code path is the single-array one with more readers.
-TINY_CASES = ("4KiB", "tree8x4KiB", "refs2x4KiB", "plain64KiB")
+TINY_CASES = ("4KiB", "tree8x4KiB", "tree2x16KiB", "refs2x4KiB", "plain64KiB")
 BASELINES = ("ray_nixl_torch", "object_store_numpy", "object_store_jax", "memcpy")
 
 
@@ -115,11 +115,37 @@ def test_markdown_table_and_plot(bench_run):
   header = [c.strip() for c in table[0].strip("|").split("|")]
   assert header[0] == "case" and "jax_nixl (jax.Array)" in header and "memcpy" in header
   rows = [r for r in table[2:] if r.startswith("|")]
-  assert len(rows) == 1 + 1 + 2  # 4KiB, tree, refs x2 variants
+  assert len(rows) == 1 + 2 + 2  # 4KiB, two trees, refs x2 variants
   assert all(len(r.strip("|").split("|")) == len(header) for r in rows)
   png = (out / "bench-tiny.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
   assert "4KiB" in stderr  # progress went to stderr
+
+
+def test_per_object_and_per_leaf_cost(bench_run):
+  doc, md, _, _, _ = bench_run
+  rows = {r["path"]: r for r in doc["overhead"]}
+  one_sided = [p for p in doc["rdt_jax_paths"] if p in ("jax_nixl", "jax_transfer")]
+  assert "jax_nixl" in one_sided and {"object_store_numpy", "ray_nixl_torch"} <= set(rows)
+  for path, r in rows.items():
+    assert r["fixed_case"] == "4KiB" and r["fixed_s"] > 0
+    assert r["slope_cases"] == ["tree2x16KiB", "tree8x4KiB"]
+    summary = {s["case"]: s["median_s"] for s in doc["summary"] if s["path"] == path and not s["variant"]}
+    assert r["slope_us"] == pytest.approx((summary["tree8x4KiB"] - summary["tree2x16KiB"]) / 6 * 1e6)
+    # Per side only where the producer can ray.put: one-sided rdt_jax transports.
+    assert (r["sides"] is not None) == (path in one_sided), path
+  for path in one_sided:
+    splits = [s for s in doc["splits"] if s["path"] == path]
+    assert {s["case"] for s in splits} == {"4KiB", "tree8x4KiB", "tree2x16KiB"}
+    for s in splits:
+      assert s["producer_s"] > 0 and s["consumer_s"] > 0 and s["read_s"] >= 0
+      parts = s["producer_s"] + s["consumer_s"] + s["read_s"] + s["ray_s"]
+      assert parts == pytest.approx(s["seconds"])
+    sides = rows[path]["sides"]
+    assert set(sides) == {"producer", "ray", "consumer", "read"}
+    assert all(v["fixed_s"] is not None and v["slope_us"] is not None for v in sides.values())
+  section = md.split("## Per-object and per-leaf cost")[1].split("\n## ")[0]
+  assert "| jax_nixl (jax.Array) |" in section and "`tree2x16KiB` and `tree8x4KiB`" in section
 
 
 def test_case_grammar():

@@ -327,3 +327,26 @@ def _pooled_buffer_free(pool, pointer: int) -> bool:
   )
 
 
+
+
+def test_gc_paused_nests_and_restores_the_collector():
+  import gc
+
+  from rdt_jax import _dlpack
+
+  assert gc.isenabled()
+  with _dlpack.gc_paused(_dlpack.GC_PAUSE_MIN_LEAVES - 1):
+    assert gc.isenabled()  # small objects: the collector runs as usual
+  with _dlpack.gc_paused(_dlpack.GC_PAUSE_MIN_LEAVES):
+    assert not gc.isenabled()
+    with _dlpack.gc_paused(10_000):
+      assert not gc.isenabled()
+    assert not gc.isenabled()  # the outer pause still holds
+  assert gc.isenabled()
+  gc.disable()
+  try:
+    with _dlpack.gc_paused(10_000):
+      pass
+    assert not gc.isenabled()  # a collector the caller disabled stays disabled
+  finally:
+    gc.enable()

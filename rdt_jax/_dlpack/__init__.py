@@ -53,6 +53,8 @@ from rdt_jax._dlpack._dtypes import SUB_BYTE_DTYPE_NAMES as SUB_BYTE_DTYPE_NAMES
 from rdt_jax._dlpack._dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
+from rdt_jax._dlpack._gc import GC_PAUSE_MIN_LEAVES as GC_PAUSE_MIN_LEAVES
+from rdt_jax._dlpack._gc import gc_paused as gc_paused
 from rdt_jax._dlpack._lazy import importable as importable
 from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
@@ -93,6 +95,7 @@ from rdt_jax._dlpack._torch import bytes_tensor as torch_bytes
 __all__ = [
     "ALIGNMENT",
     "DEVICE_ALIGNMENT",
+    "GC_PAUSE_MIN_LEAVES",
     "SUB_BYTE_DTYPE_NAMES",
     "SUPPORTED_DTYPES",
     "Box",
@@ -129,6 +132,7 @@ __all__ = [
     "dtype_of",
     "framework_of",
     "full_box",
+    "gc_paused",
     "hold_buffer",
     "host_bytes",
     "host_chunk",

@@ -30,6 +30,10 @@ def check_alive(x: Any, path: str) -> None:
     )
 
 
+#: jax devices of this process that single-device leaves were described on.
+_LOCAL_DEVICES: dict[Any, Device] = {}
+
+
 def describe(x: Any, path: str) -> DescribedLeaf:
   """A jax leaf as one chunk, or one chunk per distinct shard.
 
@@ -51,6 +55,14 @@ def describe(x: Any, path: str) -> DescribedLeaf:
     )
   check_alive(x, path)
   dtype = check_dtype(np.dtype(x.dtype), path)
+  devices_set = x.sharding.device_set
+  if len(devices_set) == 1:
+    # Fast path: a leaf on one device this process has seen before (checks
+    # done once per device, not per leaf: they dominate objects of many leaves).
+    known = _LOCAL_DEVICES.get(next(iter(devices_set)))
+    if known is not None:
+      x.block_until_ready()
+      return single_chunk(x.shape, path, "jax", dtype, known.kind, known.index, pointer(x), x)
   if not x.is_fully_addressable:
     raise UnsupportedLeafError(
         path,
@@ -72,6 +84,7 @@ def describe(x: Any, path: str) -> DescribedLeaf:
 
     return _sharding.describe_sharded(x, path, dtype)
   dev = parse_device(devices[0])
+  _LOCAL_DEVICES[devices[0]] = dev  # addressable, on a supported platform
   shape = tuple(int(d) for d in x.shape)
   return single_chunk(shape, path, "jax", dtype, dev.kind, dev.index, pointer(x), x)
 

@@ -83,11 +83,12 @@ class LeafSpec(NamedTuple):
     return sum(c.nbytes for c in self.chunks)
 
 
-@dataclass(frozen=True)
-class DescribedLeaf:
+class DescribedLeaf(NamedTuple):
   """A producer-side leaf: its spec and the raw buffers behind its chunks.
 
   Stays in the producing process (it holds the arrays); only `spec` crosses.
+  A named tuple: one is made per leaf per object, and a tuple is made in a
+  third of a frozen dataclass's time.
 
   Attributes:
     spec: the metadata sent to consumers.
@@ -117,6 +118,17 @@ def single_chunk(
     array: object,
 ) -> DescribedLeaf:
   """The description of an unsharded leaf: one chunk, the whole array."""
-  nbytes = math.prod(shape) * dtype.itemsize
-  spec = LeafSpec(path, shape, dtype, framework, device, (ChunkSpec(shape, nbytes),))
-  return DescribedLeaf(spec, (pointer,), (device_index,), (array,))
+  chunks = _CHUNKS.get((shape, dtype))
+  if chunks is None:
+    chunks = (ChunkSpec(shape, math.prod(shape) * dtype.itemsize),)
+    if len(_CHUNKS) < 4096:
+      _CHUNKS[(shape, dtype)] = chunks
+  new = tuple.__new__
+  return new(DescribedLeaf, (
+      new(LeafSpec, (path, shape, dtype, framework, device, chunks, None)),
+      (pointer,), (device_index,), (array,),
+  ))
+
+
+#: One chunk tuple per (shape, dtype) seen, shared by the leaves that have it.
+_CHUNKS: dict[tuple, tuple[ChunkSpec, ...]] = {}

@@ -249,6 +249,8 @@ def _document(
       "skips": state.skips,
       "summary": [s.to_json() for s in summaries],
       "targets": [t.to_json() for t in _stats.targets(summaries)],
+      "overhead": _stats.overhead(summaries, state.splits, state.cases),
+      "splits": state.splits,
       "plain_check": plain_check,
       "samples": [dict(s.__dict__) for s in state.samples],
   }

@@ -130,6 +130,19 @@ class BenchActor:
     """Returns a kept object; the caller picks the transport with `.options`."""
     return self._values[key][index]
 
+  def put_timed(self, key: str, transport: str) -> tuple[list[Any], float]:
+    """`ray.put`s a kept object with a one-sided `transport`, timed here.
+
+    Returns the ref (in a list, so Ray passes it on as a ref) and the seconds
+    the put took in this process: the producer's share of a transfer.
+    """
+    import ray
+
+    value = self._values[key][0]
+    t0 = time.perf_counter()
+    ref = ray.put(value, _tensor_transport=transport)
+    return [ref], time.perf_counter() - t0
+
   def device_memcpy(self, key: str, copies: int) -> float:
     """Seconds to copy the kept cuda torch objects `copies` times into ready buffers."""
     import torch
@@ -151,6 +164,17 @@ class BenchActor:
     t0 = time.perf_counter()
     checksum = _cases.value_checksum(value)
     return checksum, time.perf_counter() - t0
+
+  def get_timed(self, refs: list[Any]) -> tuple[int, float, float]:
+    """Gets `refs[0]` here and reads it: (checksum, seconds the `ray.get`
+    took, seconds the reading took). The get is the consumer's share."""
+    import ray
+
+    t0 = time.perf_counter()
+    value = ray.get(refs[0])
+    t1 = time.perf_counter()
+    checksum = _cases.value_checksum(value)
+    return checksum, t1 - t0, time.perf_counter() - t1
 
   def call_and_get(
       self, producer: Any, key: str, count: int, transport: str | None, batch: bool

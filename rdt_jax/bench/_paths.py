@@ -420,6 +420,37 @@ class ActorPath(Path):
       _check(checksum, expected[0])
     return Measurement(seconds, max(s for _, s in out), _peaks(sides, baseline) if memory else None)
 
+  def splits(self) -> bool:
+    """Whether `run_split` applies: rdt_jax's one-sided transports (Ray's
+    `ray.put` takes only those)."""
+    return self.kind == "rdt_jax" and self.one_sided and self.transport is not None
+
+  def run_split(self, case: _cases.Case, timeout: float) -> dict[str, float]:
+    """One transfer timed per side, inside the actors.
+
+    The producer `ray.put`s the object (timed there), the consumer `ray.get`s
+    the ref and reads it (timed there); what is left of the driver's
+    end-to-end time is Ray's: two actor calls, the owner's metadata, results.
+
+    Raises:
+      SampleError: if the data that arrived is wrong.
+    """
+    import ray
+
+    g = self.group_of(case)
+    key = self._key(case)
+    assert self.transport is not None
+    t0 = time.perf_counter()
+    refs, put_s = ray.get(g.producer.put_timed.remote(key, self.transport), timeout=timeout)
+    checksum, get_s, read_s = ray.get(g.consumers[0].get_timed.remote(refs), timeout=timeout)
+    seconds = time.perf_counter() - t0
+    del refs
+    _check(checksum, g.prepared[key][0])
+    return {
+        "seconds": seconds, "producer_s": put_s, "consumer_s": get_s, "read_s": read_s,
+        "ray_s": seconds - put_s - get_s - read_s,
+    }
+
   def _run_refs(self, case, variant, g, key, send, expected, timeout, memory) -> Measurement:
     import ray
 

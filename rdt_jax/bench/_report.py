@@ -158,6 +158,7 @@ def markdown(doc: dict[str, Any]) -> str:
         continue
       table_rows.append([_row_name(c, v), *(f"{s['ratios'][b]:.2f}x" if b in s["ratios"] else "" for b in baselines)])
     lines += _table(["case", *(f"vs {labels[b]}" for b in baselines)], table_rows)
+  lines += _overhead_lines(doc, labels)
   lines += ["", "## Targets (issue 5, ratios of medians in this run)", ""]
   lines += _table(
       ["target", "goal", "measured", "met", "from"],
@@ -213,6 +214,52 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["", "## Notes", ""]
     lines += [f"* {p['id']}: {p['note']}" for p in notes]
   return "\n".join(lines) + "\n"
+
+
+def _overhead_lines(doc: dict[str, Any], labels: dict[str, str]) -> list[str]:
+  """The per-object and per-leaf cost section (empty if not computable)."""
+  rows = doc.get("overhead") or []
+  if not rows:
+    return []
+  first = rows[0]
+  fixed_case = next((r["fixed_case"] for r in rows if r["fixed_case"]), None)
+  slope_cases = next((r["slope_cases"] for r in rows if r["slope_cases"]), None)
+  lines = [
+      "",
+      "## Per-object and per-leaf cost",
+      "",
+      "Fixed cost per object: the median end-to-end time of "
+      + (f"`{fixed_case}`" if fixed_case else "the smallest single-array case (not in this run)")
+      + ". Per added leaf: the difference of the medians of "
+      + (f"`{slope_cases[0]}` and `{slope_cases[1]}` (same payload)" if slope_cases
+         else "two tree cases of the same payload (not in this run)")
+      + " over the difference of their leaf counts. For one-sided rdt_jax transports "
+      "the same figures per side, from separate interleaved transfers timed inside the "
+      "actors: the producer's `ray.put`, the consumer's `ray.get`, its reading every "
+      "byte, and Ray's rest of the driver's time (two actor calls, the owner's metadata).",
+      "",
+  ]
+  del first
+
+  def us(x: float | None) -> str:
+    return "" if x is None else f"{x:.1f} us"
+
+  def side(r: dict[str, Any], name: str) -> str:
+    s = (r.get("sides") or {}).get(name)
+    if not s:
+      return ""
+    return f"{_ms(s['fixed_s'])} / {us(s['slope_us'])}".strip(" /")
+
+  lines += _table(
+      ["path", "per object", "per added leaf", "producer", "Ray", "consumer", "read"],
+      [
+          [labels.get(r["path"], r["path"]), _ms(r["fixed_s"]), us(r["slope_us"]),
+           *(side(r, s) for s in ("producer", "ray", "consumer", "read"))]
+          for r in rows
+      ],
+  )
+  lines += ["", "Per side: per object / per added leaf."]
+  return lines
 
 
 def _git(git: dict[str, Any]) -> str:

@@ -106,6 +106,7 @@ class RunState:
   cases: list[_cases.Case]
   paths: list[Path] = field(default_factory=list)
   samples: list[Sample] = field(default_factory=list)
+  splits: list[dict[str, Any]] = field(default_factory=list)
   skips: list[dict[str, str]] = field(default_factory=list)
   idle_cpu: dict[str, float] = field(default_factory=dict)
   groups: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -461,6 +462,35 @@ def _allowed_reps(first_s: float, reps: int, config: BenchConfig) -> int:
   return max(min(config.min_reps, reps), min(reps, fit))
 
 
+def _run_splits(
+    state: RunState, case: _cases.Case, active: list[Path], reps: int, progress: Progress
+) -> None:
+  """Per-side timings of `case` for every one-sided rdt_jax path, interleaved
+  (see `ActorPath.run_split`); single and tree cases only."""
+  if case.kind not in ("single", "tree"):
+    return
+  paths = [p for p in active if isinstance(p, ActorPath) and p.splits()]
+  config = state.config
+  failed: set[str] = set()
+  for r in range(-config.warmup, reps):
+    k = (r + config.warmup) % max(1, len(paths))
+    for p in paths[k:] + paths[:k]:
+      if p.id in failed:
+        continue
+      g = p.group_of(case)
+      progress.live(f"{case.id} per-side split {p.id} ...")
+      try:
+        with resumed(g, [g.producer, g.consumers[0]]):
+          split = p.run_split(case, config.sample_timeout_s)
+      except Exception as e:
+        failed.add(p.id)
+        state.skips.append({"case": case.id, "path": p.id, "variant": "split",
+                            "reason": f"per-side split failed: {_paths.first_line(e)}"})
+        continue
+      if r >= 0:
+        state.splits.append({"case": case.id, "path": p.id, "rep": r, **split})
+
+
 def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress) -> None:
   """Measures every path on `case`, interleaved; appends to `state.samples`."""
   config = state.config
@@ -510,6 +540,7 @@ def run_case(state: RunState, case: _cases.Case, index: int, progress: Progress)
       state.samples.append(sample)
   for (pid, v), err in failed.items():
     state.skips.append({"case": case.id, "path": pid, "variant": v, "reason": f"failed: {err}"})
+  _run_splits(state, case, [p for p in active if p.id not in {f[0] for f in failed}], reps, progress)
   for p in active:
     p.release()
     g = p.group(case)

@@ -213,3 +213,77 @@ def plain_check(summaries: list[Summary], case_id: str) -> dict[str, Any] | None
       "with_rdt_jax_median_s": with_.median_s,
       "ratio": with_.median_s / without.median_s,
   }
+
+
+# --------------------------------------------------------------------------
+# Per-object and per-leaf cost (issue 14).
+
+#: The sides a transfer's time is split into (see `ActorPath.run_split`).
+SIDES: Final = ("producer", "ray", "consumer", "read")
+
+
+def _slope_pair(cases: list[_cases.Case]) -> tuple[_cases.Case, _cases.Case] | None:
+  """The two host tree cases of the same payload (within 1%) whose leaf
+  counts differ most, or None."""
+  trees = [c for c in cases if c.kind == "tree" and c.device == "cpu"]
+  best = None
+  for a in trees:
+    for b in trees:
+      if a.leaves < b.leaves and abs(a.object_nbytes - b.object_nbytes) <= 0.01 * b.object_nbytes:
+        if best is None or b.leaves - a.leaves > best[1].leaves - best[0].leaves:
+          best = (a, b)
+  return best
+
+
+def _fixed_case(cases: list[_cases.Case]) -> _cases.Case | None:
+  """The smallest single-array host case: its time is the cost per object."""
+  singles = [c for c in cases if c.kind == "single" and c.device == "cpu"]
+  return min(singles, key=lambda c: c.object_nbytes, default=None)
+
+
+def overhead(
+    summaries: list[Summary], splits: list[dict[str, Any]], cases: list[_cases.Case]
+) -> list[dict[str, Any]]:
+  """Per path: the fixed cost per object and the cost per added leaf.
+
+  The fixed cost is the median end-to-end time of the smallest single-array
+  case; the per-leaf slope is the difference of the medians of two tree
+  cases with the same payload divided by the difference of their leaf counts
+  (microseconds per added leaf). Where per-side splits were measured (one-
+  sided rdt_jax transports), both figures are also given per side: the
+  producer's `ray.put`, Ray's rest, the consumer's `ray.get`, and reading.
+  """
+  fixed = _fixed_case(cases)
+  pair = _slope_pair(cases)
+  split_medians: dict[tuple[str, str], dict[str, float]] = {}
+  keys = {(s["case"], s["path"]) for s in splits}
+  for case_id, path in keys:
+    rows = [s for s in splits if s["case"] == case_id and s["path"] == path]
+    split_medians[(case_id, path)] = {
+        side: float(np.median([r[f"{side}_s"] for r in rows])) for side in SIDES
+    }
+  out = []
+  for path in dict.fromkeys(s.path for s in summaries):
+    entry: dict[str, Any] = {"path": path, "fixed_case": None, "fixed_s": None,
+                             "slope_cases": None, "slope_us": None, "sides": None}
+    if fixed is not None and (f := _find(summaries, fixed.id, path)) is not None:
+      entry["fixed_case"], entry["fixed_s"] = fixed.id, f.median_s
+    if pair is not None:
+      a, b = (_find(summaries, c.id, path) for c in pair)
+      if a is not None and b is not None:
+        entry["slope_cases"] = [pair[0].id, pair[1].id]
+        entry["slope_us"] = (b.median_s - a.median_s) / (pair[1].leaves - pair[0].leaves) * 1e6
+    sides: dict[str, dict[str, float | None]] = {}
+    for side in SIDES:
+      row: dict[str, float | None] = {"fixed_s": None, "slope_us": None}
+      if fixed is not None and (fixed.id, path) in split_medians:
+        row["fixed_s"] = split_medians[(fixed.id, path)][side]
+      if pair is not None and all((c.id, path) in split_medians for c in pair):
+        ma, mb = (split_medians[(c.id, path)][side] for c in pair)
+        row["slope_us"] = (mb - ma) / (pair[1].leaves - pair[0].leaves) * 1e6
+      sides[side] = row
+    if any(v is not None for row in sides.values() for v in row.values()):
+      entry["sides"] = sides
+    if entry["fixed_s"] is not None or entry["slope_us"] is not None:
+      out.append(entry)
+  return out

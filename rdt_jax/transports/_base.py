@@ -151,17 +151,18 @@ class DlpackTransport(TensorTransportManager):
       self, obj_id: str, rdt_object: list[Any]
   ) -> DlpackTransportMetadata:
     """Ray calls this on the producer when it stores an RDT object."""
-    described = _state.take_described(rdt_object)
-    device = self._common_device(described)
-    meta = self.metadata_class(
-        tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],
-        tensor_device=device,
-        leaves=[d.spec for d in described],
-    )
-    if described:
-      # Queued device work writing the leaves finishes before any read.
-      _dlpack.wait_for_producers(described)
-      self._export(obj_id, rdt_object, described, meta)
+    with _dlpack.gc_paused(len(rdt_object)):
+      described = _state.take_described(rdt_object)
+      device = self._common_device(described)
+      meta = self.metadata_class(
+          tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],
+          tensor_device=device,
+          leaves=[d.spec for d in described],
+      )
+      if described:
+        # Queued device work writing the leaves finishes before any read.
+        _dlpack.wait_for_producers(described)
+        self._export(obj_id, rdt_object, described, meta)
     return meta
 
   def _export(
@@ -218,15 +219,17 @@ class DlpackTransport(TensorTransportManager):
     if target is None and target_buffers:
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
     try:
-      plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
-      self._prepare(plan)
+      with _dlpack.gc_paused(len(tensor_transport_metadata.leaves)):
+        plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
+        self._prepare(plan)
     except Exception:
       if not self.is_one_sided():
         # The producer is already sending: take its bytes so it does not block.
         self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
       raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
-    request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
+    with _dlpack.gc_paused(len(plan.plans)):
+      request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
     return request
 
   def _prepare(self, plan: ReceivePlan) -> None:
@@ -279,7 +282,8 @@ class DlpackTransport(TensorTransportManager):
       self.finish_receive(request.handle)
     request.done = True
     assert request.plan is not None
-    return request.plan.build()
+    with _dlpack.gc_paused(len(request.plan.plans)):
+      return request.plan.build()
 
   def _abandon(self, handle: Any) -> None:
     """A fetch request was dropped unfinished: release what it took."""
@@ -463,7 +467,8 @@ class WholeArrayTransport(DlpackTransport):
       )
     request.done = True
     assert request.plan is not None
-    return request.plan.adopt(arrays)
+    with _dlpack.gc_paused(len(request.plan.plans)):
+      return request.plan.adopt(arrays)
 
   def _abandon(self, handle: Any) -> None:
     self.cancel_pull(handle)

@@ -328,8 +328,16 @@ class NixlTransport(DlpackTransport):
       meta: NixlTransportMetadata,
   ) -> None:
     agent = self.agent()
+    devices: dict[tuple[str, int], _dlpack.Device] = {}  # one Device per object and device
+
+    def device_of(kind: str, index: int) -> _dlpack.Device:
+      d = devices.get((kind, index))
+      if d is None:
+        d = devices[(kind, index)] = _host_or(_dlpack.Device(kind, index))  # type: ignore[arg-type]
+      return d
+
     chunks = [
-        (pointer, chunk.nbytes, _host_or(_dlpack.Device(leaf.device, index)))
+        (pointer, chunk.nbytes, device_of(leaf.spec.device, index))
         for leaf in leaves
         for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices)
         if chunk.nbytes

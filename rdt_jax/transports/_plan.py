@@ -132,12 +132,24 @@ class ReceivePlan:
         if target is not None and target.buffers is not None
         else [None] * len(leaves)
     )
-    self.plans = [
-        self._plan_leaf(spec, mode, t, target.device if target else None)
-        for spec, t in zip(leaves, targets)
-    ]
+    device = target.device if target else None
+    # Leaves without a target that share (framework, device kind, dtype) get
+    # the same plan but their own spec: checked once per object, not per leaf.
+    checked: dict[tuple, _LeafPlan] = {}
+    self.plans = []
+    for spec, t in zip(leaves, targets):
+      key = (spec.framework, spec.device, spec.dtype) if t is None else None
+      hit = checked.get(key) if key is not None else None
+      if hit is not None:
+        self.plans.append(_LeafPlan(spec, hit.framework, hit.device))
+        continue
+      plan = self._plan_leaf(spec, mode, t, device)
+      if key is not None:
+        checked[key] = plan
+      self.plans.append(plan)
     self.host: np.ndarray | None = None
     self._host_region: tuple[int, int] | None = None
+    self._host_base = 0
     self.regions: list[_dlpack.Region] = []
     self.destinations: list[Destination] = []
     self.reads_parts = True
@@ -211,6 +223,7 @@ class ReceivePlan:
     if total or host_plans:
       self.host = _dlpack.host_pool.acquire(total)
       self._host_region = _dlpack.host_pool.region_of(self.host)
+      self._host_base = _dlpack.host_pointer(self.host)
     source = 0
     for plan in self.plans:
       if plan.layout is not None and reads_parts:
@@ -288,7 +301,7 @@ class ReceivePlan:
       assert self.host is not None
       offset = plan.host_offsets[i]
       view = self.host[offset : offset + nbytes]
-      base = _dlpack.host_pointer(self.host)
+      base = self._host_base
       if self._host_region is not None:  # a pooled buffer: faulted in, reusable
         return Destination(base + offset, nbytes, plan.device, view, self._host_region, True)
       return Destination(base + offset, nbytes, plan.device, view, (base, self.host.nbytes))
