@@ -25,6 +25,7 @@ import ray
 
 import conftest
 import rdt_jax
+from _helpers import wait_meta
 from rdt_jax import _dlpack
 
 sys.path.insert(0, str(conftest.REPO / "examples"))
@@ -199,7 +200,7 @@ def wide():
 
 def make(trainer, transport: str, build, *args):
   ref = trainer.make.options(tensor_transport=transport).remote(build, *args)
-  conftest.wait_meta(ref)  # Ray lends a ref in a list only once it has its metadata
+  wait_meta(ref)  # Ray lends a ref in a list only once it has its metadata
   return ref
 
 
@@ -379,7 +380,7 @@ ERROR_CASES = [
 @pytest.mark.parametrize("build, args, pattern", ERROR_CASES, ids=lambda v: getattr(v, "__name__", None))
 def test_bad_target_fails_before_any_byte_moves(trainer, gens, build, args, pattern):
   ref = make(trainer, "jax_nixl", sharded, ("a", "b"))
-  conftest.wait_meta(ref)
+  wait_meta(ref)
   where, _kind, message, stats = ray.get(gens[0].fetch_error.remote([ref], "jax_nixl", build, *args))
   assert where in ("set", "get"), "the target was accepted"
   import re
@@ -411,7 +412,7 @@ def test_two_sided_ref_refuses_targets(trainer):
   group = create_collective_group([trainer, other], backend="torch_gloo")
   try:
     ref = make(trainer, "jax_gloo", sharded, ("a", "b"))
-    conftest.wait_meta(ref)
+    wait_meta(ref)
     with pytest.raises(ValueError, match=r"two-sided transport.*jax_nixl"):
       rdt_jax.set_target_for_ref(ref, {"w": rdt_jax.Slice[0:8]})
   finally:
