@@ -160,6 +160,19 @@ class ReceivePlan:
     plan.device_buffers.append(buf)
     return Destination(buf.pointer, nbytes, plan.device, buf.array, (buf.pointer, buf.nbytes))
 
+  def release(self) -> None:
+    """Drops this plan's references to its receive memory (after a failed
+    fetch). The backend keeps its own references for as long as a transfer
+    may still write there; the plan's must not outlive the failure in a
+    traceback that Ray keeps, or the host pool could not reuse the buffer."""
+    for d in self.destinations:
+      d.array = None
+    self.destinations = []
+    self.host = None
+    self._host_region = None
+    for plan in self.plans:
+      plan.device_buffers = []
+
   def build(self) -> list[Any]:
     """The received leaves, as each plan's framework (after the bytes moved)."""
     leaves = [self._build_leaf(p) for p in self.plans]
