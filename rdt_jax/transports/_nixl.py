@@ -9,9 +9,10 @@ Choices, each measured on this project's 2-core CPU host (docs/performance.md
 has the figures):
 
 * One agent per process, created on first use, with NIXL's progress thread
-  off: idle, that thread spins a core. The producer side is progressed
-  instead by a thread that calls `get_new_notifs()` every 10 ms, and only
-  while this process exports objects; otherwise it sleeps on a condition.
+  off: idle, that thread spins a core. The agent is progressed instead by a
+  thread that calls `get_new_notifs()` every 10 ms, and only while this
+  process exports objects, is connected to another agent, or has parked READs
+  or deregistrations to retry; otherwise it sleeps on a condition.
 * Small host leaves (up to `PACK_MAX_CHUNK` bytes) are copied into one pooled
   staging buffer on the producer, so an object of a thousand small leaves costs
   one registration and, on the consumer, one descriptor; large leaves are read
@@ -27,6 +28,9 @@ has the figures):
   memory, never while a transfer from it is in flight:
   removing an agent kills its in-flight transfers, which is how Ray's own
   NIXL transport fails batched gets while the producer frees objects.
+* A READ in flight is never released or posted again; memory it may still
+  write is quarantined until NIXL reports it ended (`NixlTransport` states
+  the lifecycle guarantees; docs/faults.md the bounds).
 """
 
 from __future__ import annotations
