@@ -46,6 +46,8 @@ POINTS: Final = {
     "keeps the READ looking in flight that long, so a timeout fires mid-transfer",
     "nixl.complete": "on the consumer, when the READ is DONE, before it is released",
     "nixl.release": "on the consumer, before a READ's handle is released",
+    "nixl.park": "on the consumer, when a READ is given up; a delay keeps it looking in "
+    "flight that long unless it is ended by removing its producer's agent",
 }
 
 

@@ -206,6 +206,21 @@ def test_failure_mid_transfer_parks_the_read_until_nixl_ends_it(producer):
   ray.kill(consumer)
 
 
+def test_a_parked_read_that_never_ends_is_ended_by_removing_the_agent(producer):
+  # The READ given up mid-transfer keeps looking in flight (injected), so only
+  # the removal of the producer's agent after RDT_JAX_NIXL_PARK_END_S ends it.
+  consumer = faulted(
+      Consumer, "nixl.wait:fail*1,nixl.park:delay=600*1", UCX_TLS="tcp", RDT_JAX_NIXL_PARK_END_S="1"
+  )
+  ref = producer.make.remote(64 << 20, 30)
+  expect_ray_error(consumer.sha.remote(ref))
+  c = settled(consumer)
+  assert c["parked_total"] == 1 and {k: c[k] for k in BASELINE} == BASELINE
+  # The agent is added again for the next read from that producer.
+  assert ray.get(consumer.sha.remote(ref)) == sha(payload(64 << 20, 30))
+  ray.kill(consumer)
+
+
 def test_release_failure_parks_then_reclaims_and_the_value_is_exact(producer):
   consumer = faulted(Consumer, "nixl.release:fail*1")
   ref = producer.make.remote(4 << 20, 4)

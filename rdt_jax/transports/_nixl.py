@@ -227,6 +227,7 @@ class _Receive:
   memory: list[Any] = field(default_factory=list)
   parked_at: float = 0.0
   ended: bool = False  # its producer's agent was removed to end it
+  held_until: float = 0.0  # injected (RDT_JAX_FAULTS nixl.park): looks in flight until then
 
 
 class NixlTransport(DlpackTransport):
@@ -658,6 +659,8 @@ class NixlTransport(DlpackTransport):
     """
     if handle is None or handle.remote is None:
       return
+    if _faults.ON:
+      handle.held_until = time.monotonic() + _faults.hit("nixl.park", sleep=False)
     if not self._retire(handle):
       with self._lock:
         handle.parked_at = time.monotonic()
@@ -667,6 +670,8 @@ class NixlTransport(DlpackTransport):
 
   def _retire(self, handle: _Receive) -> bool:
     """Releases a READ that NIXL reports DONE or ERR, and what it held."""
+    if not handle.ended and time.monotonic() < handle.held_until:
+      return False
     try:
       state = self._agent.check_xfer_state(handle.xfer)
     except Exception:  # its remote agent was removed: ended if we removed it
