@@ -3,7 +3,10 @@
 `set_target_for_ref` and `set_target_device_for_ref` mirror Ray's functions of
 the same names, for any framework's buffers and any jax device or device
 string. Targets are kept per process, keyed by the ref, and used by the next
-fetch of that ref in this process.
+fetch of that ref in this process. A target whose ref is never fetched here is
+dropped once Ray no longer manages the object (checked whenever a target is
+set), so targets never outlive their objects by more than one `set_target_*`
+call.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
   if meta is not None:
     align_targets(buffers, getattr(meta, "leaves", []))
   with _lock:
+    _prune()
     _targets[obj_id] = Target(buffers=buffers)
 
 
@@ -113,7 +117,20 @@ def set_target_device_for_ref(ref: ray.ObjectRef, device: Any) -> None:
   obj_id = _check_rdt_ref(ref)
   parsed = _dlpack.parse_device(device)
   with _lock:
+    _prune()
     _targets[obj_id] = Target(device=parsed)
+
+
+def _prune() -> None:
+  """Drops targets of objects Ray has freed (lock held)."""
+  for obj_id in [o for o in _targets if not _seam.is_managed_object(o)]:
+    del _targets[obj_id]
+
+
+def num_targets() -> int:
+  """Targets set in this process and not yet used or dropped."""
+  with _lock:
+    return len(_targets)
 
 
 def pop_target(obj_id: str) -> Target | None:

@@ -42,6 +42,11 @@ class Node:
   def where(self) -> str:
     return ray.get_runtime_context().get_node_id()
 
+  def ucx_tls(self) -> str | None:
+    import os
+
+    return os.environ.get("UCX_TLS")
+
   def make(self, nbytes: int, seed: int):
     return values(nbytes, seed)
 
@@ -49,8 +54,14 @@ class Node:
     return tree_fingerprint(value)
 
 
-@pytest.fixture(scope="module")
-def cluster():
+#: Each cluster runs twice: with UCX's default transports (shared memory and
+#: CMA between processes of one host) and restricted to TCP, so that NIXL reads
+#: over sockets as it does between real nodes without RDMA.
+UCX_ENVS = {"default-ucx": {}, "ucx-tcp": {"UCX_TLS": "tcp"}}
+
+
+@pytest.fixture(scope="module", params=list(UCX_ENVS))
+def cluster(request):
   c = Cluster(
       initialize_head=True,
       head_node_args={"num_cpus": 2, "resources": {"head": 10}},
@@ -60,8 +71,9 @@ def cluster():
   ray.init(
       address=c.address,
       logging_level="warning",
-      runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}},
+      runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **UCX_ENVS[request.param]}},
   )
+  c.ucx_kind = request.param
   yield c, nodes
   ray.shutdown()
   c.shutdown()
@@ -71,11 +83,17 @@ def on(resource: str):
   return Node.options(resources={resource: 1}, num_cpus=0)
 
 
+def cluster_kind(cluster) -> str:
+  return cluster[0].ucx_kind
+
+
 @pytest.fixture(scope="module")
 def pair(cluster):
   a, b = on("node1").remote(), on("node2").remote()
   group = create_collective_group([a, b], backend="torch_gloo")
   assert ray.get(a.where.remote()) != ray.get(b.where.remote())
+  # The UCX restriction of this run reached the actors.
+  assert ray.get(a.ucx_tls.remote()) == UCX_ENVS[cluster_kind(cluster)].get("UCX_TLS")
   yield a, b
   destroy_collective_group(group)
 

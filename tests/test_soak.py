@@ -23,3 +23,20 @@ def test_short_soak_run_is_clean(tmp_path):
   assert report["trainer"]["registrations"] == 0
   assert all(g["rss_peak"] > 0 for g in report["generators"])
   assert "soak:" in proc.stdout and "RSS high-water" in proc.stdout
+
+
+def test_chaos_soak_for_a_minute_is_exact_and_leak_free(tmp_path):
+  # Producers and consumers killed at random, refs freed at random, timeouts
+  # firing mid-transfer: no wrong value, no hang, only Ray errors, no leak.
+  out = tmp_path / "chaos.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "rdt_jax", "soak", "--chaos", "--minutes", "1", "--out", str(out)],
+      capture_output=True, text=True, timeout=480, env=clean_env(), cwd=tmp_path,
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  report = json.loads(out.read_text())
+  assert report["transfers"] > 0 and report["faults_injected"] > 0
+  assert report["wrong_values"] == 0 and report["hangs"] == 0 and report["other_errors"] == 0
+  assert report["leaks"] == 0
+  assert report["max_error_s"] < 60
+  assert "chaos soak:" in proc.stdout and "wrong values 0" in proc.stdout

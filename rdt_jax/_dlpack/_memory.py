@@ -82,6 +82,13 @@ class HostBufferPool:
     else allocates a fresh one and keeps it for later. The result is a view
     of the pooled buffer, which stays in use while the view, or any array
     built on it, is alive.
+
+    Invariant: a buffer is handed out again only when nothing references it.
+    A transport that lets a transfer write into (or read from) a buffer keeps
+    a reference to it until the transfer has ended (NIXL reported it DONE or
+    ERR), however the fetch that started it ended: given up, timed out,
+    aborted or dropped. So no late transfer can land in another object's
+    leaves (`rdt_jax.transports._nixl` parks abandoned READs for this).
     """
     with self._lock:
       best = None
@@ -140,6 +147,12 @@ class HostBufferPool:
       evicted = self._evict(0)
       listeners = list(self._listeners)
     self._notify(evicted, listeners)
+
+  def bytes_in_use(self) -> int:
+    """Bytes of pooled buffers referenced now (by leaves, or by transfers
+    that may still touch them); 0 when nothing holds a pooled buffer."""
+    with self._lock:
+      return sum(b.nbytes for i, b in enumerate(self._buffers) if not self._free_at(i))
 
   def pooled_bytes(self) -> int:
     """Bytes the pool keeps now, in use or free."""

@@ -43,6 +43,11 @@ MEMCPY: Final = "memcpy"
 PLAIN_WITHOUT: Final = "plain_without_rdt_jax"
 PLAIN_WITH: Final = "plain_with_rdt_jax"
 BASELINES: Final = (OS_NUMPY, OS_JAX, RAY_NIXL, MEMCPY)
+#: jax_nixl with its actors' UCX restricted to sockets (the network path).
+NIXL_TCP: Final = "jax_nixl_tcp"
+#: The environment of that path's actors: UCX may use TCP only, so NIXL reads
+#: over sockets even between processes of one host.
+TCP_ENV: Final = {"UCX_TLS": "tcp"}
 
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -232,8 +237,9 @@ def process_cpu_seconds(pid: int) -> float:
   return t.user + t.system
 
 
-def bench_actor_class(gpu: bool) -> Any:
-  """The BenchActor as a Ray actor class, with GPU options when `gpu`."""
+def bench_actor_class(gpu: bool, env: dict[str, str] | None = None) -> Any:
+  """The BenchActor as a Ray actor class, with GPU options when `gpu` and
+  `env` added to its environment."""
   import ray
 
   # Ray's type stubs do not know enable_tensor_transport yet.
@@ -241,17 +247,27 @@ def bench_actor_class(gpu: bool) -> Any:
   options: dict[str, Any] = {"num_cpus": 0}
   if gpu:
     options.update(_GPU_ACTOR_OPTIONS)
+  if env:
+    import os
+
+    options["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env}}
   return cls.options(**options)
 
 
 def make_group(
-    name: str, consumers: int, pause: bool, gpu: bool = False, preload: tuple[str, ...] = ()
+    name: str,
+    consumers: int,
+    pause: bool,
+    gpu: bool = False,
+    preload: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> ActorGroup:
   """Creates a group of BenchActors: a producer and `consumers` consumers.
 
-  Each actor imports the `preload` modules as it starts.
+  Each actor imports the `preload` modules as it starts, with `env` added to
+  its environment.
   """
-  cls = bench_actor_class(gpu)
+  cls = bench_actor_class(gpu, env)
   return ActorGroup(name, [cls.remote(preload) for _ in range(1 + consumers)], pause)
 
 

@@ -223,6 +223,13 @@ def _transport_paths(registered: list[str]) -> list[ActorPath]:
     path.one_sided = one_sided
     path.transport_class = cls
     paths.append(path)
+    if name == "jax_nixl":  # the same transport over sockets: the network path
+      tcp = ActorPath(
+          _paths.NIXL_TCP, "jax_nixl over TCP (jax.Array)", "rdt_jax", "jax", name, ("cpu",),
+          refs_skip="the driver's UCX is not restricted to TCP",
+      )
+      tcp.transport_class = cls
+      paths.append(tcp)
   return paths
 
 
@@ -326,13 +333,14 @@ def setup(state: RunState, progress: Progress) -> None:
     for device in actor_devices:
       if device not in p.devices:
         continue
-      name = "ray_nixl" if p.id in _paths.RAY_TORCH_PATHS else "main"
+      name = "ray_nixl" if p.id in _paths.RAY_TORCH_PATHS else "tcp" if p.id == _paths.NIXL_TCP else "main"
       preload = ("torch",) if p.id in _paths.RAY_TORCH_PATHS else ("jax",)
+      env = _paths.TCP_ENV if p.id == _paths.NIXL_TCP else None
       p.groups[device] = group(
           name,
           device,
-          lambda name=name, device=device, preload=preload: _paths.make_group(
-              name, fan, config.pause, device == "cuda", preload
+          lambda name=name, device=device, preload=preload, env=env: _paths.make_group(
+              name, fan, config.pause, device == "cuda", preload, env
           ),
       )
   progress.line(f"starting {sum(len(g.actors) for g in groups)} actors in {len(groups)} groups")

@@ -8,6 +8,10 @@ counts steps, transfers, bytes and errors (an error is counted and the loop
 goes on), samples each actor's RSS for the high-water mark, and at the end
 checks that no registered memory is left behind. Exit status 1 if any
 transfer failed, a checksum differed or registrations leaked.
+
+`--chaos` runs the chaos soak instead (`rdt_jax.bench._chaos`): several
+producers and consumers, refs freed and actors killed at random, timeouts
+firing mid-transfer, every value checked by sha256.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import ray
 
 import rdt_jax
+from rdt_jax.bench import _chaos
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--mb", type=float, default=64.0, help="largest parameter size in MiB")
   parser.add_argument("--transport", default="jax_nixl", help="one-sided rdt_jax transport")
   parser.add_argument("--out", type=pathlib.Path, default=None, help="write the report as JSON here")
+  _chaos.add_chaos_arguments(parser)
 
 
 def _layer_sizes(step: int, max_mb: float) -> list[int]:
@@ -96,8 +102,11 @@ class _Generator:
 
 
 def run(args: argparse.Namespace) -> int:
+  if args.chaos:
+    return _chaos.run_chaos(args)
   rdt_jax.register()
-  ray.init(num_cpus=args.generators + 2, include_dashboard=False, logging_level=logging.WARNING)
+  # A Ray of its own, never a cluster another process started here.
+  ray.init(address="local", num_cpus=args.generators + 2, include_dashboard=False, logging_level=logging.WARNING)
   trainer = _Trainer.remote(args.transport, args.mb)  # type: ignore[attr-defined]
   generators = [_Generator.remote() for _ in range(args.generators)]  # type: ignore[attr-defined]
   deadline = time.monotonic() + args.minutes * 60

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -43,6 +44,11 @@ from rdt_jax.transports._plan import Destination, Placement, ReceivePlan
 
 if TYPE_CHECKING:
   import ray
+
+#: How many aborted objects a process remembers. Ray aborts a failed transfer
+#: on both sides; on a producer no fetch ever consumes the mark, so the oldest
+#: are forgotten (and `release` forgets an object's mark when Ray frees it).
+MAX_ABORTED = 4096
 
 __all__ = ["Destination", "DlpackFetchRequest", "DlpackTransport", "Placement", "WholeArrayTransport"]
 
@@ -101,7 +107,7 @@ class DlpackTransport(TensorTransportManager):
   _rdt_jax_transport: ClassVar[bool] = True
 
   def __init__(self) -> None:
-    self._aborted: set[str] = set()
+    self._aborted: OrderedDict[str, None] = OrderedDict()
     self._aborted_lock = threading.Lock()
     self._actors_with_transport: dict[str, bool] = {}
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0}
@@ -228,8 +234,13 @@ class DlpackTransport(TensorTransportManager):
         self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
       raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
-    with _dlpack.gc_paused(len(plan.plans)):
-      request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
+    try:
+      with _dlpack.gc_paused(len(plan.plans)):
+        request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
+    except BaseException:
+      request.done = True  # the backend released (or parked) what it took
+      plan.release()
+      raise
     return request
 
   def _prepare(self, plan: ReceivePlan) -> None:
@@ -277,7 +288,15 @@ class DlpackTransport(TensorTransportManager):
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
     if request.handle is not None:
-      self._wrap_errors(request.obj_id, self.wait_receive, request.handle, request.obj_id, timeout)
+      try:
+        self._wrap_errors(request.obj_id, self.wait_receive, request.handle, request.obj_id, timeout)
+      except BaseException:
+        # Given up (timeout, abort, error): release now, not when collected.
+        request.done = True
+        self._abandon(request.handle)
+        if request.plan is not None:
+          request.plan.release()
+        raise
       request.done = True
       self.finish_receive(request.handle)
     request.done = True
@@ -330,6 +349,7 @@ class DlpackTransport(TensorTransportManager):
       tensors: list[Any],
   ) -> None:
     """Ray calls this on the producer once the object is out of scope."""
+    self.forget_abort(obj_id)
     self.release(obj_id)
 
   def abort_transport(
@@ -337,15 +357,24 @@ class DlpackTransport(TensorTransportManager):
   ) -> None:
     """Ray calls this on both sides after a failure: the wait stops early."""
     with self._aborted_lock:
-      self._aborted.add(obj_id)
+      self._aborted[obj_id] = None
+      while len(self._aborted) > MAX_ABORTED:
+        self._aborted.popitem(last=False)
 
   def aborted(self, obj_id: str) -> bool:
     """True (once) if Ray aborted the transfer of `obj_id` here."""
     with self._aborted_lock:
-      if obj_id in self._aborted:
-        self._aborted.discard(obj_id)
-        return True
-      return False
+      return self._aborted.pop(obj_id, False) is None
+
+  def forget_abort(self, obj_id: str) -> None:
+    """Drops the abort mark of `obj_id` (called when Ray frees the object)."""
+    with self._aborted_lock:
+      self._aborted.pop(obj_id, None)
+
+  def num_aborted(self) -> int:
+    """Abort marks this process holds (bounded by `MAX_ABORTED`)."""
+    with self._aborted_lock:
+      return len(self._aborted)
 
   def _raise_if_aborted(self, obj_id: str) -> None:
     if self.aborted(obj_id):

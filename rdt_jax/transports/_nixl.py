@@ -9,9 +9,10 @@ Choices, each measured on this project's 2-core CPU host (docs/performance.md
 has the figures):
 
 * One agent per process, created on first use, with NIXL's progress thread
-  off: idle, that thread spins a core. The producer side is progressed
-  instead by a thread that calls `get_new_notifs()` every 10 ms, and only
-  while this process exports objects; otherwise it sleeps on a condition.
+  off: idle, that thread spins a core. The agent is progressed instead by a
+  thread that calls `get_new_notifs()` every 10 ms, and only while this
+  process exports objects, is connected to another agent, or has parked READs
+  or deregistrations to retry; otherwise it sleeps on a condition.
 * Small host leaves (up to `PACK_MAX_CHUNK` bytes) are copied into one pooled
   staging buffer on the producer, so an object of a thousand small leaves costs
   one registration and, on the consumer, one descriptor; small cuda leaves
@@ -30,6 +31,9 @@ has the figures):
   memory, never while a transfer from it is in flight:
   removing an agent kills its in-flight transfers, which is how Ray's own
   NIXL transport fails batched gets while the producer frees objects.
+* A READ in flight is never released or posted again; memory it may still
+  write is quarantined until NIXL reports it ended (`NixlTransport` states
+  the lifecycle guarantees; docs/faults.md the bounds).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from rdt_jax import _compat, _dlpack
+from rdt_jax import _compat, _dlpack, _faults
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Destination, DlpackTransport
 
@@ -55,8 +59,11 @@ PACK_MAX_CHUNK: Final = 256 << 10
 #: which costs tens of ms here, so rebuilding on every change would slow every
 #: weight-sync step; stale descriptors stop working within this time.
 VIEW_REBUILD_INTERVAL_S: Final = float(os.environ.get("RDT_JAX_NIXL_VIEW_REBUILD_S", "30"))
-#: A READ still in progress after this many seconds is posted again, once.
-STALL_RETRY_S: Final = 5.0
+#: A parked READ (abandoned while in flight) still not finished after this many
+#: seconds is ended by removing its producer's agent from this agent's view
+#: (which NIXL does by failing its transfers), once no live transfer from that
+#: producer is in flight; its memory is reclaimed when NIXL reports it ended.
+PARK_END_AFTER_S: Final = float(os.environ.get("RDT_JAX_NIXL_PARK_END_S", "10"))
 
 
 @dataclass
@@ -74,6 +81,11 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     device_ids: the device index of each non-empty chunk.
     regions: for each non-empty chunk, the registered region it lies in
       (chunks of one region may be read with one descriptor).
+    serial: the object's export serial on its producer (never reused).
+    live: the producer's live export serials when this object was exported,
+      as inclusive (first, last) ranges: a consumer that holds metadata of an
+      object whose serial is missing from the newest `live` it has seen
+      from that producer knows the object was freed, and refuses to read it.
   """
 
   agent_name: str | None = None
@@ -83,6 +95,8 @@ class NixlTransportMetadata(DlpackTransportMetadata):
   addresses: list[int] = field(default_factory=list)
   device_ids: list[int] = field(default_factory=list)
   regions: list[int] = field(default_factory=list)
+  serial: int = 0
+  live: list[tuple[int, int]] = field(default_factory=list)
 
   __eq__ = object.__eq__
   __hash__ = object.__hash__
@@ -151,11 +165,33 @@ def read_pairs(
   return local, remote, regions
 
 
-class _Poller:
-  """Progresses an agent's target side while the process exports objects."""
+def _ranges(serials: list[int]) -> list[tuple[int, int]]:
+  """Sorted serials as inclusive (first, last) ranges (objects are mostly
+  freed in the order they were made, so a few ranges cover many)."""
+  out: list[list[int]] = []
+  for n in sorted(serials):
+    if out and out[-1][1] + 1 == n:
+      out[-1][1] = n
+    else:
+      out.append([n, n])
+  return [(a, b) for a, b in out]
 
-  def __init__(self, agent: Any):
+
+def _in_ranges(n: int, ranges: list[tuple[int, int]]) -> bool:
+  return any(a <= n <= b for a, b in ranges)
+
+
+class _Poller:
+  """Progresses an agent's target side, and reclaims parked memory.
+
+  Runs `tick()` every `PROGRESS_INTERVAL_S` while `set_active(True)` (the
+  process exports objects, or holds parked transfers or registrations);
+  otherwise it sleeps on a condition and costs nothing.
+  """
+
+  def __init__(self, agent: Any, tick: Any = None):
     self._agent = agent
+    self._tick = tick
     self._cond = threading.Condition()
     self._active = False
     self._thread = threading.Thread(target=self._run, name="rdt-jax-nixl-progress", daemon=True)
@@ -173,6 +209,8 @@ class _Poller:
           self._cond.wait()
       try:
         self._agent.get_new_notifs()
+        if self._tick is not None:
+          self._tick()
       except Exception:  # a broken peer must not stop progress for the others
         pass
       time.sleep(PROGRESS_INTERVAL_S)
@@ -189,6 +227,7 @@ class _Export:
   """What the producer holds for one object until Ray frees it."""
 
   keys: list[tuple] = field(default_factory=list)
+  serial: int = 0
   staging: Any = None  # the pooled staging buffer of packed chunks
   holds: list[Any] = field(default_factory=list)  # see _dlpack.hold_buffer
   regions: list[Any] = field(default_factory=list)  # pooled device staging regions
@@ -196,15 +235,43 @@ class _Export:
 
 @dataclass
 class _Receive:
+  """One posted READ and everything it may still write into.
+
+  `memory` references every receive buffer of the READ (views of a pooled host
+  buffer, device buffers, targets). While it does, the host buffer pool does not
+  hand those buffers out again (it reuses a buffer only once nothing references
+  it), so the READ is retired, and `memory` dropped, only once NIXL reports
+  it DONE or ERR; an abandoned READ is parked until then.
+  """
+
   xfer: Any
   keys: list[tuple]
   remote: str | None
-  post: Any = None  # re-creates and posts the READ (for a retry after a stall)
-  retried: bool = False
+  obj_id: str = ""
+  memory: list[Any] = field(default_factory=list)
+  parked_at: float = 0.0
+  ended: bool = False  # its producer's agent was removed to end it
+  held_until: float = 0.0  # injected (RDT_JAX_FAULTS nixl.park): looks in flight until then
 
 
 class NixlTransport(DlpackTransport):
-  """The `jax_nixl` transport: one-sided NIXL READs of cpu and cuda memory."""
+  """The `jax_nixl` transport: one-sided NIXL READs of cpu and cuda memory.
+
+  Lifecycle guarantees (docs/faults.md states them for users):
+
+  * a READ in flight is never released, cancelled or posted again; a fetch
+    ends only when NIXL reports the READ DONE or ERR, or Ray's timeout or abort
+    gives it up;
+  * memory a READ may still write (its receive buffers) is never reused,
+    deregistered or freed before NIXL reports it DONE or ERR: a READ given up
+    while in flight is parked with its memory, and the progress thread retires
+    it when NIXL reports it ended. A parked READ still running after
+    `PARK_END_AFTER_S` is ended by removing its producer's agent from this
+    agent's view (NIXL fails the transfers of a removed agent), once no live
+    transfer from that producer is in flight;
+  * a deregistration that fails keeps the region registered and its memory
+    alive; the progress thread tries again.
+  """
 
   name = "jax_nixl"
   devices = ("cpu", "cuda")
@@ -224,7 +291,12 @@ class NixlTransport(DlpackTransport):
     self._dereg_epoch = 0
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
     self._views: dict[str, tuple[int, int, float]] = {}
-    self._remote_meta: dict[str, bytes] = {}  # the latest metadata seen per agent
+    self._serial = 0  # the last export serial handed out (producer)
+    # remote agent -> (newest export serial seen, that producer's live serials then)
+    self._latest: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+    self._parked: list[_Receive] = []  # abandoned READs not yet ended
+    self._stuck: list[tuple[Any, Any]] = []  # (handle, memory) deregistrations that failed
+    self.parked_total = 0  # READs ever parked (for tests and the soak report)
 
   @staticmethod
   def is_one_sided() -> bool:
@@ -259,7 +331,7 @@ class NixlTransport(DlpackTransport):
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self._agent = api.nixl_agent(name, config)
-        self._poller = _Poller(self._agent)
+        self._poller = _Poller(self._agent, self._reap)
         _dlpack.host_pool.add_eviction_listener(self._on_pool_eviction)
         _dlpack.device_pool.add_eviction_listener(self._on_device_pool_eviction)
       return self._agent
@@ -270,6 +342,8 @@ class NixlTransport(DlpackTransport):
     with self._lock:
       reg = self._registrations.get(key)
       if reg is None:
+        if _faults.ON:
+          _faults.hit("nixl.register")
         handle = self.agent().register_memory(
             [(pointer, nbytes, device.index, "")], mem_type=_mem_type(device.kind)
         )
@@ -279,7 +353,13 @@ class NixlTransport(DlpackTransport):
         reg.count += 1
       return key
 
-  def _unregister(self, keys: list[tuple]) -> None:
+  def _unregister(self, keys: list[tuple], memory: Any = None) -> None:
+    """Drops a reference to each registration; deregisters the last.
+
+    A deregistration that fails keeps the region registered, and `memory`
+    (what keeps the region's buffers alive) with it, for the progress thread
+    to try again: registered memory is never freed.
+    """
     with self._lock:
       for key in keys:
         reg = self._registrations.get(key)
@@ -288,15 +368,36 @@ class NixlTransport(DlpackTransport):
         reg.count -= 1
         if reg.count == 0:
           del self._registrations[key]
-          self._agent.deregister_memory(reg.handle)
           self._dereg_epoch += 1  # consumers drop the region from their view
+          if not self._deregister(reg.handle):
+            self._stuck.append((reg.handle, memory))
+      self._update_poller()
+
+  def _deregister(self, handle: Any) -> bool:
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.deregister")
+      self._agent.deregister_memory(handle)
+    except Exception:  # kept registered; retried by the progress thread
+      return False
+    return True
 
   def _on_pool_eviction(self, pointer: int, nbytes: int) -> None:
     with self._lock:
       key = (pointer, nbytes, "cpu", 0)
       reg = self._registrations.pop(key, None)
-      if reg is not None:
-        self._agent.deregister_memory(reg.handle)
+      if reg is not None and not self._deregister(reg.handle):
+        self._stuck.append((reg.handle, None))
+        self._update_poller()
+
+  def _update_poller(self) -> None:
+    """Runs the progress thread while anything needs it (lock held): objects
+    exported, parked READs or failed deregistrations to retry, or a
+    connection to another agent (UCX completes a connection's wire-up only
+    while both sides progress; a consumer that progressed only inside its own
+    waits left a producer's reverse wire-up pending)."""
+    if self._poller is not None:
+      self._poller.set_active(bool(self._exports or self._parked or self._stuck or self._views))
 
   def _on_device_pool_eviction(self, pointer: int, nbytes: int, device: _dlpack.Device) -> None:
     with self._lock:
@@ -305,9 +406,10 @@ class NixlTransport(DlpackTransport):
         self._agent.deregister_memory(reg.handle)
 
   def num_registrations(self) -> int:
-    """Registered regions outside the host buffer pool (0 when idle)."""
+    """Registered regions outside the host buffer pool (0 when idle),
+    including those whose deregistration failed and waits for a retry."""
     with self._lock:
-      return sum(1 for r in self._registrations.values() if r.count > 0)
+      return sum(1 for r in self._registrations.values() if r.count > 0) + len(self._stuck)
 
   def num_pooled_registrations(self) -> int:
     """Registered pooled buffers, kept for reuse (bounded by the pool)."""
@@ -318,6 +420,16 @@ class NixlTransport(DlpackTransport):
     """How many RDT objects this process currently exports."""
     with self._lock:
       return len(self._exports)
+
+  def num_inflight(self) -> int:
+    """READs this process posted that are not yet retired (parked included)."""
+    with self._lock:
+      return sum(self._inflight.values())
+
+  def num_parked(self) -> int:
+    """READs given up while in flight, whose memory waits for NIXL to end them."""
+    with self._lock:
+      return len(self._parked)
 
   # ---- producer
 
@@ -349,25 +461,37 @@ class NixlTransport(DlpackTransport):
         if chunk.nbytes
     ]
     export = _Export()
-    packed = self._pack(chunks, export) | self._pack_device(chunks, export)
-    for i, (pointer, nbytes, device) in enumerate(chunks):
-      if i in packed:  # a copy: later changes to the array cannot reach it
-        address, region = packed[i]
-      else:  # read in place: keep the buffer from being donated meanwhile
-        export.keys.append(self._register(pointer, nbytes, device))
-        export.holds.append(_dlpack.hold_buffer(arrays[i]) if i < len(arrays) else None)
-        address, region = pointer, -1 - i
-      meta.addresses.append(address)
-      meta.device_ids.append(device.index)
-      meta.regions.append(region)
+    try:
+      packed = self._pack(chunks, export) | self._pack_device(chunks, export)
+      for i, (pointer, nbytes, device) in enumerate(chunks):
+        if i in packed:  # a copy: later changes to the array cannot reach it
+          address, region = packed[i]
+        else:  # read in place: keep the buffer from being donated meanwhile
+          export.keys.append(self._register(pointer, nbytes, device))
+          export.holds.append(_dlpack.hold_buffer(arrays[i]) if i < len(arrays) else None)
+          address, region = pointer, -1 - i
+        meta.addresses.append(address)
+        meta.device_ids.append(device.index)
+        meta.regions.append(region)
+      if _faults.ON:
+        _faults.hit("nixl.export")
+      agent_meta = self._agent_metadata()
+    except BaseException:
+      # No consumer has seen these registrations: undo them all.
+      self._unregister(export.keys, export)
+      for region in export.regions:
+        region.release()
+      raise
     with self._lock:
+      self._serial += 1
+      export.serial = meta.serial = self._serial
       self._exports[obj_id] = export
+      meta.live = _ranges([e.serial for e in self._exports.values()])
       meta.agent_version = self._version
       meta.dereg_epoch = self._dereg_epoch
-      assert self._poller is not None
-      self._poller.set_active(True)
+      self._update_poller()
     meta.agent_name = agent.name
-    meta.agent_meta = self._agent_metadata()
+    meta.agent_meta = agent_meta
 
   def _agent_metadata(self) -> bytes:
     """This agent's metadata, fetched again only after new registrations."""
@@ -387,7 +511,7 @@ class NixlTransport(DlpackTransport):
     if not small:
       return {}
     total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
-    staging = _dlpack.host_pool.acquire(total)
+    staging = export.staging = _dlpack.host_pool.acquire(total)
     base = _dlpack.host_pointer(staging)
     region = _dlpack.host_pool.region_of(staging)
     if region is not None:
@@ -400,7 +524,6 @@ class NixlTransport(DlpackTransport):
       ctypes.memmove(base + offset, pointer, nbytes)
       packed[i] = (base + offset, 0)
       offset += _dlpack.aligned(nbytes)
-    export.staging = staging
     return packed
 
   def _pack_device(
@@ -437,12 +560,20 @@ class NixlTransport(DlpackTransport):
     return packed
 
   def release(self, obj_id: str) -> None:
+    """Deregisters what `obj_id` registered; its memory may then be reused.
+
+    One-sided READs give the producer no notice, so a READ a consumer gave up
+    (timeout, abort) may still be reading when Ray frees the object. Its bytes
+    are never delivered: the consumer's fetch has already failed, and its
+    receive memory is parked until NIXL ends the READ. A consumer that posts
+    after the release fails with NIXL_ERR_NOT_FOUND once its view of this
+    agent is rebuilt (see `_refresh_remote`).
+    """
     with self._lock:
       export = self._exports.pop(obj_id, None)
-      if not self._exports and self._poller is not None:
-        self._poller.set_active(False)
+      self._update_poller()
     if export is not None:
-      self._unregister(export.keys)
+      self._unregister(export.keys, export)
       for region in export.regions:
         region.release()
 
@@ -461,36 +592,61 @@ class NixlTransport(DlpackTransport):
     agent = self.agent()
     remote = meta.agent_name
     assert remote is not None and meta.agent_meta is not None
-    self._refresh_remote(remote, meta)
-    keys = self._register_destinations(dests)
+    self._check_live(obj_id, remote, meta)
+    self._refresh_remote(remote, meta)  # counts the transfer in flight
+    keys: list[tuple] = []
     try:
+      keys = self._register_destinations(dests, keys)
       local, remote_descs = coalesce(*read_pairs(dests, meta))
       self._count(descriptors=len(local))
-      local_mem = _mem_type(dests[0].device.kind)
-      remote_mem = _mem_type(meta.tensor_device or "cpu")
-
-      def post() -> Any:
-        xfer = agent.initialize_xfer(
-            "READ",
-            agent.get_xfer_descs(local, mem_type=local_mem),
-            agent.get_xfer_descs(remote_descs, mem_type=remote_mem),
-            remote,
-            b"",
-        )
-        if agent.transfer(xfer) == "ERR":
-          agent.release_xfer_handle(xfer)
-          raise RuntimeError("NIXL transfer entered the error state on start.")
-        return xfer
-
-      receive = _Receive(post(), keys, remote, post)
+      xfer = agent.initialize_xfer(
+          "READ",
+          agent.get_xfer_descs(local, mem_type=_mem_type(dests[0].device.kind)),
+          agent.get_xfer_descs(remote_descs, mem_type=_mem_type(meta.tensor_device or "cpu")),
+          remote,
+          b"",
+      )
     except BaseException:
       self._unregister(keys)
       self._done_with(remote)
       raise
+    receive = _Receive(xfer, keys, remote, obj_id, [d.array for d in dests])
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.post")
+      state = agent.transfer(xfer)
+    except BaseException:
+      self.cancel_receive(receive)  # never posted, or posted and failed: retire or park
+      raise
+    if state == "ERR":
+      self.cancel_receive(receive)
+      raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state on start.")
     return receive
 
+  def _check_live(self, obj_id: str, remote: str, meta: NixlTransportMetadata) -> None:
+    """Refuses to read an object its producer is known to have freed.
+
+    Every metadata carries the producer's live export serials at its export;
+    the newest seen per producer is kept. An object whose serial is missing
+    from it was freed (its memory may hold another object's bytes by now).
+
+    Raises:
+      RuntimeError: naming the object, if it is known to be freed.
+    """
+    with self._lock:
+      latest = self._latest.get(remote)
+      if latest is None or meta.serial > latest[0]:
+        latest = self._latest[remote] = (meta.serial, list(meta.live))
+    if meta.serial and not _in_ranges(meta.serial, latest[1]):
+      raise RuntimeError(
+          f"Object {obj_id} was freed by its producer (agent {remote}) before "
+          "this read: its transport metadata is stale. Keep the ObjectRef alive "
+          "until every consumer has fetched it."
+      )
+
   def _refresh_remote(self, remote: str, meta: NixlTransportMetadata) -> None:
-    """Brings this agent's view of `remote` up to what `meta` needs.
+    """Brings this agent's view of `remote` up to what `meta` needs, and
+    counts a transfer from `remote` in flight (`_done_with` uncounts it).
 
     New registrations extend the view (loading the metadata again is cheap
     and keeps the connection). Regions the producer has deregistered leave
@@ -503,7 +659,6 @@ class NixlTransport(DlpackTransport):
       view = self._views.get(remote)
       now = time.monotonic()
       assert meta.agent_meta is not None
-      self._remote_meta[remote] = meta.agent_meta
       if view is None:
         self._agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
@@ -513,24 +668,28 @@ class NixlTransport(DlpackTransport):
           and not self._inflight.get(remote)
       ):
         self._agent.remove_remote_agent(remote)
+        del self._views[remote]
         self._agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
       elif meta.agent_version > view[0]:
         self._agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = (meta.agent_version, view[1], view[2])
       self._inflight[remote] = self._inflight.get(remote, 0) + 1
+      self._update_poller()
 
   def _done_with(self, remote: str) -> None:
     with self._lock:
       self._inflight[remote] -= 1
+      if not self._inflight[remote]:
+        del self._inflight[remote]
 
-  def _register_destinations(self, dests: list[Destination]) -> list[tuple]:
+  def _register_destinations(self, dests: list[Destination], keys: list[tuple]) -> list[tuple]:
     """Registers the receive memory, each distinct allocation once.
 
     Pooled buffers stay registered for reuse and need no release; the keys
-    of the others are returned for `finish_receive`.
+    of the others are appended to `keys` (as they are taken, so a failure
+    half way leaves `keys` naming exactly what to undo) and returned.
     """
-    keys = []
     for (pointer, nbytes), device, pooled in {(d.region, _host_or(d.device), d.pooled): None for d in dests}:
       key = self._register(pointer, nbytes, device, pooled=pooled)
       if not pooled:
@@ -541,62 +700,94 @@ class NixlTransport(DlpackTransport):
     if handle is None:
       return
     agent = self._agent
-    started = time.monotonic()
-    deadline = None if timeout is None or timeout < 0 else started + timeout
+    deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+    held_until = 0.0  # an injected delay: the READ looks in flight until then
+    if _faults.ON:
+      held_until = time.monotonic() + _faults.hit("nixl.wait", sleep=False)
     sleep = 0.0
     while True:
       state = agent.check_xfer_state(handle.xfer)
-      if state == "DONE":
+      if state == "DONE" and time.monotonic() >= held_until:
+        if _faults.ON:
+          _faults.hit("nixl.complete")
         return
       if state == "ERR":
         raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state.")
       if self.aborted(obj_id):
         raise RuntimeError(f"NIXL READ of object {obj_id} was aborted.")
-      now = time.monotonic()
-      if deadline is not None and now >= deadline:
+      if deadline is not None and time.monotonic() >= deadline:
         raise TimeoutError(f"NIXL READ of object {obj_id} timed out after {timeout}s.")
-      if now - started > STALL_RETRY_S and not handle.retried:
-        self._retry(handle)
-        started = time.monotonic()
       # Spin briefly for small transfers, then back off to 1 ms sleeps.
       sleep = min(0.001, sleep + 0.00005)
       time.sleep(sleep)
 
-  def _retry(self, handle: _Receive) -> None:
-    """Posts a stalled READ again, once, over a fresh connection if possible.
-
-    Rarely, when several new consumers connect to one producer at once (seen
-    on a 2-core host), a READ stays in progress forever. Reposting it, after rebuilding the view of the producer
-    when no other transfer from it is in flight, turns that hang into a delay.
-    """
-    assert handle.remote is not None
-    handle.retried = True
-    self._agent.release_xfer_handle(handle.xfer)
-    with self._lock:
-      if self._inflight.get(handle.remote) == 1 and handle.remote in self._views:
-        meta_version, epoch, _ = self._views[handle.remote]
-        self._agent.remove_remote_agent(handle.remote)
-        self._agent.add_remote_agent(self._remote_meta[handle.remote])
-        self._views[handle.remote] = (meta_version, epoch, time.monotonic())
-    handle.xfer = handle.post()
-
   def finish_receive(self, handle: _Receive | None) -> None:
-    if handle is None or handle.remote is None:
-      return
-    self._agent.release_xfer_handle(handle.xfer)
-    self._unregister(handle.keys)
-    handle.keys = []
-    self._done_with(handle.remote)
-    handle.remote = None
+    self.cancel_receive(handle)
 
   def cancel_receive(self, handle: _Receive | None) -> None:
+    """Retires the READ if NIXL reports it ended; parks it otherwise.
+
+    A READ still in flight is never released (NIXL would try to cancel it,
+    and a failed cancel leaves it writing): its memory stays referenced by
+    the parked handle until the progress thread sees it end.
+    """
     if handle is None or handle.remote is None:
       return
+    if _faults.ON:
+      handle.held_until = time.monotonic() + _faults.hit("nixl.park", sleep=False)
+    if not self._retire(handle):
+      with self._lock:
+        handle.parked_at = time.monotonic()
+        self._parked.append(handle)
+        self.parked_total += 1
+        self._update_poller()
+
+  def _retire(self, handle: _Receive) -> bool:
+    """Releases a READ that NIXL reports DONE or ERR, and what it held."""
+    if not handle.ended and time.monotonic() < handle.held_until:
+      return False
     try:
+      state = self._agent.check_xfer_state(handle.xfer)
+    except Exception:  # its remote agent was removed: ended if we removed it
+      state = "ERR" if handle.ended else "PROC"
+    if state == "PROC":
+      return False
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.release")
       self._agent.release_xfer_handle(handle.xfer)
-    except Exception:  # NIXL refuses to release a handle still in flight
-      pass
-    self._unregister(handle.keys)
-    handle.keys = []
+    except Exception:  # stays parked; the progress thread tries again
+      return False
+    self._unregister(handle.keys, handle.memory)
+    handle.keys, handle.memory = [], []
+    assert handle.remote is not None
     self._done_with(handle.remote)
     handle.remote = None
+    return True
+
+  def _reap(self) -> None:
+    """Progress-thread tick: retires parked READs NIXL reports ended, ends
+    those parked too long, and retries failed deregistrations."""
+    with self._lock:
+      if not self._parked and not self._stuck:
+        return
+      parked, self._parked = self._parked, []
+      stuck, self._stuck = self._stuck, []
+    still = [h for h in parked if not self._retire(h)]
+    stuck = [(h, m) for h, m in stuck if not self._deregister(h)]
+    now = time.monotonic()
+    with self._lock:
+      self._parked.extend(still)
+      self._stuck.extend(stuck)
+      for remote in {h.remote for h in self._parked if now - h.parked_at > PARK_END_AFTER_S}:
+        mine = [h for h in self._parked if h.remote == remote]
+        if remote is None or self._inflight.get(remote, 0) > len(mine):
+          continue  # a live transfer from `remote` would be killed too
+        try:
+          self._agent.remove_remote_agent(remote)
+        except Exception:
+          pass
+        self._views.pop(remote, None)
+        for h in mine:
+          h.ended = True
+      self._update_poller()

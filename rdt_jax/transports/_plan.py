@@ -312,6 +312,19 @@ class ReceivePlan:
         pointer, nbytes, plan.device, region.root, (region.pointer, region.nbytes), region.kept
     )
 
+  def release(self) -> None:
+    """Drops this plan's references to its receive memory (after a failed
+    fetch). The backend keeps its own references for as long as a transfer
+    may still write there; the plan's must not outlive the failure in a
+    traceback that Ray keeps, or the host pool could not reuse the buffer."""
+    for d in self.destinations:
+      d.array = None
+    self.destinations = []
+    self.host = None
+    self._host_region = None
+    for plan in self.plans:
+      plan.region = None  # never released to its pool: it stays quarantined
+
   def build(self) -> list[Any]:
     """The received leaves, as each plan's framework (after the bytes moved).
 
