@@ -16,8 +16,15 @@ class Mixer:
   """Returns torch tensors over Ray's own `nixl` and pytrees over `jax_nixl`."""
 
   def __init__(self, order: tuple[str, ...]):
+    """Imports the modules in `order`; "ray-nixl" stands for a first use of
+    Ray's NIXL (which installs Ray's torch serializer) at that point."""
     for name in order:
-      importlib.import_module(name)
+      if name == "ray-nixl":
+        import torch
+
+        ray.put(torch.zeros(1), _tensor_transport="nixl")
+      else:
+        importlib.import_module(name)
     importlib.import_module("rdt_jax").register()
     self.kept = None
 

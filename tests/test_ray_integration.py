@@ -220,7 +220,9 @@ def _ray_nixl_available() -> bool:
 
 
 @pytest.mark.skipif(not _ray_nixl_available(), reason="Ray's NIXL transport needs torch and the nixl package")
-@pytest.mark.parametrize("order", [("torch", "rdt_jax"), ("rdt_jax", "torch")], ids="-then-".join)
+@pytest.mark.parametrize(
+    "order", [("torch", "rdt_jax"), ("rdt_jax", "torch"), ("torch", "ray-nixl", "rdt_jax")], ids="-then-".join
+)
 def test_ray_nixl_moves_torch_out_of_band_beside_rdt_jax(order):
   from _interop_actor import Mixer
 
