@@ -8,6 +8,7 @@
 #   bash scripts/matrix.sh            # every leg
 #   bash scripts/matrix.sh ray259     # one leg (ray259 | py312)
 #   MATRIX_SETUP_ONLY=1 bash scripts/matrix.sh   # create the venvs, run nothing
+#   MATRIX_SUMMARY=docs/matrix/ray_matrix.md bash scripts/matrix.sh   # and write the docs table
 #
 # Legs:
 #   ray259  Python 3.11, Ray 2.59.0, jax 0.10.2, torch 2.13 (CPU)
@@ -84,18 +85,32 @@ run_leg() {  # run_leg NAME DIR
   return $rc
 }
 
-legs=("$@")
-[ ${#legs[@]} -gt 0 ] || legs=(ray259 py312)
-status=0
-for leg in "${legs[@]}"; do
-  start=$(date +%s)
-  case $leg in
-    ray259) make_venv .venv-ray259 py311 install_ray259; dir=.venv-ray259 ;;
-    py312) make_venv .venv-py312 py312 install_py312; dir=.venv-py312 ;;
-    *) echo "unknown leg $leg (ray259 | py312)" >&2; exit 2 ;;
-  esac
-  echo "=== matrix leg $leg: venv ready in $(( $(date +%s) - start )) s"
-  [ -z "${MATRIX_SETUP_ONLY:-}" ] || continue
-  run_leg "$leg" "$dir" || status=1
-done
-exit $status
+main() {
+  local legs=("$@") status=0 leg start dir
+  [ ${#legs[@]} -gt 0 ] || legs=(ray259 py312)
+  for leg in "${legs[@]}"; do
+    start=$(date +%s)
+    case $leg in
+      ray259) make_venv .venv-ray259 py311 install_ray259; dir=.venv-ray259 ;;
+      py312) make_venv .venv-py312 py312 install_py312; dir=.venv-py312 ;;
+      *) echo "unknown leg $leg (ray259 | py312)" >&2; return 2 ;;
+    esac
+    echo "=== matrix leg $leg: venv ready in $(( $(date +%s) - start )) s"
+    [ -z "${MATRIX_SETUP_ONLY:-}" ] || continue
+    run_leg "$leg" "$dir" || status=1
+  done
+  return $status
+}
+
+# MATRIX_SUMMARY=docs/matrix/ray_matrix.md also writes the table that
+# docs/ray_integration.md includes, from this run's output.
+if [ -n "${MATRIX_SUMMARY:-}" ]; then
+  log=$(mktemp)
+  status=0
+  main "$@" 2>&1 | tee "$log" || status=$?
+  .venv/bin/python scripts/matrix_summary.py "$log" > "$MATRIX_SUMMARY" 2>/dev/null \
+    || python3 scripts/matrix_summary.py "$log" > "$MATRIX_SUMMARY"
+  rm -f "$log"
+  exit $status
+fi
+main "$@"
