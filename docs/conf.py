@@ -37,7 +37,7 @@ source_suffix = {".md": "markdown"}
 root_doc = "index"
 # docs/benchmarks/ holds files `rdt-jax bench` writes; benchmarks.md includes
 # them, so they are not documents of their own.
-exclude_patterns = ["_build", "benchmarks/**", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "benchmarks/**", "matrix/**", "Thumbs.db", ".DS_Store"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3

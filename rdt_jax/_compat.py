@@ -2,8 +2,11 @@
 
 Every place where rdt_jax depends on a specific version of JAX or NIXL is
 here, with a comment saying why; the rest of the package imports from this
-module instead of testing versions itself. It imports no Ray: Ray's internals
-are touched only in `rdt_jax._seam`.
+module instead of testing versions itself. It imports no Ray. Ray is gated in
+`rdt_jax._seam`, the one module that touches Ray's internals: the tested Ray
+range (`SUPPORTED_RAY`, matching pyproject.toml), a shape check of each
+internal made when `register()` installs the wrappers, and the
+`RDT_JAX_ALLOW_UNTESTED_RAY` setting (docs/ray_integration.md).
 """
 
 from __future__ import annotations

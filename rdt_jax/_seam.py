@@ -1,53 +1,218 @@
 """The one seam to Ray's internals.
 
 Every place where rdt_jax touches something of Ray that is not public API is
-in this module, so a Ray upgrade has one file to check. `install()` puts the
-wrappers and reducers in place, once per process.
+in this module, so a Ray upgrade has one file to check. `install()` checks
+that each internal still has the shape we rely on (`check_ray()`), then puts
+the wrappers and reducers in place, once per process.
 
-What is used, and why (docs/ray_integration.md has the long form):
+What is used, and why (docs/ray_integration.md has the long form, with the
+public extension points tried first):
 
 * `ray.cloudpickle.CloudPickler.dispatch`: a reducer per array class, so a
   leaf of any framework is extracted out of band (Ray registers one
-  `data_type` per transport, and matches the exact class).
+  `data_type` per transport, and matches the exact class). Chained: ours
+  defers to the reducer that was there whenever rdt_jax is not extracting.
 * `SerializationContext.serialize_rdt_objects` (wrapped): records which
-  transport is serializing, and the value, to name leaves by pytree path.
+  transport is serializing, and the value, to name leaves by pytree path;
+  publishes the leaves' descriptions for `extract_tensor_transport_metadata`.
 * `SerializationContext._thread_local.rdt_tensors` /
-  `use_external_transport`: where Ray collects extracted leaves.
+  `use_external_transport` and `_rdt_custom_serializer_registered`: where Ray
+  collects extracted leaves, and its per-type serializer flag.
 * `RDTManager.register_custom_transports_on_actor` (wrapped): registration of
-  custom transports on a new actor as an ordered actor task.
+  custom transports on a new actor on Ray's `_ray_system` concurrency group
+  (never behind a running method), plus an ordered no-wait copy that closes
+  the first-action race of a fresh actor.
 * `util._ensure_default_transports_registered` (wrapped): registers rdt_jax's
   transports in a worker on its first RDT lookup (consumer-only actors).
 * `RDTManager._trigger_fetch` (wrapped): `ray.get` of a two-sided ref names
-  the fixes.
+  the fixes; Ray's target buffers/device on an rdt_jax ref go to rdt_jax.
+* `RDTManager.set_target_device_for_ref` (wrapped) and `RDTManager._lock` /
+  `_managed_rdt_metadata` (written): Ray's public `set_target_for_ref` /
+  `set_target_device_for_ref` work on rdt_jax refs, through rdt_jax's targets.
 * `util.transport_manager_info`, `global_worker.rdt_manager`
-  (`is_managed_object`, `get_rdt_metadata`), `ActorHandle._actor_id`: reads.
+  (`is_managed_object`, `get_rdt_metadata`), `global_worker.mode`,
+  `ActorHandle._actor_id`, `__ray_call__` on `_ray_system`: reads and calls.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
 import pickle
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any, Final
 
 from rdt_jax import _compat, _dlpack, _state
 
-# Ray minor versions whose RDT internals we have read and tested.
-TESTED_RAY_MINORS: Final = frozenset({(2, 60)})
+# Ray minor versions whose RDT internals we have read and whose suite runs in
+# CI (scripts/matrix.sh); pyproject.toml states the same range.
+TESTED_RAY_MINORS: Final = frozenset({(2, 59), (2, 60)})
+SUPPORTED_RAY: Final = ">=2.59,<2.61"
+#: Set to 1 to let `register()` run on a Ray minor outside SUPPORTED_RAY
+#: (warning instead of refusal); the shape checks still apply.
+ALLOW_UNTESTED_ENV: Final = "RDT_JAX_ALLOW_UNTESTED_RAY"
 
 _lock = threading.RLock()
 _installed = False
+
+
+class UnsupportedRayError(RuntimeError):
+  """The installed Ray lacks an internal rdt_jax relies on, or is untested."""
+
+
+def _ray_minor(version: str) -> tuple[int, int] | None:
+  parts = version.split(".")
+  try:
+    return int(parts[0]), int(parts[1])
+  except (IndexError, ValueError):
+    return None
 
 
 def ray_version_tested() -> bool:
   """True if the installed Ray is a minor version we test against."""
   import ray
 
-  major, minor = ray.__version__.split(".")[:2]
-  return (int(major), int(minor)) in TESTED_RAY_MINORS
+  return _ray_minor(ray.__version__) in TESTED_RAY_MINORS
+
+
+# --------------------------------------------------------------------------
+# Shape checks: each internal this module touches, checked when `install()`
+# runs. A check returns what is missing, or None.
+
+
+def _mark(wrapper: Any, original: Any) -> None:
+  """Marks `wrapper` as ours, keeping `original` for the shape checks."""
+  wrapper._rdt_jax = True
+  wrapper._rdt_jax_original = original
+
+
+def _unwrapped(fn: Any) -> Any:
+  return getattr(fn, "_rdt_jax_original", fn)
+
+
+def _params(obj: Any, attr: str, params: tuple[str, ...]) -> str | None:
+  """`obj.attr` exists and takes (at least, in order) the named parameters."""
+  fn = _unwrapped(getattr(obj, attr, None))
+  where = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', obj)}.{attr}"
+  if fn is None or not callable(fn):
+    return f"{where} is missing"
+  try:
+    names = list(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):
+    return None  # no signature to read (a C function): existence is all we can check
+  if names[: len(params)] != list(params):
+    return f"{where}{inspect.signature(fn)} no longer takes ({', '.join(params)})"
+  return None
+
+
+def _uses(fn: Any, where: str, names: tuple[str, ...]) -> str | None:
+  """The code of `fn` (or a function nested in it) still uses attributes `names`."""
+  code = getattr(_unwrapped(fn), "__code__", None)
+  if code is None:
+    return f"{where} is missing"
+  seen: set[str] = set()
+  stack = [code]
+  while stack:
+    c = stack.pop()
+    seen.update(c.co_names)
+    stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+  missing = [n for n in names if n not in seen]
+  return f"{where} no longer uses {', '.join(missing)}" if missing else None
+
+
+def _check_ray_shapes() -> list[str]:
+  """Every Ray internal this module relies on, checked; what is missing."""
+  import ray
+  from ray import cloudpickle
+  from ray._private import serialization, worker
+  from ray.actor import ActorHandle
+  from ray.experimental.rdt import rdt_manager, util
+
+  ctx = serialization.SerializationContext
+  mgr = rdt_manager.RDTManager
+  problems = [
+      _params(util, "register_tensor_transport", ("transport_name", "devices", "transport_manager_class", "data_type")),
+      _params(util, "_ensure_default_transports_registered", ()),
+      _params(util, "get_transport_data_type", ("tensor_transport",)),
+      _params(ctx, "serialize_rdt_objects", ("self", "value", "tensor_transport")),
+      _uses(getattr(ctx, "serialize_rdt_objects", None), "SerializationContext.serialize_rdt_objects",
+            ("_thread_local", "use_external_transport", "rdt_tensors")),
+      _uses(ctx.__init__, "SerializationContext.__init__", ("_thread_local", "_rdt_custom_serializer_registered")),
+      _params(mgr, "register_custom_transports_on_actor", ("self", "actor")),
+      _params(mgr, "wait_until_custom_transports_registered", ("self", "actor")),
+      _uses(mgr.__init__, "RDTManager.__init__",
+            ("actor_id_to_transports_registered", "_managed_rdt_metadata", "_lock")),
+      _params(mgr, "_trigger_fetch", ("self", "obj_id", "use_object_store")),
+      _params(mgr, "set_target_device_for_ref", ("self", "ref", "target_device")),
+      _params(mgr, "get_rdt_metadata", ("self", "obj_id")),
+      _params(mgr, "is_managed_object", ("self", "obj_id")),
+  ]
+  if not isinstance(getattr(util, "transport_manager_info", None), dict):
+    problems.append("ray.experimental.rdt.util.transport_manager_info is not a dict")
+  if not hasattr(util, "has_custom_transports"):
+    problems.append("ray.experimental.rdt.util.has_custom_transports is missing")
+  fields = getattr(getattr(rdt_manager, "RDTMeta", None), "_fields", ())
+  missing_fields = [
+      f for f in ("tensor_transport_backend", "tensor_transport_meta", "target_buffers", "target_device")
+      if f not in fields
+  ]
+  if missing_fields:
+    problems.append(f"RDTMeta has no field {', '.join(missing_fields)}")
+  if not isinstance(getattr(cloudpickle.CloudPickler, "dispatch", None), MutableMapping):
+    problems.append("ray.cloudpickle.CloudPickler.dispatch is not a mutable mapping")
+  if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
+    problems.append("ray.actor.ActorHandle._actor_id is missing")
+  if not isinstance(getattr(worker.Worker, "rdt_manager", None), property):
+    problems.append("ray._private.worker.Worker.rdt_manager is missing")
+  if not hasattr(worker, "global_worker") or not hasattr(ray, "WORKER_MODE"):
+    problems.append("ray._private.worker.global_worker or ray.WORKER_MODE is missing")
+  return [p for p in problems if p is not None]
+
+
+def check_ray() -> None:
+  """Checks the installed Ray before anything of it is wrapped.
+
+  Raises:
+    UnsupportedRayError: if an internal rdt_jax relies on is missing or has
+      changed shape (always), or if the Ray minor version is outside
+      SUPPORTED_RAY and RDT_JAX_ALLOW_UNTESTED_RAY is not set to 1. With it
+      set, an untested but shape-compatible Ray gets a warning instead.
+  """
+  import ray
+
+  version = ray.__version__
+  try:
+    problems = _check_ray_shapes()
+  except ImportError as e:
+    problems = [f"cannot import a Ray RDT module ({e})"]
+  if problems:
+    raise UnsupportedRayError(
+        f"rdt_jax cannot run on Ray {version}: its RDT internals changed. Missing or "
+        f"changed: {'; '.join(problems)}. rdt_jax supports ray{SUPPORTED_RAY}; install a "
+        f"Ray in that range (pip install 'ray{SUPPORTED_RAY}') or an rdt_jax release "
+        "that supports this Ray."
+    )
+  if _ray_minor(version) in TESTED_RAY_MINORS:
+    return
+  if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    warnings.warn(
+        f"rdt_jax is tested with ray{SUPPORTED_RAY}, not Ray {version}; running anyway "
+        f"because {ALLOW_UNTESTED_ENV}=1. The RDT internals it wraps passed its shape "
+        "checks, but their behaviour is untested here.",
+        stacklevel=4,
+    )
+    return
+  raise UnsupportedRayError(
+      f"rdt_jax does not support Ray {version}: it is tested with ray{SUPPORTED_RAY} "
+      "(Ray's RDT API is alpha and changes between minor versions). Install a Ray "
+      f"in that range (pip install 'ray{SUPPORTED_RAY}'), or set {ALLOW_UNTESTED_ENV}=1 "
+      "in the environment of the driver and of every worker to try this Ray at "
+      "your own risk."
+  )
 
 
 # --------------------------------------------------------------------------
@@ -120,7 +285,8 @@ def in_ray_worker() -> bool:
 
 # --------------------------------------------------------------------------
 # Reducers: every array class is extracted out of band while an rdt_jax
-# transport serializes, and pickled as usual otherwise.
+# transport serializes; otherwise the reducer that was in `dispatch` before
+# ours (Ray's own RDT serializer for torch, say) runs, or the default pickle.
 
 
 def _extracting() -> bool:
@@ -145,59 +311,71 @@ def _leaf_from_transfer(index: int) -> Any:
   return ctx._thread_local.rdt_tensors[index]
 
 
-def _reduce_ex(leaf: Any) -> Any:
-  if _extracting():
-    return _take_leaf(leaf)
+def _default_reduce_ex(leaf: Any) -> Any:
   return leaf.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
 
-def _reduce_jax(leaf: Any) -> Any:
-  if _extracting():
-    return _take_leaf(leaf)
+def _default_reduce(leaf: Any) -> Any:
   return leaf.__reduce__()
 
 
-def _reduce_prng_key(leaf: Any) -> Any:
-  if _extracting():
-    _dlpack.describe(leaf, _state.leaf_path(leaf))  # raises, naming the leaf
-  return leaf.__reduce__()
+def _check_only(leaf: Any) -> None:
+  _dlpack.describe(leaf, _state.leaf_path(leaf))  # raises, naming the leaf
 
 
-_reducers_for: set[str] = set()
+def _chained(previous: Callable[[Any], Any] | None, default: Callable[[Any], Any],
+             take: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
+  """Our reducer in front of `previous` (the one that was there, or None)."""
+  fallback = previous if previous is not None else default
+
+  def reduce(leaf: Any) -> Any:
+    if _extracting():
+      if take is None:
+        return _take_leaf(leaf)
+      take(leaf)
+    return fallback(leaf)
+
+  reduce._rdt_jax_reducer = True  # type: ignore[attr-defined]
+  reduce._rdt_jax_previous = previous  # type: ignore[attr-defined]
+  return reduce
 
 
-def install_reducers() -> None:
-  """Installs the reducers for every framework imported so far, once each.
-
-  A leaf can only be a jax or torch array if its framework is imported, so
-  frameworks imported later are covered when the next RDT value is serialized.
-  """
+def _chain(cls: type, default: Callable[[Any], Any], take: Callable[[Any], Any] | None = None) -> None:
   from ray import cloudpickle
 
   dispatch = cloudpickle.CloudPickler.dispatch
-  if "numpy" not in _reducers_for:
-    import numpy as np
+  current = dispatch.get(cls)
+  if not getattr(current, "_rdt_jax_reducer", False):
+    dispatch[cls] = _chained(current, default, take)
 
-    dispatch[np.ndarray] = _reduce_ex
-    _reducers_for.add("numpy")
-  if "jax" not in _reducers_for and "jax" in sys.modules:
-    dispatch[_compat.array_impl_type()] = _reduce_jax
+
+def install_reducers() -> None:
+  """Puts our reducer in front of each array class of the frameworks imported so far.
+
+  Runs at every rdt_jax serialization: a leaf can only be a jax or torch array
+  if its framework is imported, so frameworks imported later are covered by
+  the next RDT value serialized; and where another serializer replaced ours
+  (Ray registers its RDT serializer for torch on first use of its NIXL), ours
+  goes back in front of it, deferring to it whenever rdt_jax is not extracting.
+  """
+  import numpy as np
+
+  _chain(np.ndarray, _default_reduce_ex)
+  if "jax" in sys.modules:
+    _chain(_compat.array_impl_type(), _default_reduce)
     key_type = _compat.prng_key_array_type()
     if key_type is not None:
-      dispatch[key_type] = _reduce_prng_key
-    _reducers_for.add("jax")
-  if "torch" not in _reducers_for and "torch" in sys.modules:
+      _chain(key_type, _default_reduce, take=_check_only)
+  if "torch" in sys.modules:
     torch = sys.modules["torch"]
-    dispatch[torch.Tensor] = _reduce_ex
-    dispatch[torch.nn.Parameter] = _reduce_ex
-    _reducers_for.add("torch")
-  if "cupy" not in _reducers_for and "cupy" in sys.modules:
-    dispatch[sys.modules["cupy"].ndarray] = _reduce_ex
-    _reducers_for.add("cupy")
+    _chain(torch.Tensor, _default_reduce_ex)
+    _chain(torch.nn.Parameter, _default_reduce_ex)
+  if "cupy" in sys.modules:
+    _chain(sys.modules["cupy"].ndarray, _default_reduce_ex)
 
 
 # --------------------------------------------------------------------------
-# Wrappers around Ray's functions.
+# Wrappers around Ray's functions. Each is installed once (marked `_rdt_jax`).
 
 
 def _wrap_serialize_rdt_objects() -> None:
@@ -218,11 +396,13 @@ def _wrap_serialize_rdt_objects() -> None:
     self._rdt_custom_serializer_registered[data_type] = True
     _state.begin_serialization(tensor_transport, self, value)
     try:
-      return original(self, value, tensor_transport)
+      serialized, leaves = original(self, value, tensor_transport)
+      _state.finish_serialization(leaves)
+      return serialized, leaves
     finally:
       _state.end_serialization()
 
-  serialize_rdt_objects._rdt_jax = True  # type: ignore[attr-defined]
+  _mark(serialize_rdt_objects, original)
   SerializationContext.serialize_rdt_objects = serialize_rdt_objects  # type: ignore[method-assign]
 
 
@@ -232,18 +412,20 @@ def _register_transports_on_actor(self: Any, info: dict[str, Any]) -> None:
 
   install()
   util._ensure_default_transports_registered()
-  for name, transport in info.items():
-    if name not in util.transport_manager_info:
-      util.register_tensor_transport(
-          name, transport.devices, transport.transport_manager_class, transport.data_type
-      )
+  with _lock:
+    for name, transport in info.items():
+      if name not in util.transport_manager_info:
+        util.register_tensor_transport(
+            name, transport.devices, transport.transport_manager_class, transport.data_type
+        )
 
 
 def _wrap_register_on_actor() -> None:
   from ray.experimental.rdt import rdt_manager
 
   cls = rdt_manager.RDTManager
-  if getattr(cls.register_custom_transports_on_actor, "_rdt_jax", False):
+  original = cls.register_custom_transports_on_actor
+  if getattr(original, "_rdt_jax", False):
     return
 
   def register_custom_transports_on_actor(self: Any, actor: Any) -> None:
@@ -253,14 +435,20 @@ def _wrap_register_on_actor() -> None:
     if not util.has_custom_transports:
       self.actor_id_to_transports_registered[actor._actor_id] = True
       return
-    # An ordinary actor task (default concurrency group): the actor runs it
-    # before any method its creator calls afterwards, so even a first-action
-    # `ray.put(x, _tensor_transport=...)` finds the transport registered. Ray
-    # submits it on the `_ray_system` thread instead, which races.
-    ref = actor.__ray_call__.remote(_register_transports_on_actor, dict(util.transport_manager_info))
+    info = dict(util.transport_manager_info)
+    # What Ray waits on before it submits an RDT method or sends an RDT
+    # argument to the actor: on the `_ray_system` concurrency group, as Ray
+    # does, so it never waits behind a running method.
+    ref = call_on_system_group(actor, _register_transports_on_actor, info)
+    # And an ordinary task nobody waits on: on an actor with one thread, it
+    # runs before any method its creator calls afterwards, so even a first
+    # action `ray.put(x, _tensor_transport=...)` finds the transport (the
+    # `_ray_system` copy alone may run after that method started). On a busy
+    # actor it just runs later, as a no-op.
+    actor.__ray_call__.remote(_register_transports_on_actor, info)
     self.actor_id_to_transports_registered[actor._actor_id] = ref
 
-  register_custom_transports_on_actor._rdt_jax = True  # type: ignore[attr-defined]
+  _mark(register_custom_transports_on_actor, original)
   cls.register_custom_transports_on_actor = register_custom_transports_on_actor  # type: ignore[method-assign]
 
 
@@ -283,12 +471,14 @@ def _wrap_default_registration() -> None:
   def _ensure_default_transports_registered() -> None:
     original()
     if not done and in_ray_worker():
-      done.append(True)
-      # Resolved at run time: the registry knows the transports, which
-      # import this module.
-      importlib.import_module("rdt_jax._registry").register()
+      with _lock:
+        if not done:
+          done.append(True)
+          # Resolved at run time: the registry knows the transports, which
+          # import this module.
+          importlib.import_module("rdt_jax._registry").register()
 
-  _ensure_default_transports_registered._rdt_jax = True  # type: ignore[attr-defined]
+  _mark(_ensure_default_transports_registered, original)
   util._ensure_default_transports_registered = _ensure_default_transports_registered
 
 
@@ -300,9 +490,30 @@ def refuse_driver_get(name: str, message: Callable[[str], str]) -> None:
 
   For two-sided transports: Ray 2.60 refuses such a `ray.get` in
   `RDTManager._trigger_fetch` with a message that suggests "a one-sided
-  transport" without naming one.
+  transport" without naming one. Takes effect once `install()` has run.
   """
   _refusals[name.lower()] = message
+
+
+def _forward_ray_targets(manager: Any, obj_id: str, meta: Any) -> Any:
+  """Moves a target set through Ray's functions on an rdt_jax ref to rdt_jax.
+
+  Ray validates target buffers and allocates target devices as torch tensors
+  from `tensor_meta`, which holds numpy dtypes for rdt_jax transports; so the
+  target goes to `rdt_jax.set_target_*_for_ref` instead (kept for the next
+  fetch, as Ray keeps it) and Ray's fetch runs without it.
+  """
+  targets = importlib.import_module("rdt_jax._targets")
+  if meta.target_buffers:
+    buffers = [r() for r in meta.target_buffers]
+    if all(b is not None for b in buffers):  # Ray's rule: any dead buffer drops them all
+      targets.set_target_for_obj_id(obj_id, buffers)
+  elif meta.target_device is not None:
+    targets.set_target_device_for_obj_id(obj_id, meta.target_device)
+  return meta._replace(target_buffers=None, target_device=None)
+
+
+def _wrap_trigger_fetch() -> None:
   from ray.experimental.rdt import rdt_manager
 
   cls = rdt_manager.RDTManager
@@ -311,34 +522,78 @@ def refuse_driver_get(name: str, message: Callable[[str], str]) -> None:
     return
 
   def _trigger_fetch(self: Any, obj_id: str, use_object_store: bool) -> Any:
+    meta = self.get_rdt_metadata(obj_id)
+    transport = (meta.tensor_transport_backend or "") if meta is not None else ""
     if not use_object_store:
-      meta = self.get_rdt_metadata(obj_id)
-      transport = meta.tensor_transport_backend if meta is not None else ""
-      refusal = _refusals.get((transport or "").lower())
+      refusal = _refusals.get(transport.lower())
       if refusal is not None:
         raise ValueError(refusal(transport))
+    if meta is not None and (meta.target_buffers or meta.target_device is not None) and is_rdt_jax_transport(transport):
+      with self._lock:
+        self._managed_rdt_metadata[obj_id] = _forward_ray_targets(self, obj_id, meta)
+      try:
+        return original(self, obj_id, use_object_store)
+      finally:
+        with self._lock:  # Ray keeps a target for every later get: so do we
+          current = self._managed_rdt_metadata.get(obj_id)
+          if current is not None:
+            self._managed_rdt_metadata[obj_id] = current._replace(
+                target_buffers=meta.target_buffers, target_device=meta.target_device
+            )
     return original(self, obj_id, use_object_store)
 
-  _trigger_fetch._rdt_jax = True  # type: ignore[attr-defined]
+  _mark(_trigger_fetch, original)
   cls._trigger_fetch = _trigger_fetch  # type: ignore[method-assign]
 
 
+def _wrap_set_target_device() -> None:
+  """Ray's `set_target_device_for_ref` parses the device with torch before any
+  transport is asked. For an rdt_jax ref, rdt_jax parses it (jax devices and
+  "gpu" too, no torch needed); Ray keeps it for the fetch as usual."""
+  from ray.experimental.rdt import rdt_manager
+
+  cls = rdt_manager.RDTManager
+  original = cls.set_target_device_for_ref
+  if getattr(original, "_rdt_jax", False):
+    return
+
+  def set_target_device_for_ref(self: Any, ref: Any, target_device: Any) -> None:
+    meta = self.get_rdt_metadata(ref.hex())
+    transport = (meta.tensor_transport_backend or "") if meta is not None else ""
+    if not is_rdt_jax_transport(transport):
+      return original(self, ref, target_device)
+    device = _dlpack.parse_device(target_device)  # raises for what no rdt_jax transport moves
+    devices = transport_info(transport).devices
+    if device.kind not in devices:
+      raise ValueError(
+          f"Tensor transport {transport} moves {', '.join(devices)} arrays, not "
+          f"{device.kind} ({target_device!r})."
+      )
+    with self._lock:
+      self._managed_rdt_metadata[ref.hex()] = self._managed_rdt_metadata[ref.hex()]._replace(
+          target_buffers=None, target_device=target_device
+      )
+    return None
+
+  _mark(set_target_device_for_ref, original)
+  cls.set_target_device_for_ref = set_target_device_for_ref  # type: ignore[method-assign]
+
+
 def install() -> None:
-  """Installs the reducers and Ray wrappers in this process, once."""
+  """Checks Ray, then installs the reducers and Ray wrappers in this process, once.
+
+  Raises:
+    UnsupportedRayError: see `check_ray`.
+  """
   global _installed
   with _lock:
     if _installed:
       return
-    if not ray_version_tested():
-      import ray
-
-      warnings.warn(
-          f"rdt_jax is tested with Ray {sorted(TESTED_RAY_MINORS)}; "
-          f"Ray {ray.__version__} may have changed the RDT internals it wraps.",
-          stacklevel=3,
-      )
+    check_ray()
     install_reducers()
     _wrap_serialize_rdt_objects()
     _wrap_register_on_actor()
     _wrap_default_registration()
+    _wrap_trigger_fetch()
+    _wrap_set_target_device()
     _installed = True

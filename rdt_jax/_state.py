@@ -7,11 +7,17 @@ so that neither imports the other:
 * the hand-off from the serializer (which sees each leaf with its pytree
   path) to `DlpackTransport.extract_tensor_transport_metadata` (which gets the
   leaves Ray extracted): each leaf's `DescribedLeaf`, so it is described once.
+  It is keyed by the leaves, not the thread: Ray may extract on another
+  thread than the one that serialized.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rdt_jax import _dlpack
@@ -41,14 +47,21 @@ def receive_mode() -> str:
 
 
 class _SerializationState(threading.local):
-  """Per-thread state of the rdt_jax serialization in progress, if any."""
+  """Per-thread state of the rdt_jax serialization in progress, if any.
+
+  A serialization runs on one thread from start to end (Ray's serializer
+  itself keeps its out-of-band leaves in thread-local state), so what the
+  reducers see while it runs is kept per thread. What must outlive it, the
+  descriptions handed to `extract_tensor_transport_metadata`, is published to
+  a process-wide map by `finish_serialization`.
+  """
 
   def __init__(self) -> None:
     self.transport: str | None = None
     self.context: Any = None
     self.root: Any = None
     self.paths: dict[int, str] | None = None
-    # id(leaf) -> (leaf, DescribedLeaf), handed to extract_tensor_transport_metadata.
+    # id(leaf) -> (leaf, DescribedLeaf) of the serialization in progress.
     self.described: dict[int, tuple[Any, _dlpack.DescribedLeaf]] = {}
 
 
@@ -62,10 +75,13 @@ def begin_serialization(transport: str, context: Any, root: Any) -> None:
 
 
 def end_serialization() -> None:
-  """Ends what `begin_serialization` started (the described leaves stay for
-  `take_described`)."""
+  """Ends what `begin_serialization` started on this thread.
+
+  Descriptions not published by `finish_serialization` (the serialization
+  failed) are dropped here, so nothing of a failed serialization stays.
+  """
   serializing.transport, serializing.context, serializing.root = None, None, None
-  serializing.paths = None
+  serializing.paths, serializing.described = None, {}
 
 
 def leaf_path(leaf: Any) -> str:
@@ -85,19 +101,122 @@ def leaf_path(leaf: Any) -> str:
 
 
 def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
-  """Keeps `leaf`'s description for `take_described`."""
+  """Keeps `leaf`'s description for the serialization in progress."""
   serializing.described[id(leaf)] = (leaf, described)
 
 
-def take_described(leaves: list[Any]) -> list[_dlpack.DescribedLeaf]:
-  """The DescribedLeaf for each leaf of an object being stored.
+# --------------------------------------------------------------------------
+# The hand-off from a finished serialization to extract_tensor_transport_metadata.
+#
+# Ray may call `extract_tensor_transport_metadata` on another thread than the
+# one that serialized the value (an open Ray change runs it on a thread pool),
+# so the hand-off is keyed by the leaves themselves: the identities of the
+# extracted leaves, in order, which Ray passes on unchanged. An entry holds no
+# array: the leaves and the arrays behind their chunks by weak reference, the
+# rest of each description (its spec: pytree path, shape, dtype, chunks) as
+# is. An entry is taken once, and dropped when a leaf dies or after
+# HANDOFF_TTL_S seconds; at most HANDOFF_MAX are kept. Where an entry's
+# arrays are gone the leaf is described again under the recorded path; where
+# the whole entry is gone, without a path.
 
-  Uses what the serializer recorded on this thread, describing again (without
-  a pytree path) where it has nothing, e.g. for a retried task.
-  """
+HANDOFF_TTL_S = 120.0
+HANDOFF_MAX = 256
+
+
+@dataclass
+class _Handoff:
+  leaves: list[Callable[[], Any]]
+  # Per leaf: its description without arrays, and weak references to them.
+  described: list[tuple[_dlpack.DescribedLeaf, tuple[Callable[[], Any], ...]] | None]
+  created: float
+
+
+_handoff_lock = threading.Lock()
+_handoffs: dict[tuple[int, ...], list[_Handoff]] = {}
+
+
+def _ref(x: Any) -> Callable[[], Any]:
+  try:
+    return weakref.ref(x)
+  except TypeError:  # a type without weak references: held until taken or expired
+    return lambda: x
+
+
+def _prune(now: float) -> None:
+  """Drops expired entries and entries whose leaves died (lock held)."""
+  for key in list(_handoffs):
+    alive = [
+        h for h in _handoffs[key]
+        if now - h.created < HANDOFF_TTL_S and all(r() is not None for r in h.leaves)
+    ]
+    if alive:
+      _handoffs[key] = alive
+    else:
+      del _handoffs[key]
+  while sum(len(v) for v in _handoffs.values()) > HANDOFF_MAX:
+    oldest = min(_handoffs, key=lambda k: _handoffs[k][0].created)
+    _handoffs[oldest].pop(0)
+    if not _handoffs[oldest]:
+      del _handoffs[oldest]
+
+
+def finish_serialization(leaves: list[Any]) -> None:
+  """Publishes the descriptions of this thread's serialization for `leaves`
+  (the out-of-band leaves Ray collected, in order), for `take_described` on
+  any thread."""
   described = serializing.described
+  serializing.described = {}
+  if not leaves:
+    return
+  found: list[tuple[_dlpack.DescribedLeaf, tuple[Callable[[], Any], ...]] | None] = []
+  for leaf in leaves:
+    hit = described.get(id(leaf))
+    if hit is None or hit[0] is not leaf:
+      found.append(None)
+    else:
+      d = hit[1]
+      found.append((d._replace(arrays=()), tuple(_ref(a) for a in d.arrays)))
+  if not any(f is not None for f in found):
+    return
+  entry = _Handoff([_ref(x) for x in leaves], found, time.monotonic())
+  with _handoff_lock:
+    _prune(entry.created)
+    _handoffs.setdefault(tuple(id(x) for x in leaves), []).append(entry)
+
+
+def pending_handoffs() -> int:
+  """How many published hand-offs wait for their extract (after pruning)."""
+  with _handoff_lock:
+    _prune(time.monotonic())
+    return sum(len(v) for v in _handoffs.values())
+
+
+def take_described(leaves: list[Any]) -> list[_dlpack.DescribedLeaf]:
+  """The DescribedLeaf for each leaf of an object being stored, on any thread.
+
+  Uses what the serializer published for exactly these leaves, describing
+  again where it has nothing (without a pytree path), e.g. for a retried task
+  or an expired hand-off.
+  """
+  key = tuple(id(x) for x in leaves)
+  entry = None
+  with _handoff_lock:
+    for i, h in enumerate(_handoffs.get(key, [])):
+      if all(r() is x for r, x in zip(h.leaves, leaves)):
+        entry = _handoffs[key].pop(i)
+        break
+    if key in _handoffs and not _handoffs[key]:
+      del _handoffs[key]
   out = []
   for i, leaf in enumerate(leaves):
-    hit = described.pop(id(leaf), None)
-    out.append(hit[1] if hit is not None and hit[0] is leaf else _dlpack.describe(leaf, f"<leaf {i}>"))
+    hit = entry.described[i] if entry is not None else None
+    if hit is None:
+      out.append(_dlpack.describe(leaf, f"<leaf {i}>"))
+      continue
+    d, refs = hit
+    arrays = tuple(r() for r in refs)
+    if all(a is not None for a in arrays):
+      out.append(d._replace(arrays=arrays))
+    else:  # the chunks' arrays (shards made for the description) are gone
+      out.append(_dlpack.describe(leaf, d.spec.path))
   return out

@@ -133,6 +133,21 @@ def num_targets() -> int:
     return len(_targets)
 
 
+def set_target_for_obj_id(obj_id: str, buffers: list[Any]) -> None:
+  """Ray's `set_target_for_ref` on an rdt_jax ref (its buffers, in leaf order),
+  for the fetch of `obj_id` that is starting (called from `rdt_jax._seam`)."""
+  with _lock:
+    _targets[obj_id] = Target(buffers={f"[{i}]": b for i, b in enumerate(buffers)})
+
+
+def set_target_device_for_obj_id(obj_id: str, device: Any) -> None:
+  """Ray's `set_target_device_for_ref` on an rdt_jax ref, for the fetch of
+  `obj_id` that is starting (called from `rdt_jax._seam`)."""
+  parsed = _dlpack.parse_device(device)
+  with _lock:
+    _targets[obj_id] = Target(device=parsed)
+
+
 def pop_target(obj_id: str) -> Target | None:
   """The target set for `obj_id` in this process, removed (used once)."""
   with _lock:

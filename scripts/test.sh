@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv and runs the test suite (and the docs build, warnings as errors).
 # For the full suite (no pytest args, as CI runs it) it first lints (ruff, mypy)
-# and afterwards runs the wheel check: the contract tests against the built
-# wheel installed in a fresh environment.
+# and afterwards runs the wheel check (the contract tests against the built
+# wheel installed in a fresh environment) and the version matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,4 +13,7 @@ fi
 python -m pytest tests "$@"
 if [ $# -eq 0 ]; then
   bash scripts/test_wheel.sh
+  # Contract-level modules on Ray 2.59 and on Python 3.12 with the newest jax
+  # (docs/ray_integration.md lists the matrix).
+  bash scripts/matrix.sh
 fi

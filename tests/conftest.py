@@ -30,8 +30,8 @@ def start_ray(**kwargs) -> None:
   runtime_env = kwargs.pop("runtime_env", {})
   env_vars = {"PYTHONPATH": WORKER_PYTHONPATH, **runtime_env.pop("env_vars", {})}
   ray.init(
-      # A new local Ray, never one found running on this machine (another
-      # checkout's test run, say): ray.init() without an address joins it.
+      # A new local cluster even when another process on this machine has
+      # `ray start`ed one (ray.init() would join it, and refuse num_cpus).
       address=kwargs.pop("address", "local"),
       num_cpus=kwargs.pop("num_cpus", 8),
       include_dashboard=False,

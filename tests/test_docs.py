@@ -11,7 +11,7 @@ The rule for docs/*.md: a code block is either
 
 Blocks that hold no code are allowed: `{toctree}`, `{eval-rst}` holding only
 autodoc directives, `{include}` of the files `rdt-jax bench` writes to
-docs/benchmarks/, and `text` blocks (diagrams) without Python in them.
+docs/benchmarks/ or `scripts/matrix.sh` writes to docs/matrix/, and `text` blocks (diagrams) without Python in them.
 Admonitions are checked recursively. Anything else fails, naming the page and
 line.
 """
@@ -156,8 +156,8 @@ def test_every_code_block_is_included_or_doctested(page):
       if bad:
         problems.append(f"{where}: eval-rst may hold autodoc directives only, not {bad[0]!r}")
     elif kind == "include":
-      if not argument.startswith("benchmarks/"):
-        problems.append(f"{where}: include of {argument}; only docs/benchmarks/ files")
+      if not argument.startswith(("benchmarks/", "matrix/")):
+        problems.append(f"{where}: include of {argument}; only docs/benchmarks/ and docs/matrix/ files")
     elif kind == "text":
       if re.search(r"^\s*(>>>|import |from \w+ import |def |class )", body, re.M):
         problems.append(f"{where}: a text block holding Python; include or doctest it")

@@ -1,0 +1,435 @@
+"""rdt_jax beside Ray: the seam's checks, the thread-free hand-off, Ray's own
+API and transports in a process where rdt_jax is registered, and actors as
+users write them (threaded, async, busy)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+
+import conftest
+import rdt_jax
+from rdt_jax import _seam, _state
+
+rdt_jax.register()
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+  """Runs `code` in a fresh interpreter with this checkout first on the path."""
+  full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(conftest.REPO), str(conftest.TESTS_DIR)])}
+  full_env.pop(_seam.ALLOW_UNTESTED_ENV, None)
+  full_env.update(env or {})
+  return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
+
+
+# --------------------------------------------------------------------------
+# The seam's install-time checks.
+
+
+def test_every_shape_check_passes_on_this_ray():
+  assert _seam._check_ray_shapes() == []
+  _seam.check_ray()  # a tested minor: no error, no warning
+
+
+def test_a_changed_signature_is_reported(monkeypatch):
+  from ray._private.serialization import SerializationContext
+
+  monkeypatch.setattr(SerializationContext, "serialize_rdt_objects", lambda self, value: None)
+  problems = _seam._check_ray_shapes()
+  assert len(problems) >= 1
+  assert any("serialize_rdt_objects" in p and "no longer takes" in p for p in problems)
+
+
+BREAK_TRIGGER_FETCH = """
+from ray.experimental.rdt import rdt_manager
+del rdt_manager.RDTManager._trigger_fetch
+import rdt_jax
+try:
+  rdt_jax.register()
+except RuntimeError as e:
+  print(type(e).__name__, e)
+else:
+  print("registered")
+"""
+
+
+def test_register_refuses_a_ray_missing_an_internal():
+  out = run_python(BREAK_TRIGGER_FETCH)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith("UnsupportedRayError"), out.stdout
+  assert f"Ray {ray.__version__}" in out.stdout
+  assert "RDTManager._trigger_fetch is missing" in out.stdout
+  assert _seam.SUPPORTED_RAY in out.stdout
+
+
+def test_a_failing_check_fails_even_when_untested_rays_are_allowed():
+  out = run_python(BREAK_TRIGGER_FETCH, {_seam.ALLOW_UNTESTED_ENV: "1"})
+  assert out.stdout.startswith("UnsupportedRayError"), out.stdout + out.stderr
+
+
+UNTESTED_RAY = """
+import warnings
+import ray
+ray.__version__ = "2.99.0"
+import rdt_jax
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  try:
+    print("registered", rdt_jax.register())
+  except RuntimeError as e:
+    print(type(e).__name__, e)
+for w in caught:
+  print("warning:", w.message)
+"""
+
+
+def test_an_untested_ray_is_refused_naming_the_setting():
+  out = run_python(UNTESTED_RAY)
+  assert out.stdout.startswith("UnsupportedRayError"), out.stdout + out.stderr
+  assert "Ray 2.99.0" in out.stdout and _seam.SUPPORTED_RAY in out.stdout
+  assert f"{_seam.ALLOW_UNTESTED_ENV}=1" in out.stdout
+
+
+def test_an_untested_ray_runs_with_a_warning_when_allowed():
+  out = run_python(UNTESTED_RAY, {_seam.ALLOW_UNTESTED_ENV: "1"})
+  assert out.stdout.startswith("registered ["), out.stdout + out.stderr
+  assert "jax_nixl" in out.stdout
+  assert "warning: rdt_jax is tested with ray" in out.stdout and "2.99.0" in out.stdout
+
+
+# --------------------------------------------------------------------------
+# The serializer -> extract hand-off does not depend on the thread.
+
+
+def _serialize(value):
+  ctx = ray._private.worker.global_worker.get_serialization_context()
+  return ctx.serialize_rdt_objects(value, "JAX_NIXL")
+
+
+def _extract_on_another_thread(obj_id, leaves):
+  from ray.experimental.rdt.util import get_tensor_transport_manager
+
+  transport = get_tensor_transport_manager("JAX_NIXL")
+  box = {}
+
+  def extract():
+    box["thread"] = threading.get_ident()
+    box["meta"] = transport.extract_tensor_transport_metadata(obj_id, leaves)
+
+  t = threading.Thread(target=extract)
+  t.start()
+  t.join(60)
+  assert box["thread"] != threading.get_ident()
+  transport.garbage_collect(obj_id, box["meta"], leaves)
+  return box["meta"]
+
+
+def test_extract_on_another_thread_gets_the_serializers_descriptions():
+  value = {"w": jnp.ones((3, 2), jnp.float32), "b": np.arange(4, dtype=np.int16), "step": 3}
+  _, leaves = _serialize(value)
+  assert _state.pending_handoffs() == 1
+  meta = _extract_on_another_thread("handoff-thread-test", leaves)
+  # The pytree paths come only from the serializer: the fallback names leaves <leaf i>.
+  assert sorted(leaf.path for leaf in meta.leaves) == ["['b']", "['w']"]
+  assert _state.pending_handoffs() == 0
+
+
+def test_a_failed_serialization_leaves_no_handoff():
+  dead = jnp.ones(3)
+  dead.delete()
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['dead'\]"):
+    _serialize({"ok": jnp.zeros(2), "dead": dead})
+  assert _state.pending_handoffs() == 0
+
+
+def test_a_handoff_holds_no_leaf_alive():
+  _, leaves = _serialize({"w": jnp.ones(1000)})
+  assert _state.pending_handoffs() == 1
+  del leaves
+  gc.collect()
+  assert _state.pending_handoffs() == 0
+
+
+def test_an_expired_handoff_is_dropped(monkeypatch):
+  _, leaves = _serialize({"w": jnp.ones(4)})
+  monkeypatch.setattr(_state, "HANDOFF_TTL_S", 0.0)
+  assert _state.pending_handoffs() == 0
+  # Extract still works: it describes the leaf again, without its path.
+  meta = _extract_on_another_thread("handoff-expired-test", leaves)
+  assert [leaf.path for leaf in meta.leaves] == ["<leaf 0>"]
+
+
+# --------------------------------------------------------------------------
+# Reducers are chained, not overwritten.
+
+
+def test_our_reducer_defers_to_the_one_it_replaced():
+  torch = pytest.importorskip("torch")
+  from ray import cloudpickle
+
+  dispatch = cloudpickle.CloudPickler.dispatch
+  saved = dispatch.get(torch.Tensor)
+  seen = []
+
+  def previous(t):
+    seen.append(t)
+    return torch.tensor, (t.tolist(),)
+
+  try:
+    dispatch[torch.Tensor] = previous  # as Ray's NIXL does on its first use
+    _seam.install_reducers()
+    ours = dispatch[torch.Tensor]
+    assert ours is not previous and ours._rdt_jax_previous is previous
+    x = torch.arange(3)
+    assert cloudpickle.loads(cloudpickle.dumps(x)).tolist() == [0, 1, 2]
+    assert seen == [x]
+    _seam.install_reducers()  # idempotent: no second layer
+    assert dispatch[torch.Tensor] is ours
+  finally:
+    if saved is None:
+      dispatch.pop(torch.Tensor, None)
+    else:
+      dispatch[torch.Tensor] = saved
+    _seam.install_reducers()
+
+
+# --------------------------------------------------------------------------
+# Ray's own NIXL keeps moving torch tensors out of band beside rdt_jax.
+
+
+def _ray_nixl_available() -> bool:
+  try:
+    import nixl._api  # noqa: F401  (Ray's NIXL transport imports this package)
+    import torch  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+@pytest.mark.skipif(not _ray_nixl_available(), reason="Ray's NIXL transport needs torch and the nixl package")
+@pytest.mark.parametrize(
+    "order", [("torch", "rdt_jax"), ("rdt_jax", "torch"), ("torch", "ray-nixl", "rdt_jax")], ids="-then-".join
+)
+def test_ray_nixl_moves_torch_out_of_band_beside_rdt_jax(order):
+  from _interop_actor import Mixer
+
+  producer, consumer = Mixer.remote(order), Mixer.remote(order)
+  try:
+    # Ray's NIXL first (Ray installs its torch serializer), then jax_nixl with
+    # a torch leaf (ours goes in front of it), then Ray's NIXL again.
+    for step in range(2):
+      ref = producer.torch_nixl.remote(4)
+      conftest.wait_meta(ref)
+      ray.get(producer.overwrite_kept.remote(10.0))
+      # Out of band, the consumer reads the tensor's live memory: 4 x 10.
+      # Pickled in band, it would get the values at return time (0+1+2+3).
+      assert ray.get(consumer.sums.remote(ref)) == {"": 40.0}, f"step {step}: the tensor went in band"
+      if step == 0:
+        assert ray.get(consumer.sums.remote(producer.mixed_jax_nixl.remote(4))) == {"jax": 6.0, "torch": 6.0}
+  finally:
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
+# --------------------------------------------------------------------------
+# Ray's public set_target_for_ref / set_target_device_for_ref on rdt_jax refs.
+
+
+@ray.remote(enable_tensor_transport=True)
+class Maker:
+  @ray.method(tensor_transport="jax_nixl")
+  def make(self, n: int):
+    return {"a": jnp.arange(n, dtype=jnp.float32), "b": np.arange(n, dtype=np.int64)}
+
+
+@pytest.fixture(scope="module")
+def maker():
+  m = Maker.remote()
+  yield m
+  ray.kill(m)
+
+
+def test_rays_set_target_for_ref_receives_into_the_buffers(maker):
+  from ray.experimental import set_target_for_ref
+
+  ref = maker.make.remote(8)
+  conftest.wait_meta(ref)
+  # Ray's function takes the leaves in order, as rdt_jax's does for a list.
+  targets = [np.zeros(8, np.float32), np.zeros(8, np.int64)]
+  set_target_for_ref(ref, targets)
+  got = ray.get(ref)
+  assert got["a"] is targets[0] and got["b"] is targets[1]
+  np.testing.assert_array_equal(targets[0], np.arange(8, dtype=np.float32))
+  np.testing.assert_array_equal(targets[1], np.arange(8))
+
+
+def test_rays_set_target_for_ref_checks_the_buffers(maker):
+  from ray.experimental import set_target_for_ref
+
+  ref = maker.make.remote(8)
+  conftest.wait_meta(ref)
+  targets = [np.zeros(8, np.float32), np.zeros(8, np.int32)]  # Ray keeps weak references
+  set_target_for_ref(ref, targets)
+  with pytest.raises(ValueError, match=r"Target for leaf \['b'\].*int32.*int64"):
+    ray.get(ref)
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax-cpu"])
+def test_rays_set_target_device_for_ref_accepts_jax_devices(maker, device):
+  from ray.experimental import set_target_device_for_ref
+
+  ref = maker.make.remote(5)
+  conftest.wait_meta(ref)
+  set_target_device_for_ref(ref, jax.devices("cpu")[0] if device == "jax-cpu" else device)
+  got = ray.get(ref)
+  assert isinstance(got["a"], jax.Array) and got["a"].devices() == {jax.devices("cpu")[0]}
+  assert got["a"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_rays_set_target_device_for_ref_refuses_what_no_transport_moves(maker):
+  from ray.experimental import set_target_device_for_ref
+
+  ref = maker.make.remote(5)
+  with pytest.raises(ValueError, match="tpu"):
+    set_target_device_for_ref(ref, "tpu")
+
+
+# --------------------------------------------------------------------------
+# Actors as users write them.
+
+
+@ray.remote(enable_tensor_transport=True, max_concurrency=4)
+class ThreadedNode:
+  @ray.method(tensor_transport="jax_nixl")
+  def make(self, n: int, seed: int):
+    time.sleep(0.2)  # keep several calls running at once
+    return {"x": jnp.full((n,), seed, jnp.float32), "i": np.full(n, seed, np.int32)}
+
+  def total(self, value):
+    return float(value["x"].sum()) + float(value["i"].sum())
+
+  def get_total(self, refs):
+    return self.total(ray.get(refs[0]))
+
+
+@ray.remote(enable_tensor_transport=True)
+class AsyncNode:
+  @ray.method(tensor_transport="jax_nixl")
+  async def make(self, n: int, seed: int):
+    return {"x": jnp.full((n,), seed, jnp.float32)}
+
+  async def total(self, value):
+    return float(value["x"].sum())
+
+  async def put_first(self, n: int):
+    return [ray.put({"x": jnp.ones(n)}, _tensor_transport="jax_nixl")]
+
+
+def test_threaded_actors_produce_and_consume():
+  producer, consumer = ThreadedNode.remote(), ThreadedNode.remote()
+  try:
+    refs = [producer.make.remote(16, seed) for seed in range(8)]
+    for r in refs:
+      conftest.wait_meta(r)  # Ray lends a ref inside a list only once its metadata is here
+    totals = ray.get([consumer.total.remote(r) for r in refs] + [consumer.get_total.remote([r]) for r in refs])
+    assert totals == [32.0 * seed for seed in range(8)] * 2
+  finally:
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
+def test_async_actors_produce_and_consume():
+  producer, consumer = AsyncNode.remote(), AsyncNode.remote()
+  try:
+    refs = [producer.make.remote(16, seed) for seed in range(4)]
+    assert ray.get([consumer.total.remote(r) for r in refs]) == [16.0 * seed for seed in range(4)]
+    [put_ref] = ray.get(producer.put_first.remote(3))
+    assert ray.get(consumer.total.remote(put_ref)) == 3.0
+  finally:
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
+def test_a_by_value_actors_first_action_is_a_put():
+  # Defined here, so Ray pickles it by value: the worker imports nothing of
+  # rdt_jax before the method runs except what the registration brings.
+  @ray.remote(enable_tensor_transport=True)
+  class Fresh:
+    def put(self, n):
+      return [ray.put({"x": jnp.arange(n, dtype=jnp.float32)}, _tensor_transport="jax_nixl")]
+
+  for _ in range(3):
+    fresh = Fresh.remote()
+    [ref] = ray.get(fresh.put.remote(5))
+    assert ray.get(ref)["x"].tolist() == [0, 1, 2, 3, 4]
+    ray.kill(fresh)
+
+
+BUSY_S = 30
+
+
+@ray.remote(enable_tensor_transport=True, concurrency_groups={"io": 1})
+class BusyConsumer:
+  def busy(self, flag: str, seconds: float):
+    pathlib.Path(flag).touch()
+    time.sleep(seconds)
+    return "done"
+
+  @ray.method(concurrency_group="io")
+  def total(self, value):
+    return float(value["a"].sum())
+
+
+@ray.remote(enable_tensor_transport=True, max_concurrency=2)
+class BusyThreadedConsumer:
+  def busy(self, flag: str, seconds: float):
+    pathlib.Path(flag).touch()
+    time.sleep(seconds)
+    return "done"
+
+  def total(self, value):
+    return float(value["a"].sum())
+
+
+@ray.remote
+class Spawner:
+  """Creates actors in its own process, so the driver registers rdt_jax's
+  transports on them only when it first sends them an RDT ref."""
+
+  def spawn(self, cls):
+    import rdt_jax
+
+    rdt_jax.register()
+    return [cls.remote()]
+
+
+@pytest.mark.parametrize("cls", [BusyConsumer, BusyThreadedConsumer], ids=["concurrency-group", "threaded"])
+def test_a_busy_consumer_receives_in_another_group_or_thread(cls, maker, tmp_path):
+  spawner = Spawner.remote()  # owns the consumer: kept alive for the test
+  [consumer] = ray.get(spawner.spawn.remote(cls))
+  flag = tmp_path / "busy"
+  busy = consumer.busy.remote(str(flag), BUSY_S)
+  assert conftest.wait_for(flag.exists, timeout=60)
+  start = time.monotonic()
+  ref = maker.make.remote(6)
+  total = ray.get(consumer.total.remote(ref), timeout=BUSY_S)
+  elapsed = time.monotonic() - start
+  assert total == 15.0
+  # Well before the busy method ends: nothing waited behind it.
+  assert elapsed < BUSY_S / 2, f"the ref arrived after {elapsed:.1f} s"
+  assert ray.wait([busy], timeout=0)[1] == [busy]  # still busy
+  ray.kill(consumer)
+  ray.kill(spawner)
