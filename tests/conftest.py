@@ -11,6 +11,9 @@ import pathlib
 import pytest
 import ray
 
+# Re-exported: test modules use them as conftest.wait_for / conftest.wait_meta.
+from _helpers import wait_for, wait_meta  # noqa: F401
+
 TESTS_DIR = pathlib.Path(__file__).parent
 REPO = TESTS_DIR.parent
 # Workers import the test modules' actor and transport classes by reference.

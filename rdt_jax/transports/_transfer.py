@@ -61,7 +61,7 @@ HOST: Final = "127.0.0.1"
 #: Bulk-data sockets per transfer server. Every rdt_jax server uses the same
 #: number: in jaxlib 0.10 a pull by a peer with fewer than the producer's
 #: aborts the puller ("Check failed: bind(cfd, ...)"). One is as fast as four
-#: on a 2-core host (64 MiB: ~0.16 s against ~0.2 s).
+#: on a 2-core host.
 BULK_SOCKETS: Final = 1
 
 
