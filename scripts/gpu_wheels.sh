@@ -21,7 +21,9 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_wheels.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-RAY=$(sed -n 's/.*"ray>=\([0-9.]*\),.*/\1/p' pyproject.toml | head -1)
+# The main tested combination's Ray (docs/ray_integration.md); RAY_VERSION=2.59.0
+# picks the other tested minor.
+RAY=${RAY_VERSION:-2.60.0}
 NIXL=$(sed -n 's/.*"nixl-cu12>=\([0-9.]*\),.*/\1/p' pyproject.toml | head -1)
 PLAT="--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64"
 run() { echo "+ $*"; [ "$DRY" = 1 ] || "$@"; }
