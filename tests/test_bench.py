@@ -125,7 +125,7 @@ def test_markdown_table_and_plot(bench_run):
 def test_per_object_and_per_leaf_cost(bench_run):
   doc, md, _, _, _ = bench_run
   rows = {r["path"]: r for r in doc["overhead"]}
-  one_sided = [p for p in doc["rdt_jax_paths"] if p in ("jax_nixl", "jax_transfer")]
+  one_sided = [p for p in doc["rdt_jax_paths"] if p in ("jax_nixl", "jax_nixl_tcp", "jax_transfer")]
   assert "jax_nixl" in one_sided and {"object_store_numpy", "ray_nixl_torch"} <= set(rows)
   for path, r in rows.items():
     assert r["fixed_case"] == "4KiB" and r["fixed_s"] > 0

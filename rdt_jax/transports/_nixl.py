@@ -38,6 +38,7 @@ has the figures):
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -186,7 +187,10 @@ class _Poller:
 
   Runs `tick()` every `PROGRESS_INTERVAL_S` while `set_active(True)` (the
   process exports objects, or holds parked transfers or registrations);
-  otherwise it sleeps on a condition and costs nothing.
+  otherwise it sleeps on a condition and costs nothing. Stopped at interpreter
+  exit (`atexit`), before Python finalizes: a daemon thread caught inside a NIXL
+  call while the interpreter shuts down is unwound through C++ frames, which
+  aborts the process.
   """
 
   def __init__(self, agent: Any, tick: Any = None):
@@ -194,19 +198,31 @@ class _Poller:
     self._tick = tick
     self._cond = threading.Condition()
     self._active = False
+    self._stopped = False
     self._thread = threading.Thread(target=self._run, name="rdt-jax-nixl-progress", daemon=True)
     self._thread.start()
+    atexit.register(self.stop)
 
   def set_active(self, active: bool) -> None:
     with self._cond:
       self._active = active
       self._cond.notify()
 
+  def stop(self, timeout: float = 5.0) -> None:
+    """Ends the thread after its current poll (waits up to `timeout` s)."""
+    with self._cond:
+      self._stopped = True
+      self._cond.notify()
+    if self._thread is not threading.current_thread():
+      self._thread.join(timeout)
+
   def _run(self) -> None:
     while True:
       with self._cond:
-        while not self._active:
+        while not self._active and not self._stopped:
           self._cond.wait()
+        if self._stopped:
+          return
       try:
         self._agent.get_new_notifs()
         if self._tick is not None:
