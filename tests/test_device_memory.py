@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from _helpers import sample
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Device, LeafSpec, RegionPool, UnsupportedLeafError, _cupy, _jax, _torch
 from rdt_jax._dlpack._specs import ChunkSpec
@@ -27,18 +28,6 @@ from rdt_jax._dlpack._specs import ChunkSpec
 CPU = Device("cpu")
 ALL_DTYPES = sorted(d.name for d in _dlpack.SUPPORTED_DTYPES)
 TORCH_LACKS = [n for n in ALL_DTYPES if not isinstance(getattr(torch, n, None), torch.dtype)]
-
-
-def values(shape, name):
-  rng = np.random.default_rng(3)
-  dtype = _dlpack.np_dtype_from_name(name)
-  if dtype.kind == "b":
-    return rng.integers(0, 2, shape).astype(bool)
-  if dtype.kind in "iu":
-    return rng.integers(0, 100, shape).astype(dtype)
-  if dtype.kind == "c":
-    return (rng.standard_normal(shape) + 1j).astype(dtype)
-  return rng.standard_normal(shape).astype(dtype)
 
 
 def received(x: np.ndarray, extra: int = 0) -> torch.Tensor:
@@ -58,7 +47,7 @@ def test_torch_lacks_some_float8():
 @pytest.mark.parametrize("shape", [(3, 5), (), (0,), (0, 4)])
 def test_device_bytes_to_jax_every_dtype(name, shape):
   with jax.enable_x64(True):
-    x = values(shape, name)
+    x = sample(shape, name)
     out = _jax.from_device_bytes(received(x, extra=7), x.dtype, shape, "['w']")
     assert isinstance(out, jax.Array) and out.dtype == x.dtype and out.shape == shape
     np.testing.assert_array_equal(np.asarray(out).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
@@ -68,14 +57,14 @@ def test_device_bytes_to_jax_every_dtype(name, shape):
 def test_device_bytes_to_jax_dtype_torch_lacks_is_bitcast(name):
   # Was unreachable: the torch view raised first, telling the user to do
   # what they were doing (receive it as jax).
-  x = values((4, 2), name)
+  x = sample((4, 2), name)
   out = _jax.from_device_bytes(received(x), x.dtype, (4, 2), "['f8']")
   np.testing.assert_array_equal(np.asarray(out).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
 
 
 def test_device_bytes_from_jax_region():
   # A process without torch keeps regions as jax arrays: bitcast on device.
-  x = values((3, 3), "bfloat16")
+  x = sample((3, 3), "bfloat16")
   region = jnp.asarray(received(x, extra=5).numpy())
   out = _jax.from_device_bytes(region, x.dtype, (3, 3), "['w']")
   np.testing.assert_array_equal(np.asarray(out), x)
@@ -84,7 +73,7 @@ def test_device_bytes_from_jax_region():
 
 
 def test_device_bytes_to_jax_is_zero_copy_when_aligned():
-  x = values((16,), "float32")
+  x = sample((16,), "float32")
   buf = torch.empty(x.nbytes + 256, dtype=torch.uint8)
   off = (-buf.data_ptr()) % 256
   view = buf[off : off + x.nbytes]
@@ -96,7 +85,7 @@ def test_device_bytes_to_jax_is_zero_copy_when_aligned():
 @pytest.mark.parametrize("name", [n for n in ALL_DTYPES if n not in TORCH_LACKS])
 @pytest.mark.parametrize("shape", [(2, 3), (), (0, 3)])
 def test_device_bytes_to_torch(name, shape):
-  x = values(shape, name)
+  x = sample(shape, name)
   buf = received(x, extra=3)
   out = _torch.from_device_bytes(buf, x.dtype, shape, "['t']")
   assert tuple(out.shape) == shape
@@ -106,14 +95,14 @@ def test_device_bytes_to_torch(name, shape):
 
 
 def test_device_bytes_to_torch_dtype_torch_lacks_names_leaf():
-  x = values((2,), "float8_e3m4")
+  x = sample((2,), "float8_e3m4")
   with pytest.raises(UnsupportedLeafError, match=r"Leaf \['f'\] has dtype float8_e3m4"):
     _torch.from_device_bytes(received(x), x.dtype, (2,), "['f']")
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch", "numpy"])
 def test_rebuild_device_from_byte_views(framework):
-  x = values((4, 4), "bfloat16")
+  x = sample((4, 4), "bfloat16")
   spec = LeafSpec("['w']", (4, 4), x.dtype, "jax", "cuda", (ChunkSpec((4, 4), x.nbytes),))
   out = _dlpack.rebuild_device([received(x, extra=9)], spec, framework)
   assert _dlpack.framework_of(out) == framework
@@ -121,7 +110,7 @@ def test_rebuild_device_from_byte_views(framework):
 
 
 def test_rebuild_device_as_cupy_without_cupy_names_the_fix():
-  x = values((2,), "float32")
+  x = sample((2,), "float32")
   spec = LeafSpec("['c']", (2,), x.dtype, "cupy", "cuda", (ChunkSpec((2,), x.nbytes),))
   with pytest.raises(UnsupportedLeafError, match=r"Leaf \['c'\] was sent as a cupy array.*receive_as"):
     _dlpack.rebuild_device([received(x)], spec, "cupy")
@@ -157,16 +146,16 @@ def test_check_device_refuses_a_missing_cuda_device_by_name():
 
 
 def test_to_torch_keeps_dtype_dlpack_lacks_on_cpu():
-  x = jnp.asarray(values((3,), "float8_e3m4"))
+  x = jnp.asarray(sample((3,), "float8_e3m4"))
   with pytest.raises(UnsupportedLeafError, match="float8_e3m4, which PyTorch"):
     _torch.from_jax(x, "['x']")
-  y = jnp.asarray(values((3,), "float8_e4m3fn"))
+  y = jnp.asarray(sample((3,), "float8_e4m3fn"))
   t = _torch.from_jax(y, "['y']")
   assert t.device.type == "cpu" and t.dtype == torch.float8_e4m3fn
 
 
 def test_jax_bytes_of_is_a_device_bitcast():
-  x = jnp.asarray(values((2, 3), "bfloat16"))
+  x = jnp.asarray(sample((2, 3), "bfloat16"))
   raw = _jax.bytes_of(x)
   assert raw.dtype == jnp.uint8 and raw.shape == (12,)
   np.testing.assert_array_equal(np.asarray(raw), np.asarray(x).reshape(-1).view(np.uint8))
@@ -213,7 +202,7 @@ def test_region_pool_reuses_only_released_unused_regions(source):
 def test_region_pool_counts_jax_arrays_made_from_views():
   pool = RegionPool(max_bytes=1 << 20)
   r = pool.acquire(1024, CPU, "torch")
-  x = values((16,), "float32")
+  x = sample((16,), "float32")
   _dlpack.copy_bytes(r.pointer, x.ctypes.data, x.nbytes, CPU)
   leaf = _jax.from_device_bytes(r.view(0, x.nbytes), x.dtype, (16,), "['w']")
   assert leaf.unsafe_buffer_pointer() == r.pointer  # aliases the region
@@ -268,7 +257,7 @@ def test_region_pool_jax_copy_regions():
   pool = RegionPool(max_bytes=1 << 20)
   r = pool.acquire(64, CPU, "jax-copy")
   assert isinstance(r.root, jax.Array)
-  x = values((4,), "float32")
+  x = sample((4,), "float32")
   ctypes.memmove(r.pointer, x.ctypes.data, x.nbytes)
   leaf = _jax.from_device_bytes(r.view(0, 16), x.dtype, (4,), "['w']")
   jax.block_until_ready(leaf)

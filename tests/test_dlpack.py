@@ -17,24 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import rdt_jax
-from _helpers import wait_for
+from _helpers import sample, wait_for
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import ChunkSpec
 
 ALL_DTYPES = sorted(d.name for d in _dlpack.SUPPORTED_DTYPES)
 TORCH_DTYPES = [n for n in ALL_DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]
-
-
-def sample(shape, name):
-  rng = np.random.default_rng(1)
-  dtype = _dlpack.np_dtype_from_name(name)
-  if dtype.kind == "b":
-    return rng.integers(0, 2, shape).astype(bool)
-  if dtype.kind in "iu":
-    return rng.integers(0, 100, shape).astype(dtype)
-  if dtype.kind == "c":
-    return (rng.standard_normal(shape) + 1j).astype(dtype)
-  return rng.standard_normal(shape).astype(dtype)
 
 
 def host_copy(dtype: np.dtype, x: np.ndarray):
