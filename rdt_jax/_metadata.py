@@ -119,9 +119,20 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   the rest: source framework, chunks and sharding. Backends subclass this to
   add what they need to move the bytes (addresses, agent names, ...); their
   fields pickle as they are, lists of ints compactly.
+
+  `inline` holds the object's bytes (every chunk in leaf order) when the
+  producer sent it in band (host leaves of at most `RDT_JAX_INLINE_MAX_BYTES`
+  in all, see `rdt_jax.transports._base.inline_max_bytes`); the backend then
+  exported nothing and moves nothing. `origin` names the producer process
+  (`rdt_jax._process.identity()`: host boot id, pid namespace, pid, start
+  time): a consumer on its host refuses an in-band object once the producer
+  died, as it would an object read out of band, and jax_nixl reads host
+  memory of a producer on its host directly (`rdt_jax.transports._cma`).
   """
 
   leaves: list[LeafSpec] = field(default_factory=list)
+  inline: bytes | None = None
+  origin: tuple[str, int, int, int] | None = None
 
   # Ray compares metadata by identity (its NIXL metadata does the same).
   __eq__ = object.__eq__

@@ -13,6 +13,7 @@ so that neither imports the other:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -63,6 +64,8 @@ class _SerializationState(threading.local):
     self.paths: dict[int, str] | None = None
     # id(leaf) -> (leaf, DescribedLeaf) of the serialization in progress.
     self.described: dict[int, tuple[Any, _dlpack.DescribedLeaf]] = {}
+    # The cyclic GC pause of a serialization of many leaves (`record_described`).
+    self.gc_pause: contextlib.ExitStack | None = None
 
 
 serializing = _SerializationState()
@@ -82,6 +85,9 @@ def end_serialization() -> None:
   """
   serializing.transport, serializing.context, serializing.root = None, None, None
   serializing.paths, serializing.described = None, {}
+  if serializing.gc_pause is not None:
+    serializing.gc_pause.close()
+    serializing.gc_pause = None
 
 
 def leaf_path(leaf: Any) -> str:
@@ -101,8 +107,23 @@ def leaf_path(leaf: Any) -> str:
 
 
 def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
-  """Keeps `leaf`'s description for the serialization in progress."""
-  serializing.described[id(leaf)] = (leaf, described)
+  """Keeps `leaf`'s description for the serialization in progress.
+
+  From the `GC_PAUSE_MIN_LEAVES`-th leaf of a serialization on, the cyclic
+  collector is paused until `end_serialization` (`rdt_jax._dlpack.gc_paused`):
+  Ray's pickler runs the reducers, so the pause cannot wrap them from outside
+  knowing the leaf count.
+  """
+  described_now = serializing.described
+  described_now[id(leaf)] = (leaf, described)
+  if (
+      len(described_now) == _dlpack.GC_PAUSE_MIN_LEAVES
+      and serializing.transport is not None
+      and serializing.gc_pause is None
+  ):
+    stack = contextlib.ExitStack()
+    stack.enter_context(_dlpack.gc_paused(len(described_now)))
+    serializing.gc_pause = stack
 
 
 # --------------------------------------------------------------------------

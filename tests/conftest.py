@@ -25,13 +25,29 @@ REPO = TESTS_DIR.parent
 WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO / "examples")])
 
 
-def start_ray(**kwargs) -> None:
-  """Starts a local Ray for one test module, workers able to import tests."""
+#: The environment of modules that test the out-of-band mechanisms themselves
+#: (NIXL READs, registrations, parking, faults, bytes each backend moves):
+#: small objects not sent in band, and no node-local reads, so that every
+#: object takes the path under test whatever its size. Every other module runs
+#: with the defaults, which send small objects in band (test_inline) and read
+#: a producer on the same host directly (test_cma).
+OUT_OF_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0", "RDT_JAX_NIXL_CMA": "0"}
+#: Only small objects out of band (node-local reads as by default).
+NOT_IN_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0"}
+
+
+def start_ray(env: dict[str, str] | None = None, **kwargs) -> None:
+  """Starts a local Ray for one test module, workers able to import tests.
+
+  `env` is set in this process (restored after the module) and in every
+  worker's environment.
+  """
   import rdt_jax
 
+  os.environ.update(env or {})
   rdt_jax.register()
   runtime_env = kwargs.pop("runtime_env", {})
-  env_vars = {"PYTHONPATH": WORKER_PYTHONPATH, **runtime_env.pop("env_vars", {})}
+  env_vars = {"PYTHONPATH": WORKER_PYTHONPATH, **(env or {}), **runtime_env.pop("env_vars", {})}
   ray.init(
       # A new local cluster even when another process on this machine has
       # `ray start`ed one (ray.init() would join it, and refuse num_cpus).
@@ -44,8 +60,21 @@ def start_ray(**kwargs) -> None:
   )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_environment():
+  """Undoes a module's `start_ray(env=...)` in this process after the module."""
+  saved = {k: os.environ.get(k) for k in OUT_OF_BAND_ENV}
+  yield
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
-def ray_session():
-  start_ray()
+def ray_session(request):
+  """A local Ray for the module, in the module's `RAY_ENV` if it sets one."""
+  start_ray(env=getattr(request.module, "RAY_ENV", None))
   yield
   ray.shutdown()

@@ -144,7 +144,8 @@ class Consumer:
 
 @pytest.fixture(scope="module")
 def actors():
-  conftest.start_ray(num_cpus=4)  # examples/ is on the workers' PYTHONPATH
+  # examples/ is on the workers' PYTHONPATH; each backend moves every object, whatever its size.
+  conftest.start_ray(env=conftest.NOT_IN_BAND_ENV, num_cpus=4)
   producer = Producer.options(runtime_env=WIDE).remote()
   wide = Consumer.options(runtime_env=WIDE).remote()
   narrow = Consumer.remote()

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 import rdt_jax
-from conftest import WORKER_PYTHONPATH, start_ray, wait_for, wait_meta
+from conftest import OUT_OF_BAND_ENV, WORKER_PYTHONPATH, start_ray, wait_for, wait_meta
 from rdt_jax import _dlpack, _faults
 
 rdt_jax.register()
@@ -101,7 +101,7 @@ def faulted(cls, spec: str, **env_vars: str):
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray():
-  start_ray(num_cpus=16)
+  start_ray(env=OUT_OF_BAND_ENV, num_cpus=16)  # faults of NIXL's READ path, at every size
   yield
   ray.shutdown()
 

@@ -27,7 +27,7 @@ from _helpers import (
     wait_for,
     wait_meta,
 )
-from conftest import WORKER_PYTHONPATH, start_ray
+from conftest import OUT_OF_BAND_ENV, WORKER_PYTHONPATH, start_ray
 
 rdt_jax.register()
 
@@ -125,7 +125,7 @@ class Consumer:
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray():
-  start_ray(num_cpus=24)
+  start_ray(env=OUT_OF_BAND_ENV, num_cpus=24)  # faults of NIXL's READ path, at every size
   yield
   ray.shutdown()
 
@@ -253,8 +253,13 @@ def test_get_timeout_is_honoured():
   ray.kill(producer)
 
 
-def test_abort_interrupts_the_wait_and_releases(consumer):
+def test_abort_interrupts_the_wait_and_releases():
   producer = Producer.remote()
+  # A READ on one host may be DONE as soon as it is posted (UCX copies with
+  # process_vm_readv at once): the injected delay keeps it looking in flight,
+  # so the abort is what ends the wait.
+  env = {"PYTHONPATH": WORKER_PYTHONPATH, "RDT_JAX_FAULTS": "nixl.wait:delay=5*1"}
+  consumer = Consumer.options(runtime_env={"env_vars": env}).remote()
   ref = producer.make.remote(64 << 20)
   wait_meta(ref)
   outcome, registrations = ray.get(consumer.fetch_then_abort.remote([ref]))
@@ -262,6 +267,7 @@ def test_abort_interrupts_the_wait_and_releases(consumer):
   assert registrations == 0
   assert ray.get(consumer.digest.remote(ref)) == expected_digest(64 << 20)
   ray.kill(producer)
+  ray.kill(consumer)
 
 
 def test_sixteen_consumers_on_one_producer():

@@ -10,18 +10,19 @@ import ray
 
 import rdt_jax
 from _helpers import (
-    expected,
-    fingerprint,
-    int4_leaf,
-    jax_bytes,
-    nixl_counts,
-    process_rss,
-    sample,
-    transport_manager,
-    tree_fingerprint,
-    wait_for,
-    wait_meta,
+  expected,
+  fingerprint,
+  int4_leaf,
+  jax_bytes,
+  nixl_counts,
+  process_rss,
+  sample,
+  transport_manager,
+  tree_fingerprint,
+  wait_for,
+  wait_meta,
 )
+from conftest import OUT_OF_BAND_ENV
 
 # Before the classes below: @ray.method checks the transport name on definition.
 rdt_jax.register()
@@ -136,6 +137,8 @@ def meta_device_leaf():
 
 
 # One local Ray session for the module (conftest.ray_session).
+#: NIXL's own READ path, for objects of every size (conftest.OUT_OF_BAND_ENV).
+RAY_ENV = OUT_OF_BAND_ENV
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 

@@ -176,6 +176,8 @@ class Node:
     return "none", "", "", manager(transport).receive_stats(reset=True)
 
 
+#: What each backend moves, for objects of every size (conftest.NOT_IN_BAND_ENV).
+RAY_ENV = conftest.NOT_IN_BAND_ENV
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 

@@ -23,6 +23,7 @@ and imports no framework eagerly. Modules:
 """
 
 from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
+from rdt_jax._dlpack._cuda import copy_from_host as copy_from_host
 from rdt_jax._dlpack._cuda import cuda_available as cuda_available
 from rdt_jax._dlpack._cuda import wait_for_copies as wait_for_copies
 from rdt_jax._dlpack._cuda import wait_for_producers as wait_for_producers
@@ -65,6 +66,7 @@ from rdt_jax._dlpack._memory import host_chunk as host_chunk
 from rdt_jax._dlpack._memory import host_layout as host_layout
 from rdt_jax._dlpack._memory import host_pointer as host_pointer
 from rdt_jax._dlpack._memory import host_pool as host_pool
+from rdt_jax._dlpack._memory import pack_host_chunks as pack_host_chunks
 from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
 from rdt_jax._dlpack._pool import Region as Region
 from rdt_jax._dlpack._pool import RegionPool as RegionPool
@@ -122,6 +124,7 @@ __all__ = [
     "check_x64",
     "convert_leaf",
     "copy_bytes",
+    "copy_from_host",
     "copy_into",
     "copy_runs",
     "cuda_available",
@@ -148,6 +151,7 @@ __all__ = [
     "is_writable",
     "jax_device",
     "np_dtype_from_name",
+    "pack_host_chunks",
     "pack_layout",
     "parse_device",
     "rebuild_device",

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rdt_jax._dlpack._devices import Device
-from rdt_jax._dlpack._lazy import loaded_type
+from rdt_jax._dlpack._lazy import importable, loaded_type
 from rdt_jax._dlpack._specs import DescribedLeaf
 
 
@@ -107,6 +107,44 @@ def copy_bytes(dst: int, src: int, nbytes: int, device: Device) -> None:
   from rdt_jax._dlpack import _torch
 
   _torch.bytes_tensor(dst, nbytes, device).copy_(_torch.bytes_tensor(src, nbytes, device))
+
+
+def copy_from_host(dst: int, src: memoryview, device: Device) -> None:
+  """Copies the bytes of host buffer `src` to `dst` on `device`, and waits
+  for the copy (the bytes are in place on return).
+
+  For cuda it uses torch if it is installed, else cupy (untested here: no GPU).
+
+  Raises:
+    ImportError: for a cuda `device` where neither torch nor cupy is
+      installed, saying what to install.
+  """
+  import numpy as np
+
+  from rdt_jax._dlpack._memory import CudaBytes, host_bytes
+
+  data = np.frombuffer(src, np.uint8)
+  if device.kind == "cpu":
+    host_bytes(dst, data.nbytes)[:] = data
+    return
+  if importable("torch"):
+    import torch
+
+    from rdt_jax._dlpack import _torch
+
+    _torch.bytes_tensor(dst, data.nbytes, device).copy_(torch.from_numpy(data.copy()))
+    wait_for_copies(device)
+    return
+  if importable("cupy"):
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+      cupy.asarray(CudaBytes(dst, data.nbytes)).set(data)
+      cupy.cuda.get_current_stream().synchronize()
+    return
+  raise ImportError(
+      f"Copying an in-band object to {device} needs torch or cupy: pip install torch (or cupy-cuda12x)."
+  )
 
 
 def wait_for_copies(device: Device) -> None:

@@ -16,7 +16,7 @@ from typing import Final
 
 import numpy as np
 
-from rdt_jax._dlpack._specs import ChunkSpec, LeafSpec
+from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 
 #: Host receive buffers start on this boundary: `jnp.from_dlpack` and
 #: `jax.device_put` alias (do not copy) host memory aligned to 64 bytes.
@@ -214,3 +214,14 @@ def host_bytes(pointer: int, nbytes: int) -> np.ndarray:
   view is in use.
   """
   return np.asarray(_HostBytes(pointer, nbytes))
+
+
+def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
+  """Every byte of host `leaves`, chunk after chunk in leaf order, as one
+  `bytes` object (one copy): what a transport sends in band."""
+  return b"".join([
+      host_bytes(pointer, chunk.nbytes).data
+      for leaf in leaves
+      for pointer, chunk in zip(leaf.pointers, leaf.spec.chunks)
+      if chunk.nbytes
+  ])

@@ -21,11 +21,20 @@ moves bytes: register, move, release. It implements:
 A backend that moves whole jax arrays rather than bytes (`jax_transfer`)
 subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
 `start_pull` and `wait_pull`.
+
+Small objects travel in band: an object whose leaves are all host memory and
+hold at most `inline_max_bytes()` bytes in all is copied into its metadata
+(`DlpackTransportMetadata.inline`), which Ray already carries from producer to
+owner to consumer; the backend then exports, sends and receives nothing. The
+threshold is a measured policy (docs/performance.md), set by
+`RDT_JAX_INLINE_MAX_BYTES` (0 turns it off); counted in `receive_stats()`
+as `inline`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import traceback
 from collections import OrderedDict
@@ -38,7 +47,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _seam, _state, _targets
+from rdt_jax import _dlpack, _process, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._plan import Destination, Placement, ReceivePlan
 
@@ -50,7 +59,43 @@ if TYPE_CHECKING:
 #: are forgotten (and `release` forgets an object's mark when Ray frees it).
 MAX_ABORTED = 4096
 
-__all__ = ["Destination", "DlpackFetchRequest", "DlpackTransport", "Placement", "WholeArrayTransport"]
+#: Default of `RDT_JAX_INLINE_MAX_BYTES` (docs/performance.md has the
+#: measurement that set it).
+INLINE_MAX_BYTES = 100 << 10
+
+
+def inline_max_bytes() -> int:
+  """The largest object (payload bytes, all leaves) sent in band: the
+  environment variable `RDT_JAX_INLINE_MAX_BYTES` if set (0 turns in-band
+  sending off), else `INLINE_MAX_BYTES`. Read at each object, so it may be
+  changed while a process runs; only the producer's value matters.
+
+  Raises:
+    ValueError: if the variable is set but not a non-negative integer.
+  """
+  text = os.environ.get("RDT_JAX_INLINE_MAX_BYTES")
+  if text is None:
+    return INLINE_MAX_BYTES
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise ValueError(
+        f"RDT_JAX_INLINE_MAX_BYTES={text!r} is not a non-negative integer: set it to a "
+        "byte count (0 sends every object out of band) or unset it."
+    )
+  return value
+
+__all__ = [
+    "INLINE_MAX_BYTES",
+    "Destination",
+    "DlpackFetchRequest",
+    "DlpackTransport",
+    "Placement",
+    "WholeArrayTransport",
+    "inline_max_bytes",
+]
 
 
 @dataclass
@@ -61,6 +106,7 @@ class DlpackFetchRequest(FetchRequest):
   handle: Any = None
   transport: DlpackTransport | None = None
   done: bool = False
+  inline: bool = False
 
   def __del__(self) -> None:
     if self.transport is not None and not self.done:
@@ -110,14 +156,16 @@ class DlpackTransport(TensorTransportManager):
     self._aborted: OrderedDict[str, None] = OrderedDict()
     self._aborted_lock = threading.Lock()
     self._actors_with_transport: dict[str, bool] = {}
-    self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0}
+    self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
 
   def receive_stats(self, reset: bool = False) -> dict[str, int]:
     """What this process's fetches asked the backend to move, since the last
     reset: `fetches`, `bytes` (payload bytes of every destination),
-    `destinations`, and `descriptors` (transfer descriptors the backend
-    posted, for backends that count them; jax_nixl does).
+    `destinations`, `descriptors` (transfer descriptors the backend
+    posted, for backends that count them; jax_nixl does), `inline`
+    (fetches of objects that arrived in band, which moved nothing) and
+    `direct` (jax_nixl fetches read node-locally, `rdt_jax.transports._cma`).
 
     Args:
       reset: zero the counters after reading them.
@@ -168,7 +216,11 @@ class DlpackTransport(TensorTransportManager):
       if described:
         # Queued device work writing the leaves finishes before any read.
         _dlpack.wait_for_producers(described)
-        self._export(obj_id, rdt_object, described, meta)
+        if device == "cpu" and meta.nbytes <= inline_max_bytes():
+          meta.inline = _dlpack.pack_host_chunks(described)
+          meta.origin = _process.identity()
+        else:
+          self._export(obj_id, rdt_object, described, meta)
     return meta
 
   def _export(
@@ -224,16 +276,30 @@ class DlpackTransport(TensorTransportManager):
     target = _targets.pop_target(obj_id)
     if target is None and target_buffers:
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
+    inline = tensor_transport_metadata.inline
     try:
       with _dlpack.gc_paused(len(tensor_transport_metadata.leaves)):
         plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
-        self._prepare(plan)
+        if inline is None:
+          self._prepare(plan)
+        else:
+          DlpackTransport._prepare(self, plan, reads_parts=True)
     except Exception:
-      if not self.is_one_sided():
+      if not self.is_one_sided() and inline is None:
         # The producer is already sending: take its bytes so it does not block.
         self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
       raise
-    request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
+    request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self, inline=inline is not None)
+    if inline is not None:
+      try:
+        self._wrap_errors(obj_id, _check_origin, obj_id, tensor_transport_metadata.origin)
+        _receive_inline(inline, tensor_transport_metadata.leaves, plan.destinations)
+      except BaseException:
+        request.done = True
+        plan.release()
+        raise
+      self._count(inline=1)
+      return request
     try:
       with _dlpack.gc_paused(len(plan.plans)):
         request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
@@ -243,8 +309,8 @@ class DlpackTransport(TensorTransportManager):
       raise
     return request
 
-  def _prepare(self, plan: ReceivePlan) -> None:
-    plan.allocate(self.reads_parts)
+  def _prepare(self, plan: ReceivePlan, reads_parts: bool | None = None) -> None:
+    plan.allocate(self.reads_parts if reads_parts is None else reads_parts)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
 
   def _start(
@@ -337,6 +403,8 @@ class DlpackTransport(TensorTransportManager):
       raise NotImplementedError(
           f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
       )
+    if tensor_transport_metadata.inline is not None:
+      return  # sent in band: the consumer has every byte already
     leaves = tensor_transport_metadata.leaves
     described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
     _dlpack.wait_for_producers(described)
@@ -465,7 +533,7 @@ class WholeArrayTransport(DlpackTransport):
   ) -> None:
     self.export_arrays(obj_id, arrays, leaves, meta)
 
-  def _prepare(self, plan: ReceivePlan) -> None:
+  def _prepare(self, plan: ReceivePlan, reads_parts: bool | None = None) -> None:
     pass  # the backend allocates the arrays it pulls
 
   def _start(
@@ -489,6 +557,8 @@ class WholeArrayTransport(DlpackTransport):
     )
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
+    if request.inline:
+      return DlpackTransport._complete(self, request, timeout)
     arrays: list[Any] = []
     if request.handle is not None:
       arrays = self._wrap_errors(
@@ -534,6 +604,44 @@ class WholeArrayTransport(DlpackTransport):
 
   def cancel_pull(self, handle: Any) -> None:
     """Consumer: release what `start_pull` took if the fetch was dropped."""
+
+
+def _check_origin(obj_id: str, origin: _process.Identity | None) -> None:
+  """Refuses an in-band object whose producer process is known to be gone.
+
+  An object read out of band fails when its producer died (its memory went
+  with it); an in-band one keeps that behaviour wherever the consumer can
+  tell, on the producer's host (same boot id and pid namespace). Elsewhere
+  the bytes are delivered (docs/performance.md).
+
+  Raises:
+    RuntimeError: naming the object and the producer's pid.
+  """
+  if _process.same_host(origin) and not _process.alive(origin):  # type: ignore[arg-type]
+    raise RuntimeError(
+        f"The producer of in-band object {obj_id} (pid {origin[2]}) has exited: "  # type: ignore[index]
+        "the object died with it. Keep the producing actor alive until every "
+        "consumer has fetched the object."
+    )
+
+
+def _receive_inline(data: bytes, leaves: list[_dlpack.LeafSpec], destinations: list[Destination]) -> None:
+  """Copies an in-band object's bytes (`DlpackTransportMetadata.inline`:
+  every chunk in leaf order) into its receive destinations."""
+  starts = [0]
+  for leaf in leaves:
+    for chunk in leaf.chunks:
+      starts.append(starts[-1] + chunk.nbytes)
+  if starts[-1] != len(data):
+    raise RuntimeError(
+        f"In-band object holds {len(data)} bytes but its leaves describe {starts[-1]}: "
+        "the producer and consumer run different rdt_jax versions."
+    )
+  view = memoryview(data)
+  for d in destinations:
+    if d.nbytes:
+      begin = starts[d.source] + d.source_offset
+      _dlpack.copy_from_host(d.pointer, view[begin : begin + d.nbytes], d.device)
 
 
 def _actor_can_run(self: Any, cls: type[DlpackTransport]) -> bool:

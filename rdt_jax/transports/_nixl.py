@@ -31,6 +31,10 @@ has the figures):
   memory, never while a transfer from it is in flight:
   removing an agent kills its in-flight transfers, which is how Ray's own
   NIXL transport fails batched gets while the producer frees objects.
+* A consumer on the producer's host reads host memory itself with
+  `process_vm_readv` (`rdt_jax.transports._cma`): UCX's `cma` transport makes
+  the same call at about half the rate; NIXL remains the path for device
+  memory, other hosts, and processes the kernel does not let read each other.
 * A READ in flight is never released or posted again; memory it may still
   write is quarantined until NIXL reports it ended (`NixlTransport` states
   the lifecycle guarantees; docs/faults.md the bounds).
@@ -47,8 +51,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from rdt_jax import _compat, _dlpack, _faults
+from rdt_jax import _compat, _dlpack, _faults, _process
 from rdt_jax._metadata import DlpackTransportMetadata
+from rdt_jax.transports import _cma
 from rdt_jax.transports._base import Destination, DlpackTransport
 
 #: Seconds between progress polls of a process that exports objects.
@@ -508,6 +513,7 @@ class NixlTransport(DlpackTransport):
       self._update_poller()
     meta.agent_name = agent.name
     meta.agent_meta = agent_meta
+    meta.origin = _process.identity()
 
   def _agent_metadata(self) -> bytes:
     """This agent's metadata, fetched again only after new registrations."""
@@ -609,6 +615,8 @@ class NixlTransport(DlpackTransport):
     remote = meta.agent_name
     assert remote is not None and meta.agent_meta is not None
     self._check_live(obj_id, remote, meta)
+    if self._read_directly(obj_id, meta, dests):
+      return None
     self._refresh_remote(remote, meta)  # counts the transfer in flight
     keys: list[tuple] = []
     try:
@@ -638,6 +646,31 @@ class NixlTransport(DlpackTransport):
       self.cancel_receive(receive)
       raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state on start.")
     return receive
+
+  def _read_directly(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> bool:
+    """Reads host memory of a producer on this host with `process_vm_readv`
+    (`rdt_jax.transports._cma`); False (nothing read) where that does not
+    apply or the kernel refuses it, and the caller READs through NIXL.
+
+    Raises:
+      RuntimeError: the producer exited, or its memory could not be read.
+    """
+    if meta.tensor_device != "cpu" or not _cma.can_read(meta.origin):
+      return False
+    if any(d.device.kind != "cpu" for d in dests):
+      return False
+    local, remote = coalesce(*read_pairs(dests, meta))
+    if _faults.ON:
+      _faults.hit("nixl.post")
+    assert meta.origin is not None
+    try:
+      _cma.read(meta.origin, [(a, r, n) for (a, n, _), (r, _, _) in zip(local, remote)])
+    except PermissionError:
+      return False
+    except OSError as e:
+      raise RuntimeError(f"Node-local read of object {obj_id} from pid {meta.origin[2]} failed: {e}") from None
+    self._count(descriptors=len(local), direct=1)
+    return True
 
   def _check_live(self, obj_id: str, remote: str, meta: NixlTransportMetadata) -> None:
     """Refuses to read an object its producer is known to have freed.

@@ -1,0 +1,167 @@
+"""Node-local reads: copy a producer's host memory with `process_vm_readv`.
+
+When a jax_nixl consumer shares its producer's host (same boot id and pid
+namespace, `rdt_jax._process.same_host`) and both sides' memory is host memory,
+it reads the producer's chunks itself, one system call per up to `IOV_MAX`
+descriptors, split over a few threads for large objects. NIXL's UCX reads the
+same memory with the same system call (its `cma` transport), but through its
+request machinery at about half the rate measured here
+(docs/performance.md); reading directly also skips connecting to the
+producer's agent.
+
+The policy, in `enabled`: on unless `RDT_JAX_NIXL_CMA=0`, and off for the
+rest of the process after the kernel refuses the first read (`EPERM`: Yama's
+`ptrace_scope` or a container policy forbids it), which then goes through NIXL
+as before. The producer's memory stays readable for exactly as long as for a
+NIXL read: the consumer holds the object's reference while it reads, and
+`NixlTransport._check_live` refuses objects the producer is known to have freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+from rdt_jax import _faults, _process
+
+logger = logging.getLogger(__name__)
+
+#: Descriptors per system call (Linux's UIO_MAXIOV).
+IOV_MAX: Final = 1024
+#: Objects at least this large are read by several threads.
+PARALLEL_MIN_BYTES: Final = 16 << 20
+#: Threads reading one large object (the calling thread included).
+THREADS: Final = max(1, min(4, os.cpu_count() or 1))
+
+
+class _Iovec(ctypes.Structure):
+  _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _readv() -> object | None:
+  """libc's `process_vm_readv`, or None where there is none."""
+  with _lock:
+    if "readv" not in _state:
+      fn = None
+      try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        fn.restype = ctypes.c_ssize_t
+      except (OSError, AttributeError):
+        fn = None
+      _state["readv"] = fn
+    return _state["readv"]
+
+
+def enabled() -> bool:
+  """True if this process may read other processes' memory directly: not
+  turned off (`RDT_JAX_NIXL_CMA=0`, or refused once by the kernel) and the
+  system call exists."""
+  if os.environ.get("RDT_JAX_NIXL_CMA", "1") == "0" or _state.get("refused"):
+    return False
+  return _readv() is not None
+
+
+def can_read(origin: _process.Identity | None) -> bool:
+  """True if the producer `origin` is a process on this host that this one
+  may read directly (see `enabled`)."""
+  return origin is not None and enabled() and _process.same_host(origin)
+
+
+def _split(pairs: Sequence[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+  """`pairs` (local, remote, nbytes) cut into `parts` runs of about equal
+  bytes; a pair may be cut in two."""
+  total = sum(n for _, _, n in pairs)
+  share = -(-total // parts)
+  out: list[list[tuple[int, int, int]]] = [[]]
+  room = share
+  for local, remote, n in pairs:
+    while n:
+      take = min(n, room)
+      out[-1].append((local, remote, take))
+      local, remote, n, room = local + take, remote + take, n - take, room - take
+      if not room and len(out) < parts:
+        out.append([])
+        room = share
+  return [p for p in out if p]
+
+
+def _read_run(pid: int, pairs: list[tuple[int, int, int]]) -> None:
+  readv = _readv()
+  assert readv is not None
+  for start in range(0, len(pairs), IOV_MAX):
+    batch = pairs[start : start + IOV_MAX]
+    local = (_Iovec * len(batch))(*[_Iovec(a, n) for a, _, n in batch])
+    remote = (_Iovec * len(batch))(*[_Iovec(b, n) for _, b, n in batch])
+    want = sum(n for _, _, n in batch)
+    got = readv(pid, local, len(batch), remote, len(batch), 0)  # type: ignore[operator]
+    if got == want:
+      continue
+    err = ctypes.get_errno() if got < 0 else errno.EFAULT
+    if err == errno.EPERM:
+      raise PermissionError(err, f"process_vm_readv of pid {pid} not permitted")
+    if err == errno.ESRCH:
+      raise ProcessLookupError(err, f"producer process {pid} has exited")
+    raise OSError(err, f"process_vm_readv of pid {pid} read {got} of {want} bytes: {os.strerror(err)}")
+
+
+_pool: list[ThreadPoolExecutor] = []
+
+
+def _executor() -> ThreadPoolExecutor:
+  with _lock:
+    if not _pool:
+      _pool.append(ThreadPoolExecutor(THREADS - 1, thread_name_prefix="rdt-jax-cma"))
+    return _pool[0]
+
+
+def read(origin: _process.Identity, pairs: Sequence[tuple[int, int, int]]) -> None:
+  """Copies each (local address, remote address, nbytes) of producer
+  `origin` into this process; returns when every byte is in place.
+
+  Raises:
+    PermissionError: the kernel refused (this process then stops trying:
+      `enabled()` turns False, and the caller reads through NIXL instead).
+    ProcessLookupError: the producer exited, or its pid now names another
+      process (nothing was read from it).
+    OSError: part of the producer's memory could not be read.
+  """
+  if not _process.alive(origin):
+    raise ProcessLookupError(errno.ESRCH, f"producer process {origin[2]} has exited")
+  pid = origin[2]
+  total = sum(n for _, _, n in pairs)
+  try:
+    if _faults.ON:
+      try:
+        _faults.hit("cma.read")
+      except _faults.InjectedFault as e:
+        raise PermissionError(errno.EPERM, str(e)) from None
+    if total < PARALLEL_MIN_BYTES or THREADS == 1:
+      _read_run(pid, list(pairs))
+      return
+    runs = _split(pairs, THREADS)
+    futures = [_executor().submit(_read_run, pid, run) for run in runs[1:]]
+    try:
+      _read_run(pid, runs[0])
+    finally:
+      errors = [f.exception() for f in futures]  # waits for every thread
+    for error in errors:
+      if error is not None:
+        raise error
+  except PermissionError:
+    if not _state.get("refused"):
+      logger.info("process_vm_readv was refused (ptrace_scope?); jax_nixl reads through NIXL from now on")
+    _state["refused"] = True
+    raise

@@ -1,0 +1,176 @@
+"""Node-local reads: a jax_nixl consumer on its producer's host copies the
+producer's host memory itself (`rdt_jax.transports._cma`), and falls back to
+NIXL where the kernel refuses it or `RDT_JAX_NIXL_CMA=0` turns it off.
+
+Objects here are larger than the in-band threshold, so they are exported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+
+import rdt_jax
+from _helpers import digest, sample, transport_manager, wait_for
+from conftest import WORKER_PYTHONPATH, start_ray
+from rdt_jax import _process
+from rdt_jax.transports import _cma
+
+rdt_jax.register()
+
+BIG = 1 << 20  # above the in-band threshold
+IOV = 1 << 16
+
+
+# ---- the reader, in one process
+
+
+def test_split_cuts_runs_of_equal_bytes():
+  pairs = [(1000, 5000, 10), (2000, 6000, 3), (3000, 7000, 7)]
+  runs = _cma._split(pairs, 2)
+  assert [sum(n for _, _, n in r) for r in runs] == [10, 10]
+  assert runs[0] == [(1000, 5000, 10)] and runs[1] == [(2000, 6000, 3), (3000, 7000, 7)]
+  runs = _cma._split([(0, 100, 9)], 4)
+  assert runs == [[(0, 100, 3)], [(3, 103, 3)], [(6, 106, 3)]]
+  assert _cma._split([(0, 0, 5)], 1) == [[(0, 0, 5)]]
+
+
+def test_read_copies_from_a_process_exactly(monkeypatch):
+  src = np.frombuffer(os.urandom(3 * IOV + 64), np.uint8).copy()
+  dst = np.zeros_like(src)
+  me = _process.identity()
+  # More descriptors than one system call takes, and large enough for threads.
+  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * _cma.IOV_MAX + 5)]
+  pairs.append((dst.ctypes.data + 2 * _cma.IOV_MAX + 5, src.ctypes.data + 2 * _cma.IOV_MAX + 5,
+                src.nbytes - 2 * _cma.IOV_MAX - 5))
+  monkeypatch.setattr(_cma, "PARALLEL_MIN_BYTES", 1024)
+  _cma.read(me, pairs)
+  assert np.array_equal(src, dst)
+
+
+def test_read_refuses_a_producer_that_exited_or_a_reused_pid():
+  me = _process.identity()
+  buf = np.zeros(8, np.uint8)
+  with pytest.raises(ProcessLookupError, match="has exited"):
+    _cma.read((*me[:3], me[3] + 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
+  with open("/proc/sys/kernel/pid_max") as f:
+    never = int(f.read())
+  with pytest.raises(ProcessLookupError):
+    _cma.read((*me[:2], never, 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
+
+
+def test_unreadable_memory_is_an_error():
+  me = _process.identity()
+  buf = np.zeros(8, np.uint8)
+  with pytest.raises(OSError, match=r"read -1 of 8 bytes|Bad address"):
+    _cma.read(me, [(buf.ctypes.data, 8, 8)])  # address 8 is never mapped
+
+
+def test_switched_off_by_environment(monkeypatch):
+  me = _process.identity()
+  assert _cma.can_read(me) and not _cma.can_read(None)
+  assert not _cma.can_read(("another-host", me[1], me[2], me[3]))
+  monkeypatch.setenv("RDT_JAX_NIXL_CMA", "0")
+  assert not _cma.enabled() and not _cma.can_read(me)
+
+
+# ---- end to end through Ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray():
+  start_ray(num_cpus=8)
+  yield
+  ray.shutdown()
+
+
+def _actor(cls, **env: str):
+  return cls.options(runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **env}}).remote()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Producer:
+  def __init__(self):
+    rdt_jax.register()
+
+  @ray.method(tensor_transport="jax_nixl")
+  def tree(self, seed: int):
+    return {"w": jnp.asarray(sample((BIG // 4,), "float32", seed)),
+            "small": [jnp.asarray(sample((5, 7), "bfloat16", seed + i)) for i in range(40)],
+            "np": sample((BIG // 8,), "int64", seed)}
+
+  @ray.method(tensor_transport="jax_nixl")
+  def big(self, nbytes: int):
+    return jnp.asarray(sample((nbytes // 4,), "int32", 3))
+
+  def pid(self) -> int:
+    return os.getpid()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Consumer:
+  def __init__(self):
+    rdt_jax.register()
+
+  def take(self, value) -> tuple:
+    stats = transport_manager("jax_nixl").receive_stats(reset=True)
+    leaves = jax.tree_util.tree_leaves(value)
+    return [digest(x) for x in leaves], stats, _cma.enabled()
+
+
+def _want_tree(seed: int) -> list[str]:
+  tree = {"w": jnp.asarray(sample((BIG // 4,), "float32", seed)),
+          "small": [jnp.asarray(sample((5, 7), "bfloat16", seed + i)) for i in range(40)],
+          "np": sample((BIG // 8,), "int64", seed)}
+  return [digest(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_same_host_reads_directly_and_exactly():
+  producer, consumer = _actor(Producer), _actor(Consumer)
+  digests, stats, _ = ray.get(consumer.take.remote(producer.tree.remote(1)), timeout=60)
+  assert digests == _want_tree(1)
+  assert stats["direct"] == 1 and stats["descriptors"] >= 2
+  digests, stats, _ = ray.get(consumer.take.remote(producer.big.remote(64 << 20)), timeout=60)
+  assert digests == [digest(jnp.asarray(sample(((64 << 20) // 4,), "int32", 3)))]
+  assert stats["direct"] == 1  # several threads: 64 MiB is above PARALLEL_MIN_BYTES
+  ray.kill(producer)
+  ray.kill(consumer)
+
+
+def test_switched_off_reads_through_nixl():
+  producer, consumer = _actor(Producer), _actor(Consumer, RDT_JAX_NIXL_CMA="0")
+  digests, stats, enabled = ray.get(consumer.take.remote(producer.tree.remote(2)), timeout=60)
+  assert digests == _want_tree(2) and stats["direct"] == 0 and not enabled
+  ray.kill(producer)
+  ray.kill(consumer)
+
+
+def test_refused_read_falls_back_to_nixl_for_good():
+  # The kernel's refusal (EPERM under Yama's ptrace_scope, or for a
+  # non-dumpable producer) cannot be caused here: the tests run as root, whose
+  # CAP_SYS_PTRACE overrides both. The cma.read fault point raises it instead.
+  producer, consumer = _actor(Producer), _actor(Consumer, RDT_JAX_FAULTS="cma.read:fail*1")
+  digests, stats, enabled = ray.get(consumer.take.remote(producer.tree.remote(3)), timeout=60)
+  assert digests == _want_tree(3) and stats["direct"] == 0
+  assert not enabled  # refused once: this consumer stops trying
+  digests, stats, enabled = ray.get(consumer.take.remote(producer.tree.remote(5)), timeout=60)
+  assert digests == _want_tree(5) and stats["direct"] == 0
+  ray.kill(producer)
+  ray.kill(consumer)
+
+
+def test_producer_that_died_is_an_error_naming_it():
+  producer, consumer = _actor(Producer), _actor(Consumer)
+  ref = producer.tree.remote(4)
+  ray.wait([ref])
+  pid = ray.get(producer.pid.remote())
+  ray.kill(producer)
+  assert wait_for(lambda: _process.start_time(pid) is None)
+  with pytest.raises(ray.exceptions.RayTaskError, match=rf"source actor may have died(.|\n)*pid {pid}"):
+    ray.get(consumer.take.remote(ref), timeout=60)
+  ray.kill(consumer)

@@ -1,0 +1,219 @@
+"""Small objects travel in band: their bytes ride in the transport metadata.
+
+The policy (`rdt_jax.transports._base.inline_max_bytes`): an object whose
+leaves are all host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes
+in all is copied into its metadata; the backend registers, sends and reads
+nothing. Checked here in one process (two NIXL agents, as Ray drives them),
+and end to end through Ray for every transport kind: one-sided (jax_nixl),
+two-sided (jax_gloo) and whole-array (jax_transfer).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.experimental.collective import create_collective_group, destroy_collective_group
+from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
+
+import rdt_jax
+from _helpers import digest, sample, transport_manager, wait_for
+from conftest import WORKER_PYTHONPATH, start_ray
+from rdt_jax import _dlpack, _process, _state
+from rdt_jax.transports import _base
+from rdt_jax.transports._nixl import NixlTransport
+
+rdt_jax.register()  # the transports exist before the actor classes below name them
+
+# ---- the policy, in one process
+
+
+def _export(prod: NixlTransport, obj: str, leaves: list):
+  for i, x in enumerate(leaves):
+    _state.record_described(x, _dlpack.describe(x, f"[{i}]"))
+  return prod.extract_tensor_transport_metadata(obj, leaves)
+
+
+def _fetch(cons: NixlTransport, obj: str, meta) -> list:
+  meta = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(meta))))  # producer -> owner -> consumer
+  request = cons.fetch_multiple_tensors(obj, meta, CommunicatorMetadata())
+  return cons.wait_fetch_complete(request, 30)
+
+
+@pytest.fixture(scope="module")
+def agents():
+  return NixlTransport(), NixlTransport()
+
+
+def test_threshold_default_and_environment(monkeypatch):
+  monkeypatch.delenv("RDT_JAX_INLINE_MAX_BYTES", raising=False)
+  assert _base.inline_max_bytes() == _base.INLINE_MAX_BYTES == 100 << 10
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
+  assert _base.inline_max_bytes() == 0
+  for bad in ("-1", "64KiB", ""):
+    monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", bad)
+    with pytest.raises(ValueError, match="RDT_JAX_INLINE_MAX_BYTES"):
+      _base.inline_max_bytes()
+
+
+def test_small_mixed_tree_moves_in_band_exactly(agents):
+  prod, cons = agents
+  leaves = [
+      jnp.asarray(sample((3, 5), "bfloat16", 1)),
+      np.ascontiguousarray(sample((7,), "int64", 2)),
+      torch.from_numpy(sample((2, 2), "float32", 3)),
+      jnp.zeros((0, 4), jnp.float32),
+      jnp.asarray(sample((), "uint8", 4)),
+  ]
+  before = prod.num_registrations()
+  cons.receive_stats(reset=True)
+  meta = _export(prod, "inline-mixed", leaves)
+  assert isinstance(meta.inline, bytes)
+  assert len(meta.inline) == meta.nbytes == sum(_dlpack.describe(x, "x").spec.nbytes for x in leaves)
+  assert meta.agent_name is None and prod.num_registrations() == before  # nothing exported
+  got = _fetch(cons, "inline-mixed", meta)
+  stats = cons.receive_stats(reset=True)
+  assert stats["inline"] == 1 and stats["descriptors"] == 0
+  assert [digest(g) for g in got] == [digest(x) for x in leaves]
+  assert [type(g) for g in got] == [type(x) for x in leaves]  # "source" mode: as they left
+  prod.garbage_collect("inline-mixed", meta, leaves)  # releasing an in-band object is a no-op
+
+
+def test_threshold_is_inclusive_and_zero_turns_it_off(agents, monkeypatch):
+  prod, cons = agents
+  x = jnp.asarray(sample((256,), "float32", 5))  # 1 KiB
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "1024")
+  at = _export(prod, "inline-at", [x])
+  assert at.inline is not None
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "1023")
+  over = _export(prod, "inline-over", [x])
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
+  off = _export(prod, "inline-off", [x])
+  assert over.inline is None and off.inline is None and over.agent_name is not None
+  cons.receive_stats(reset=True)
+  for obj, meta in (("inline-at", at), ("inline-over", over), ("inline-off", off)):
+    assert digest(_fetch(cons, obj, meta)[0]) == digest(x)
+    prod.garbage_collect(obj, meta, [x])
+  stats = cons.receive_stats(reset=True)
+  assert stats["inline"] == 1 and stats["fetches"] == 3 and stats["descriptors"] >= 2
+
+
+def sharded_round_trip() -> tuple[int, str, str, bool]:
+  """In a process with 2 cpu devices: a sharded leaf in band, end to end."""
+  prod, cons = NixlTransport(), NixlTransport()
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  x = jax.device_put(sample((8, 4), "float32", 6), sharding)
+  meta = _export(prod, "inline-sharded", [x])
+  assert meta.inline is not None
+  (got,) = _fetch(cons, "inline-sharded", meta)
+  return len(meta.leaves[0].chunks), digest(got), digest(x), got.sharding.is_equivalent_to(x.sharding, 2)
+
+
+def test_process_identity_and_origin_check():
+  me = _process.identity()
+  assert me is not None and me[2] == os.getpid()
+  _base._check_origin("o", me)  # alive: no error
+  _base._check_origin("o", None)  # no origin (another producer version): delivered
+  _base._check_origin("o", ("another-host", me[1], 1, 1))  # another host: cannot tell, delivered
+  with open("/proc/sys/kernel/pid_max") as f:
+    never = int(f.read())  # pids are below pid_max: no process has this one
+  with pytest.raises(RuntimeError, match=rf"pid {never}\) has exited"):
+    _base._check_origin("o", (*me[:2], never, 1))
+  with pytest.raises(RuntimeError, match="has exited"):
+    _base._check_origin("o", (*me[:3], me[3] + 1))  # the pid now names another process
+
+
+def test_wrong_inline_length_is_an_error_not_a_guess(agents):
+  prod, cons = agents
+  x = jnp.asarray(sample((4,), "int32", 7))
+  meta = _export(prod, "inline-short", [x])
+  meta.inline = meta.inline[:-1]
+  with pytest.raises(RuntimeError, match="different rdt_jax versions"):
+    _fetch(cons, "inline-short", meta)
+
+
+# ---- end to end through Ray, one transport of each kind
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+  start_ray(num_cpus=8)
+  yield
+  ray.shutdown()
+
+
+def _env(**extra: str) -> dict:
+  return {"runtime_env": {"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **extra}}}
+
+
+@ray.remote(enable_tensor_transport=True)
+class Side:
+  def __init__(self):
+    rdt_jax.register()
+
+  @ray.method(tensor_transport="jax_nixl")
+  def nixl(self, seed: int):
+    return {"w": jnp.asarray(sample((64,), "float32", seed)), "b": np.arange(3, dtype=np.int16)}
+
+  @ray.method(tensor_transport="jax_gloo")
+  def gloo(self, seed: int):
+    return {"w": jnp.asarray(sample((64,), "float32", seed)), "b": np.arange(3, dtype=np.int16)}
+
+  @ray.method(tensor_transport="jax_transfer")
+  def transfer(self, seed: int):
+    return {"w": jnp.asarray(sample((64,), "float32", seed)), "b": np.arange(3, dtype=np.int16)}
+
+  def sharded_round_trip(self) -> tuple:
+    return sharded_round_trip()
+
+  def pid(self) -> int:
+    return os.getpid()
+
+  def take(self, value, transport: str) -> tuple:
+    stats = transport_manager(transport).receive_stats(reset=True)
+    return digest(value["w"]), digest(value["b"]), type(value["w"]).__name__, stats["inline"]
+
+
+@pytest.mark.parametrize("transport", ["jax_nixl", "jax_gloo", "jax_transfer"])
+def test_small_object_in_band_through_ray(ray_cluster, transport):
+  producer, consumer = Side.options(**_env()).remote(), Side.options(**_env()).remote()
+  group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
+  try:
+    ref = getattr(producer, transport.removeprefix("jax_")).remote(11)
+    got = ray.get(consumer.take.remote(ref, transport), timeout=60)
+    want = (digest(jnp.asarray(sample((64,), "float32", 11))), digest(np.arange(3, dtype=np.int16)))
+    assert got[:2] == want
+    assert got[2] == "ArrayImpl" and got[3] == 1
+  finally:
+    if group is not None:
+      destroy_collective_group(group)
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
+def test_sharded_leaf_in_band_keeps_its_sharding(ray_cluster):
+  side = Side.options(**_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")).remote()
+  chunks, got, want, same_sharding = ray.get(side.sharded_round_trip.remote(), timeout=60)
+  assert chunks == 2 and got == want and same_sharding
+  ray.kill(side)
+
+
+def test_in_band_object_fails_once_its_producer_died(ray_cluster):
+  """As an object read out of band would: the bytes are at the owner, but the
+  producer is gone, so the consumer's fetch is an error naming it."""
+  producer, consumer = Side.options(**_env()).remote(), Side.options(**_env()).remote()
+  ref = producer.nixl.remote(3)
+  ray.wait([ref])  # created: its metadata (with the bytes) is at the owner
+  pid = ray.get(producer.pid.remote())
+  ray.kill(producer)
+  assert wait_for(lambda: _process.start_time(pid) is None)  # ray.kill returns before the process is gone
+  with pytest.raises(ray.exceptions.RayTaskError, match=rf"source actor may have died(.|\n)*pid {pid}\) has exited"):
+    ray.get(consumer.take.remote(ref, "jax_nixl"), timeout=60)
+  ray.kill(consumer)
