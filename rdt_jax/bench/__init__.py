@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--paths", type=_csv, default=None,
                       help="comma-separated path ids to run: rdt_jax transport names "
                            "(jax_nixl, ...), ray_nixl_torch, object_store_numpy, "
-                           "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax")
+                           "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax; "
+                           "opt-in (only when named): jax_nixl_oob (in-band off), "
+                           "jax_nixl_ucx (node-local reads off)")
   parser.add_argument("--cases", type=_csv, default=None,
                       help="comma-separated cases: sizes (4KiB, 256MiB, 1GiB), treeN[xSIZE], "
                            "refsN[xSIZE], fanoutN[xSIZE], plain[SIZE]; prefix gpu: for device cases")
@@ -248,7 +250,7 @@ def _document(
       ],
       "skips": state.skips,
       "summary": [s.to_json() for s in summaries],
-      "targets": [t.to_json() for t in _stats.targets(summaries)],
+      "targets": [t.to_json() for t in _stats.targets(summaries, idle_cpu=state.idle_cpu)],
       "overhead": _stats.overhead(summaries, state.splits, state.cases),
       "splits": state.splits,
       "plain_check": plain_check,

@@ -48,6 +48,18 @@ NIXL_TCP: Final = "jax_nixl_tcp"
 #: The environment of that path's actors: UCX may use TCP only, so NIXL reads
 #: over sockets even between processes of one host.
 TCP_ENV: Final = {"UCX_TLS": "tcp"}
+#: jax_nixl with in-band sending off (every object is registered and READ):
+#: run beside jax_nixl, it measures the in-band threshold. Opt-in (`--paths`).
+NIXL_OOB: Final = "jax_nixl_oob"
+OOB_ENV: Final = {"RDT_JAX_INLINE_MAX_BYTES": "0"}
+#: jax_nixl with node-local reads off (every READ goes through NIXL's UCX):
+#: run beside jax_nixl, it measures what `process_vm_readv` gains. Opt-in.
+NIXL_UCX: Final = "jax_nixl_ucx"
+UCX_ENV: Final = {"RDT_JAX_NIXL_CMA": "0"}
+#: Paths a run includes only when `--paths` names them.
+OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_UCX)
+#: Actor group name and environment of the paths whose actors need their own.
+GROUP_ENV: Final = {NIXL_TCP: ("tcp", TCP_ENV), NIXL_OOB: ("oob", OOB_ENV), NIXL_UCX: ("ucx", UCX_ENV)}
 
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -88,6 +88,12 @@ def _row_name(case: dict[str, Any], variant: str) -> str:
   return name
 
 
+def _target_value(t: dict[str, Any]) -> str:
+  if t["value"] is None:
+    return ""
+  return f"{t['value']:.2f}" + ("" if t["name"].startswith("idle CPU") else "x")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
   out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
   out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -159,11 +165,11 @@ def markdown(doc: dict[str, Any]) -> str:
       table_rows.append([_row_name(c, v), *(f"{s['ratios'][b]:.2f}x" if b in s["ratios"] else "" for b in baselines)])
     lines += _table(["case", *(f"vs {labels[b]}" for b in baselines)], table_rows)
   lines += _overhead_lines(doc, labels)
-  lines += ["", "## Targets (issue 5, ratios of medians in this run)", ""]
+  lines += ["", "## Targets (issue 14, ratios of medians in this run)", ""]
   lines += _table(
       ["target", "goal", "measured", "met", "from"],
       [
-          [t["name"], t["goal"], "" if t["value"] is None else f"{t['value']:.2f}x",
+          [t["name"], t["goal"], _target_value(t),
            {True: "met", False: "NOT met", None: "n/a"}[t["met"]], t["detail"]]
           for t in doc["targets"]
       ],

@@ -230,6 +230,17 @@ def _transport_paths(registered: list[str]) -> list[ActorPath]:
       )
       tcp.transport_class = cls
       paths.append(tcp)
+      oob = ActorPath(
+          _paths.NIXL_OOB, "jax_nixl, in-band off (jax.Array)", "rdt_jax", "jax", name, ("cpu",),
+      )
+      oob.transport_class = cls
+      paths.append(oob)
+      ucx = ActorPath(
+          _paths.NIXL_UCX, "jax_nixl, node-local reads off (jax.Array)", "rdt_jax", "jax", name, ("cpu",),
+          refs_skip="the driver reads node-locally",
+      )
+      ucx.transport_class = cls
+      paths.append(ucx)
   return paths
 
 
@@ -278,13 +289,13 @@ def make_paths(registered: list[str], cases: list[_cases.Case]) -> list[Path]:
 
 
 def select_paths(paths: list[Path], wanted: tuple[str, ...] | None) -> list[Path]:
-  """The paths named in `wanted` (all if None).
+  """The paths named in `wanted` (all but the opt-in ones if None).
 
   Raises:
     ValueError: for a name that is not a path here, listing those that are.
   """
   if wanted is None:
-    return paths
+    return [p for p in paths if p.id not in _paths.OPT_IN_PATHS]
   known = {p.id for p in paths} | {_paths.PLAIN_WITH, _paths.PLAIN_WITHOUT}
   unknown = [w for w in wanted if w not in known]
   if unknown:
@@ -333,9 +344,8 @@ def setup(state: RunState, progress: Progress) -> None:
     for device in actor_devices:
       if device not in p.devices:
         continue
-      name = "ray_nixl" if p.id in _paths.RAY_TORCH_PATHS else "tcp" if p.id == _paths.NIXL_TCP else "main"
+      name, env = _paths.GROUP_ENV.get(p.id, ("ray_nixl" if p.id in _paths.RAY_TORCH_PATHS else "main", None))
       preload = ("torch",) if p.id in _paths.RAY_TORCH_PATHS else ("jax",)
-      env = _paths.TCP_ENV if p.id == _paths.NIXL_TCP else None
       p.groups[device] = group(
           name,
           device,
