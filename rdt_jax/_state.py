@@ -147,8 +147,9 @@ HANDOFF_MAX = 256
 @dataclass
 class _Handoff:
   leaves: list[Callable[[], Any]]
-  # Per leaf: its description without arrays, and weak references to them.
-  described: list[tuple[_dlpack.DescribedLeaf, tuple[Callable[[], Any], ...]] | None]
+  # Per leaf: its description without arrays, and weak references to them
+  # (None: the one array is the leaf itself, referenced by `leaves`).
+  described: list[tuple[_dlpack.DescribedLeaf, tuple[Callable[[], Any], ...] | None] | None]
   created: float
 
 
@@ -189,14 +190,22 @@ def finish_serialization(leaves: list[Any]) -> None:
   serializing.described = {}
   if not leaves:
     return
-  found: list[tuple[_dlpack.DescribedLeaf, tuple[Callable[[], Any], ...]] | None] = []
+  found: list[tuple[_dlpack.DescribedLeaf, tuple[Callable[[], Any], ...] | None] | None] = []
+  new = tuple.__new__  # a third of NamedTuple._replace's time, per leaf
   for leaf in leaves:
     hit = described.get(id(leaf))
     if hit is None or hit[0] is not leaf:
       found.append(None)
+      continue
+    d = hit[1]
+    arrays = d.arrays
+    bare = new(_dlpack.DescribedLeaf, (d.spec, d.pointers, d.device_indices, ()))
+    # The common case, one chunk whose array is the leaf itself: the leaf's
+    # own reference (the hand-off's key) covers it; None stands for (leaf,).
+    if len(arrays) == 1 and arrays[0] is leaf:
+      found.append((bare, None))
     else:
-      d = hit[1]
-      found.append((d._replace(arrays=()), tuple(_ref(a) for a in d.arrays)))
+      found.append((bare, tuple(_ref(a) for a in arrays)))
   if not any(f is not None for f in found):
     return
   entry = _Handoff([_ref(x) for x in leaves], found, time.monotonic())
@@ -229,15 +238,16 @@ def take_described(leaves: list[Any]) -> list[_dlpack.DescribedLeaf]:
     if key in _handoffs and not _handoffs[key]:
       del _handoffs[key]
   out = []
+  new = tuple.__new__
   for i, leaf in enumerate(leaves):
     hit = entry.described[i] if entry is not None else None
     if hit is None:
       out.append(_dlpack.describe(leaf, f"<leaf {i}>"))
       continue
     d, refs = hit
-    arrays = tuple(r() for r in refs)
-    if all(a is not None for a in arrays):
-      out.append(d._replace(arrays=arrays))
+    arrays = (leaf,) if refs is None else tuple(r() for r in refs)
+    if refs is None or all(a is not None for a in arrays):
+      out.append(new(_dlpack.DescribedLeaf, (d.spec, d.pointers, d.device_indices, arrays)))
     else:  # the chunks' arrays (shards made for the description) are gone
       out.append(_dlpack.describe(leaf, d.spec.path))
   return out

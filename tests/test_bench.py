@@ -94,8 +94,9 @@ def test_ratios_targets_and_checks(bench_run):
   )
   assert four_kib["met"] == (four_kib["value"] <= 1.2)
   assert all(t["met"] is None for n, t in by_name.items() if "256 MiB" in n or "leaves" in n)  # not in this run
-  idle = by_name["idle CPU per actor group (cores, worst group)"]
-  assert idle["value"] == pytest.approx(max(doc["idle_cpu"].values()))
+  idle = by_name["idle CPU per rdt_jax actor group (cores, worst group)"]
+  rdt_jax_groups = ("main@cpu", "tcp@cpu")  # not ray_nixl@cpu: Ray's own NIXL spins a core
+  assert idle["value"] == pytest.approx(max(doc["idle_cpu"][g] for g in rdt_jax_groups))
   assert idle["met"] == (idle["value"] <= 0.05)
   plain = doc["plain_check"]
   assert plain["nbytes"] == 64 * 1024

@@ -75,6 +75,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
   )
 
 
+def _rdt_jax_idle(state: Any) -> dict[str, float]:
+  """Idle CPU of the actor groups that run rdt_jax transports (not Ray's own
+  transports' groups, whose NIXL progress thread is Ray's)."""
+  names = {
+      g.name
+      for p in state.paths
+      if getattr(p, "kind", None) == "rdt_jax"
+      for g in getattr(p, "groups", {}).values()
+  }
+  return {k: v for k, v in state.idle_cpu.items() if k in names}
+
+
 def validate(config: BenchConfig) -> None:
   """Checks the cases and path names `config` asks for, before anything starts.
 
@@ -250,7 +262,7 @@ def _document(
       ],
       "skips": state.skips,
       "summary": [s.to_json() for s in summaries],
-      "targets": [t.to_json() for t in _stats.targets(summaries, idle_cpu=state.idle_cpu)],
+      "targets": [t.to_json() for t in _stats.targets(summaries, idle_cpu=_rdt_jax_idle(state))],
       "overhead": _stats.overhead(summaries, state.splits, state.cases),
       "splits": state.splits,
       "plain_check": plain_check,

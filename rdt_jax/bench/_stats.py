@@ -166,7 +166,8 @@ def targets(
     idle_cpu: dict[str, float] | None = None,
 ) -> list[Target]:
   """The issue-14 targets for `transport` (which keep issue 5's), each met
-  or not, from one run. `idle_cpu` is the run's idle CPU per actor group."""
+  or not, from one run. `idle_cpu` is the run's idle CPU per actor group of
+  rdt_jax transports."""
   t = transport
   os_np, os_jax, ray_nixl = _paths.OS_NUMPY, _paths.OS_JAX, _paths.RAY_NIXL
   out = []
@@ -203,7 +204,7 @@ IDLE_CORES_MAX: Final = 0.05
 
 
 def _idle_target(idle_cpu: dict[str, float] | None) -> Target:
-  name = "idle CPU per actor group (cores, worst group)"
+  name = "idle CPU per rdt_jax actor group (cores, worst group)"
   goal = f"<= {IDLE_CORES_MAX}"
   if not idle_cpu:
     return Target(name, goal, None, None, "not measured in this run")
