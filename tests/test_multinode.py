@@ -54,10 +54,11 @@ class Node:
     return tree_fingerprint(value)
 
 
-#: Each cluster runs twice: with UCX's default transports (shared memory and
-#: CMA between processes of one host) and restricted to TCP, so that NIXL reads
-#: over sockets as it does between real nodes without RDMA.
-UCX_ENVS = {"default-ucx": {}, "ucx-tcp": {"UCX_TLS": "tcp"}}
+#: Each cluster runs twice: with the defaults (the simulated nodes share a host,
+#: so jax_nixl reads node-locally, rdt_jax.transports._cma) and with UCX
+#: restricted to TCP and node-local reads off, so that NIXL reads over sockets
+#: as it does between real nodes without RDMA.
+UCX_ENVS = {"default-ucx": {}, "ucx-tcp": {"UCX_TLS": "tcp", "RDT_JAX_NIXL_CMA": "0"}}
 
 
 @pytest.fixture(scope="module", params=list(UCX_ENVS))
