@@ -4,10 +4,10 @@ When a jax_nixl consumer shares its producer's host (same boot id and pid
 namespace, `rdt_jax._process.same_host`) and both sides' memory is host memory,
 it reads the producer's chunks itself, one system call per up to `IOV_MAX`
 descriptors, split over a few threads for large objects. NIXL's UCX reads the
-same memory with the same system call (its `cma` transport), but through its
-request machinery at about half the rate measured here
-(docs/performance.md); reading directly also skips connecting to the
-producer's agent.
+same memory with the same system call (its `cma` transport), from one thread
+per READ; reading in several threads at once is where most of the gain on
+large objects comes from (docs/performance.md), and reading directly also skips
+connecting to the producer's agent and NIXL's request machinery.
 
 The policy, in `enabled`: on unless `RDT_JAX_NIXL_CMA=0`, and off for the
 rest of the process after the kernel refuses the first read (`EPERM`: Yama's

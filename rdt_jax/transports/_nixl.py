@@ -32,8 +32,9 @@ has the figures):
   removing an agent kills its in-flight transfers, which is how Ray's own
   NIXL transport fails batched gets while the producer frees objects.
 * A consumer on the producer's host reads host memory itself with
-  `process_vm_readv` (`rdt_jax.transports._cma`): UCX's `cma` transport makes
-  the same call at about half the rate; NIXL remains the path for device
+  `process_vm_readv` (`rdt_jax.transports._cma`), in several threads for large
+  objects (UCX's `cma` transport makes the same call from one thread per
+  READ); NIXL remains the path for device
   memory, other hosts, and processes the kernel does not let read each other.
 * A READ in flight is never released or posted again; memory it may still
   write is quarantined until NIXL reports it ended (`NixlTransport` states
