@@ -36,6 +36,11 @@ OUT_OF_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0", "RDT_JAX_NIXL_CMA": "0"}
 NOT_IN_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0"}
 
 
+def worker_env(**env: str) -> dict:
+  """An actor's `runtime_env`: its worker can import the tests, with `env` set."""
+  return {"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **env}}
+
+
 def start_ray(env: dict[str, str] | None = None, **kwargs) -> None:
   """Starts a local Ray for one test module, workers able to import tests.
 
@@ -74,7 +79,8 @@ def _restore_environment():
 
 @pytest.fixture(scope="module")
 def ray_session(request):
-  """A local Ray for the module, in the module's `RAY_ENV` if it sets one."""
-  start_ray(env=getattr(request.module, "RAY_ENV", None))
+  """A local Ray for the module, in the module's `RAY_ENV` and with its
+  `RAY_NUM_CPUS` (default 8) if it sets them."""
+  start_ray(env=getattr(request.module, "RAY_ENV", None), num_cpus=getattr(request.module, "RAY_NUM_CPUS", 8))
   yield
   ray.shutdown()

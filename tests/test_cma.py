@@ -17,7 +17,7 @@ import ray
 
 import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
-from conftest import WORKER_PYTHONPATH, start_ray
+from conftest import start_ray, worker_env
 from rdt_jax import _process
 from rdt_jax.transports import _cma
 
@@ -90,7 +90,7 @@ def _ray():
 
 
 def _actor(cls, **env: str):
-  return cls.options(runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **env}}).remote()
+  return cls.options(runtime_env=worker_env(**env)).remote()
 
 
 @ray.remote(enable_tensor_transport=True)

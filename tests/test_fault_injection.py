@@ -19,7 +19,7 @@ import pytest
 import ray
 
 import rdt_jax
-from conftest import OUT_OF_BAND_ENV, WORKER_PYTHONPATH, start_ray, wait_for, wait_meta
+from conftest import OUT_OF_BAND_ENV, wait_for, wait_meta, worker_env
 from rdt_jax import _dlpack, _faults
 
 rdt_jax.register()
@@ -93,17 +93,16 @@ class Consumer:
 
 def faulted(cls, spec: str, **env_vars: str):
   """A started actor of `cls` whose process injects the faults of `spec`."""
-  env = {"PYTHONPATH": WORKER_PYTHONPATH, "RDT_JAX_FAULTS": spec, **env_vars}
-  actor = cls.options(runtime_env={"env_vars": env}).remote()
+  actor = cls.options(runtime_env=worker_env(RDT_JAX_FAULTS=spec, **env_vars)).remote()
   ray.get(actor.ready.remote())  # bounds below time the fault, not the start
   return actor
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ray():
-  start_ray(env=OUT_OF_BAND_ENV, num_cpus=16)  # faults of NIXL's READ path, at every size
-  yield
-  ray.shutdown()
+# One local Ray session for the module (conftest.ray_session): faults of
+# NIXL's READ path, at every size.
+RAY_ENV = OUT_OF_BAND_ENV
+RAY_NUM_CPUS = 16
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from _helpers import (
     wait_for,
     wait_meta,
 )
-from conftest import OUT_OF_BAND_ENV, WORKER_PYTHONPATH, start_ray
+from conftest import OUT_OF_BAND_ENV, WORKER_PYTHONPATH, worker_env
 
 rdt_jax.register()
 
@@ -123,11 +123,11 @@ class Consumer:
     return outcome, transport.num_registrations()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ray():
-  start_ray(env=OUT_OF_BAND_ENV, num_cpus=24)  # faults of NIXL's READ path, at every size
-  yield
-  ray.shutdown()
+# One local Ray session for the module (conftest.ray_session): faults of
+# NIXL's READ path, at every size.
+RAY_ENV = OUT_OF_BAND_ENV
+RAY_NUM_CPUS = 24
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +239,7 @@ def test_get_timeout_is_honoured():
   producer = Producer.remote()
   ref = producer.make.remote(64 << 20)
   wait_meta(ref)
-  env = {"PYTHONPATH": WORKER_PYTHONPATH, "RDT_JAX_FAULTS": "nixl.wait:delay=5*1"}
-  slow = Consumer.options(runtime_env={"env_vars": env}).remote()
+  slow = Consumer.options(runtime_env=worker_env(RDT_JAX_FAULTS="nixl.wait:delay=5*1")).remote()
   ray.get(slow.stats.remote())  # started: the bound below times the fetch only
   t0 = time.monotonic()
   with pytest.raises(ray.exceptions.RayError, match="timed out"):
@@ -258,8 +257,7 @@ def test_abort_interrupts_the_wait_and_releases():
   # A READ on one host may be DONE as soon as it is posted (UCX copies with
   # process_vm_readv at once): the injected delay keeps it looking in flight,
   # so the abort is what ends the wait.
-  env = {"PYTHONPATH": WORKER_PYTHONPATH, "RDT_JAX_FAULTS": "nixl.wait:delay=5*1"}
-  consumer = Consumer.options(runtime_env={"env_vars": env}).remote()
+  consumer = Consumer.options(runtime_env=worker_env(RDT_JAX_FAULTS="nixl.wait:delay=5*1")).remote()
   ref = producer.make.remote(64 << 20)
   wait_meta(ref)
   outcome, registrations = ray.get(consumer.fetch_then_abort.remote([ref]))

@@ -24,7 +24,7 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
-from conftest import WORKER_PYTHONPATH, start_ray
+from conftest import start_ray, worker_env
 from rdt_jax import _dlpack, _process, _state
 from rdt_jax.transports import _base
 from rdt_jax.transports._nixl import NixlTransport
@@ -149,10 +149,6 @@ def ray_cluster():
   ray.shutdown()
 
 
-def _env(**extra: str) -> dict:
-  return {"runtime_env": {"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **extra}}}
-
-
 @ray.remote(enable_tensor_transport=True)
 class Side:
   def __init__(self):
@@ -183,7 +179,7 @@ class Side:
 
 @pytest.mark.parametrize("transport", ["jax_nixl", "jax_gloo", "jax_transfer"])
 def test_small_object_in_band_through_ray(ray_cluster, transport):
-  producer, consumer = Side.options(**_env()).remote(), Side.options(**_env()).remote()
+  producer, consumer = Side.options(runtime_env=worker_env()).remote(), Side.options(runtime_env=worker_env()).remote()
   group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
   try:
     ref = getattr(producer, transport.removeprefix("jax_")).remote(11)
@@ -199,7 +195,7 @@ def test_small_object_in_band_through_ray(ray_cluster, transport):
 
 
 def test_sharded_leaf_in_band_keeps_its_sharding(ray_cluster):
-  side = Side.options(**_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")).remote()
+  side = Side.options(runtime_env=worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")).remote()
   chunks, got, want, same_sharding = ray.get(side.sharded_round_trip.remote(), timeout=60)
   assert chunks == 2 and got == want and same_sharding
   ray.kill(side)
@@ -208,7 +204,7 @@ def test_sharded_leaf_in_band_keeps_its_sharding(ray_cluster):
 def test_in_band_object_fails_once_its_producer_died(ray_cluster):
   """As an object read out of band would: the bytes are at the owner, but the
   producer is gone, so the consumer's fetch is an error naming it."""
-  producer, consumer = Side.options(**_env()).remote(), Side.options(**_env()).remote()
+  producer, consumer = Side.options(runtime_env=worker_env()).remote(), Side.options(runtime_env=worker_env()).remote()
   ref = producer.nixl.remote(3)
   ray.wait([ref])  # created: its metadata (with the bytes) is at the owner
   pid = ray.get(producer.pid.remote())

@@ -57,6 +57,14 @@ OOB_ENV: Final = {"RDT_JAX_INLINE_MAX_BYTES": "0"}
 #: run beside jax_nixl, it measures what `process_vm_readv` gains. Opt-in.
 NIXL_UCX: Final = "jax_nixl_ucx"
 UCX_ENV: Final = {"RDT_JAX_NIXL_CMA": "0"}
+#: The jax_nixl variants, each run in an actor group of its own environment
+#: (`GROUP_ENV`): its label, and why it skips "refs" cases (None: it runs
+#: them), whose reader, the driver, runs with the defaults.
+NIXL_VARIANTS: Final = {
+    NIXL_TCP: ("jax_nixl over TCP", "the driver's UCX is not restricted to TCP"),
+    NIXL_OOB: ("jax_nixl, in-band off", None),
+    NIXL_UCX: ("jax_nixl, node-local reads off", "the driver reads node-locally"),
+}
 #: Paths a run includes only when `--paths` names them.
 OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_UCX)
 #: Actor group name and environment of the paths whose actors need their own.

@@ -223,24 +223,11 @@ def _transport_paths(registered: list[str]) -> list[ActorPath]:
     path.one_sided = one_sided
     path.transport_class = cls
     paths.append(path)
-    if name == "jax_nixl":  # the same transport over sockets: the network path
-      tcp = ActorPath(
-          _paths.NIXL_TCP, "jax_nixl over TCP (jax.Array)", "rdt_jax", "jax", name, ("cpu",),
-          refs_skip="the driver's UCX is not restricted to TCP",
-      )
-      tcp.transport_class = cls
-      paths.append(tcp)
-      oob = ActorPath(
-          _paths.NIXL_OOB, "jax_nixl, in-band off (jax.Array)", "rdt_jax", "jax", name, ("cpu",),
-      )
-      oob.transport_class = cls
-      paths.append(oob)
-      ucx = ActorPath(
-          _paths.NIXL_UCX, "jax_nixl, node-local reads off (jax.Array)", "rdt_jax", "jax", name, ("cpu",),
-          refs_skip="the driver reads node-locally",
-      )
-      ucx.transport_class = cls
-      paths.append(ucx)
+    if name == "jax_nixl":  # the same transport in actors of another environment
+      for pid, (label, refs_skip) in _paths.NIXL_VARIANTS.items():
+        variant = ActorPath(pid, f"{label} (jax.Array)", "rdt_jax", "jax", name, ("cpu",), refs_skip=refs_skip)
+        variant.transport_class = cls
+        paths.append(variant)
   return paths
 
 
