@@ -122,7 +122,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
 
   `inline` holds the object's bytes (every chunk in leaf order) when the
   producer sent it in band (host leaves of at most `RDT_JAX_INLINE_MAX_BYTES`
-  in all, see `rdt_jax.transports._base.inline_max_bytes`); the backend then
+  in all, see `rdt_jax.transports._inband.inline_max_bytes`); the backend then
   exported nothing and moves nothing. `origin` names the producer process
   (`rdt_jax._process.identity()`: host boot id, pid namespace, pid, start
   time): a consumer on its host refuses an in-band object once the producer

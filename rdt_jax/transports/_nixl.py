@@ -635,7 +635,7 @@ class NixlTransport(DlpackTransport):
       self._unregister(keys)
       self._done_with(remote)
       raise
-    receive = _Receive(xfer, keys, remote, obj_id, [d.array for d in dests])
+    receive = _Receive(xfer, keys, remote, obj_id, [d.keepalive for d in dests])
     try:
       if _faults.ON:
         _faults.hit("nixl.post")
@@ -772,9 +772,16 @@ class NixlTransport(DlpackTransport):
       time.sleep(sleep)
 
   def finish_receive(self, handle: _Receive | None) -> None:
-    self.cancel_receive(handle)
+    """Retires a READ that `wait_receive` saw DONE (parked instead if an
+    injected delay makes it look in flight)."""
+    self._retire_or_park(handle)
 
   def cancel_receive(self, handle: _Receive | None) -> None:
+    """Gives up a READ (failure, timeout, abort, dropped request): retires it
+    if NIXL reports it ended, parks it otherwise."""
+    self._retire_or_park(handle)
+
+  def _retire_or_park(self, handle: _Receive | None) -> None:
     """Retires the READ if NIXL reports it ended; parks it otherwise.
 
     A READ still in flight is never released (NIXL would try to cancel it,

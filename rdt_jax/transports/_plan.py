@@ -40,8 +40,11 @@ class Destination:
     pointer: address of the chunk's first byte.
     nbytes: the chunk's size.
     device: the device the memory is on.
-    array: the framework object owning the memory (a uint8 numpy view, a
-      torch tensor or a jax array), for backends that need one.
+    keepalive: the framework object owning the memory (a uint8 numpy view,
+      a torch tensor or a jax array). Holding it keeps the memory from being
+      freed or reused: a backend whose transfer may still write after the
+      fetch gave up keeps this reference until the transfer ended. Also
+      readable as `array` (the former name).
     region: `(pointer, nbytes)` of the whole allocation the chunk lies in
       (chunks of one object share a host buffer): what a backend registers.
     pooled: True if `region` belongs to the process's host buffer pool and
@@ -59,12 +62,17 @@ class Destination:
   pointer: int
   nbytes: int
   device: Device
-  array: Any
+  keepalive: Any
   region: tuple[int, int]
   pooled: bool = False
   source: int = -1
   source_offset: int = 0
   part: bool = False
+
+  @property
+  def array(self) -> Any:
+    """Deprecated, read-only alias of `keepalive` (kept for custom transports)."""
+    return self.keepalive
 
 
 @dataclass(frozen=True)
@@ -250,10 +258,11 @@ class ReceivePlan:
       for p, leaf_offsets in zip(plans, offsets):
         p.region, p.device_offsets = region, leaf_offsets
 
-  def release_regions(self) -> None:
-    """The bytes landed and nothing more will be built here: the device
-    regions may be reused once the leaves on them are gone. Call only after
-    the transfer reported success; after a failure they stay held."""
+  def return_regions(self) -> None:
+    """Returns the device regions to their pool, which reuses each once the
+    leaves built on it are gone. Call only after the transfer reported
+    success and nothing more will be built here; after a failure call
+    `quarantine` instead."""
     for region in self.regions:
       region.release()
     self.regions = []
@@ -312,13 +321,18 @@ class ReceivePlan:
         pointer, nbytes, plan.device, region.root, (region.pointer, region.nbytes), region.kept
     )
 
-  def release(self) -> None:
-    """Drops this plan's references to its receive memory (after a failed
-    fetch). The backend keeps its own references for as long as a transfer
-    may still write there; the plan's must not outlive the failure in a
-    traceback that Ray keeps, or the host pool could not reuse the buffer."""
+  def quarantine(self) -> None:
+    """After a failed fetch: drops this plan's references to its receive
+    memory without returning any of it to a pool.
+
+    A transfer given up in flight may still write there, so the device
+    regions are never returned (they stay out of reuse for good), and the
+    host buffer is reused only once nothing references it: the backend keeps
+    its own references (`Destination.keepalive`) for as long as a transfer
+    may still write, and the plan's must not outlive the failure in a
+    traceback that Ray keeps."""
     for d in self.destinations:
-      d.array = None
+      d.keepalive = None
     self.destinations = []
     self.host = None
     self._host_region = None
@@ -328,18 +342,18 @@ class ReceivePlan:
   def build(self) -> list[Any]:
     """The received leaves, as each plan's framework (after the bytes moved).
 
-    Releases the device regions afterwards (`release_regions`); a region
+    Returns the device regions to their pool afterwards (`return_regions`); a region
     whose leaves are device copies ("jax-copy") only once those copies ran.
     """
     try:
       leaves = self._build_all()
     except BaseException:
       if all(r.source != "jax-copy" for r in self.regions):
-        self.release_regions()  # no copy out of them can still be queued
+        self.return_regions()  # no copy out of them can still be queued
       raise
     if any(r.source == "jax-copy" for r in self.regions):
       _dlpack.block_until_ready(leaves)
-    self.release_regions()
+    self.return_regions()
     return leaves
 
   def _build_all(self) -> list[Any]:
