@@ -127,7 +127,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   (`rdt_jax._process.identity()`: host boot id, pid namespace, pid, start
   time): a consumer on its host refuses an in-band object once the producer
   died, as it would an object read out of band, and jax_nixl reads host
-  memory of a producer on its host directly (`rdt_jax.transports._cma`).
+  memory of a producer on its host directly (`rdt_jax.transports.nixl.node_local`).
   """
 
   leaves: list[LeafSpec] = field(default_factory=list)

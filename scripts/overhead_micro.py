@@ -43,7 +43,7 @@ def measure(counts: list[int], nbytes: int, reps: int) -> dict[str, dict[str, li
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
   from rdt_jax import _dlpack, _state
-  from rdt_jax.transports._nixl import NixlTransport
+  from rdt_jax.transports.nixl import NixlTransport
 
   prod, cons = NixlTransport(), NixlTransport()
   trees = {}

@@ -83,7 +83,7 @@ class Consumer:
     """Reads refs[0] with a brand-new agent; returns time, outcome, digests."""
     import jax
 
-    from rdt_jax.transports._nixl import NixlTransport
+    from rdt_jax.transports.nixl import NixlTransport
 
     manager = ray._private.worker.global_worker.rdt_manager
     obj_id = refs[0].hex()

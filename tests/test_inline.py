@@ -27,7 +27,7 @@ from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
 from rdt_jax import _dlpack, _process, _state
 from rdt_jax.transports import _inband
-from rdt_jax.transports._nixl import NixlTransport
+from rdt_jax.transports.nixl import NixlTransport
 
 rdt_jax.register()  # the transports exist before the actor classes below name them
 

@@ -23,13 +23,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._targets import Target, align_targets, leaf_layout
+
+#: What memory a buffer is: host memory (any cpu device: one address space)
+#: or the memory of one accelerator device.
+MemoryKind = Literal["host", "device"]
+
+
+def memory_kind(device: Device) -> MemoryKind:
+  """The memory kind of buffers on `device`: "host" for a cpu device, whatever
+  its index, "device" for any other. Every host-or-device decision about
+  receive memory, here and in the backends, goes through this function."""
+  return "host" if device.kind == "cpu" else "device"
 
 
 @dataclass
@@ -198,7 +209,7 @@ class ReceivePlan:
     elif device is None:
       device = Device(spec.device)
     framework = target_fw or (spec.framework if mode == "source" else mode)  # type: ignore[assignment]
-    if framework == "cupy" and device.kind == "cpu":
+    if framework == "cupy" and memory_kind(device) == "host":
       framework = "numpy"  # host memory was asked for: cupy's host type
     _dlpack.check_device(device, spec.path)  # cuda:N or an error, never another
     if framework == "jax":
@@ -217,7 +228,7 @@ class ReceivePlan:
     self.reads_parts = reads_parts
     host_plans = [
         p for p in self.plans
-        if p.device.kind == "cpu" and not p.in_place and (p.layout is None or not reads_parts)
+        if memory_kind(p.device) == "host" and not p.in_place and (p.layout is None or not reads_parts)
     ]
     offsets, total = _dlpack.host_layout([p.spec for p in host_plans])
     for plan, leaf_offsets in zip(host_plans, offsets):
@@ -248,7 +259,7 @@ class ReceivePlan:
     """One pooled region per device for every device chunk not received in place."""
     by_device: dict[Device, list[_LeafPlan]] = {}
     for p in self.plans:
-      if p.device.kind != "cpu" and not p.in_place:
+      if memory_kind(p.device) == "device" and not p.in_place:
         by_device.setdefault(p.device, []).append(p)
     for device, plans in by_device.items():
       offsets, total = _dlpack.pack_layout([p.spec for p in plans])
@@ -306,7 +317,7 @@ class ReceivePlan:
       t = plan.target
       pointer = _dlpack.buffer_pointer(t)
       return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes))
-    if plan.device.kind == "cpu":
+    if memory_kind(plan.device) == "host":
       assert self.host is not None
       offset = plan.host_offsets[i]
       view = self.host[offset : offset + nbytes]
@@ -412,7 +423,7 @@ class ReceivePlan:
       return self._build_resharded(plan)
     if plan.in_place:
       return plan.target
-    if plan.device.kind != "cpu":
+    if memory_kind(plan.device) == "device":
       region = plan.region
       assert region is not None
       views = [

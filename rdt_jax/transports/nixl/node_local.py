@@ -11,10 +11,9 @@ connecting to the producer's agent and NIXL's request machinery.
 
 The policy, in `enabled`: on unless `RDT_JAX_NIXL_CMA=0`, and off for the
 rest of the process after the kernel refuses the first read (`EPERM`: Yama's
-`ptrace_scope` or a container policy forbids it), which then goes through NIXL
-as before. The producer's memory stays readable for exactly as long as for a
-NIXL read: the consumer holds the object's reference while it reads, and
-`NixlTransport._check_live` refuses objects the producer is known to have freed.
+`ptrace_scope` or a container policy forbids it), which then goes through NIXL.
+This module only copies bytes; `rdt_jax.transports.nixl.read` decides when it
+is used, and checks staleness first (`rdt_jax.transports.nixl.staleness`).
 """
 
 from __future__ import annotations
