@@ -71,7 +71,7 @@ class Producer:
 @ray.remote(enable_tensor_transport=True)
 class Consumer:
   def __init__(self):
-    from rdt_jax.transports import _nixl
+    from rdt_jax.transports.nixl import transport as _nixl
 
     if hasattr(_nixl, "STALL_RETRY_S"):  # measure the stall itself, not the retry
       _nixl.STALL_RETRY_S = float("inf")
