@@ -11,48 +11,28 @@ and Ray's free of the
 object has nothing to undo. `DlpackTransport` routes an object here or to its
 backend on one test, `carried(meta)`.
 
-The threshold is a measured policy (docs/performance.md), set by
-`RDT_JAX_INLINE_MAX_BYTES` (0 turns in-band delivery off); only the producer's
-value matters.
+The threshold is a measured policy (docs/performance.md), the setting
+`RDT_JAX_INLINE_MAX_BYTES` (`rdt_jax._settings`; 0 turns in-band delivery
+off), read at each object; only the producer's value matters.
 """
 
 from __future__ import annotations
 
-import os
-
-from rdt_jax import _dlpack, _process
+from rdt_jax import _dlpack, _process, _settings
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._plan import Destination
 
-__all__ = ["INLINE_MAX_BYTES", "carried", "check_origin", "copy_out", "fits", "inline_max_bytes", "pack"]
-
-#: Default of `RDT_JAX_INLINE_MAX_BYTES` (docs/performance.md has the
-#: measurement that set it).
-INLINE_MAX_BYTES = 100 << 10
+__all__ = ["carried", "check_origin", "copy_out", "fits", "inline_max_bytes", "pack"]
 
 
 def inline_max_bytes() -> int:
-  """The largest object (payload bytes, all leaves) sent in band: the
-  environment variable `RDT_JAX_INLINE_MAX_BYTES` if set (0 turns in-band
-  sending off), else `INLINE_MAX_BYTES`. Read at each object, so it may be
-  changed while a process runs.
+  """The largest object (payload bytes, all leaves) sent in band, 0 for
+  none: the setting `RDT_JAX_INLINE_MAX_BYTES`, read at each call.
 
   Raises:
-    ValueError: if the variable is set but not a non-negative integer.
+    rdt_jax.SettingError: if the variable holds a value it does not allow.
   """
-  text = os.environ.get("RDT_JAX_INLINE_MAX_BYTES")
-  if text is None:
-    return INLINE_MAX_BYTES
-  try:
-    value = int(text)
-  except ValueError:
-    value = -1
-  if value < 0:
-    raise ValueError(
-        f"RDT_JAX_INLINE_MAX_BYTES={text!r} is not a non-negative integer: set it to a "
-        "byte count (0 sends every object out of band) or unset it."
-    )
-  return value
+  return _settings.value("RDT_JAX_INLINE_MAX_BYTES")
 
 
 def fits(device: str | None, meta: DlpackTransportMetadata) -> bool:

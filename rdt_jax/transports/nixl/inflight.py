@@ -5,7 +5,7 @@ The states of a READ, and what moves it on:
     posted --(wait: NIXL reports DONE)--> finished --(retire)--> retired
     posted --(given up: error, timeout, abort, request dropped)--> retire or park
     parked --(progress thread sees NIXL report DONE or ERR)--> retired
-    parked --(still running after PARK_END_AFTER_S)--> producer's agent removed
+    parked --(still running after park_end_after_s())--> producer's agent removed
            --> NIXL fails it --> retired
 
 Guarantees:
@@ -17,29 +17,35 @@ Guarantees:
   never reused, deregistered or freed before NIXL reports it DONE or ERR: a
   READ given up while in flight is parked with its memory, and the progress
   thread retires it when NIXL reports it ended (`reap`);
-* a parked READ still running after `PARK_END_AFTER_S` is ended by removing
+* a parked READ still running after `park_end_after_s()` seconds
+  (`RDT_JAX_NIXL_PARK_END_S`) is ended by removing
   its producer's agent from this agent's view (NIXL fails the transfers of a
   removed agent), once no live READ from that producer is in flight.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
-from rdt_jax import _faults
+from rdt_jax import _faults, _settings
 from rdt_jax.transports.nixl.registrations import Key, Registrations
 from rdt_jax.transports.nixl.views import RemoteViews
 
-__all__ = ["PARK_END_AFTER_S", "InFlight", "PostedRead"]
+__all__ = ["InFlight", "PostedRead", "park_end_after_s"]
 
-#: A parked READ still not finished after this many seconds is ended (env var
-#: RDT_JAX_NIXL_PARK_END_S); its memory is reclaimed when NIXL reports it ended.
-PARK_END_AFTER_S: Final = float(os.environ.get("RDT_JAX_NIXL_PARK_END_S", "10"))
+
+
+@functools.cache
+def park_end_after_s() -> float:
+  """Seconds after which a parked READ still running is ended: the setting
+  `RDT_JAX_NIXL_PARK_END_S`, read once per process (at the first parked
+  READ's check)."""
+  return float(_settings.value("RDT_JAX_NIXL_PARK_END_S"))
 
 
 @dataclass
@@ -168,7 +174,7 @@ class InFlight:
 
   def reap(self) -> None:
     """Progress-thread tick: retires parked READs NIXL reports ended, and
-    ends those parked longer than `PARK_END_AFTER_S`."""
+    ends those parked longer than `park_end_after_s()`."""
     with self._lock:
       if not self._parked:
         return
@@ -177,7 +183,8 @@ class InFlight:
     now = time.monotonic()
     with self._lock:
       self._parked.extend(still)
-      for remote in {r.remote for r in self._parked if now - r.parked_at > PARK_END_AFTER_S}:
+      end_after = park_end_after_s()
+      for remote in {r.remote for r in self._parked if now - r.parked_at > end_after}:
         mine = [r for r in self._parked if r.remote == remote]
         if remote is None or self._views.inflight(remote) > len(mine):
           continue  # a live READ from `remote` would be killed too

@@ -5,7 +5,7 @@ first READ from it. The view is extended (metadata loaded again, connection
 kept) when the producer registered new memory (`agent_version` grew), and
 rebuilt (the agent removed and added, which reconnects) when the producer
 deregistered memory (`dereg_epoch` grew), at most every
-`VIEW_REBUILD_INTERVAL_S` and never while a READ from that producer is in
+`view_rebuild_interval_s()` seconds (`RDT_JAX_NIXL_VIEW_REBUILD_S`) and never while a READ from that producer is in
 flight: removing an agent kills its in-flight transfers, which is how Ray's own
 NIXL transport fails batched gets while the producer frees objects. A rebuild
 reconnects, which costs tens of ms here, so rebuilding on every change would
@@ -15,19 +15,23 @@ interval (the NIXL-side defence `staleness` describes).
 
 from __future__ import annotations
 
-import os
+import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
+from rdt_jax import _settings
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 
-__all__ = ["VIEW_REBUILD_INTERVAL_S", "RemoteViews"]
+__all__ = ["RemoteViews", "view_rebuild_interval_s"]
 
-#: A consumer rebuilds its view of a producer whose memory was deregistered at
-#: most this often (env var RDT_JAX_NIXL_VIEW_REBUILD_S).
-VIEW_REBUILD_INTERVAL_S: Final = float(os.environ.get("RDT_JAX_NIXL_VIEW_REBUILD_S", "30"))
+
+@functools.cache
+def view_rebuild_interval_s() -> float:
+  """How often at most a view of a producer that deregistered memory is
+  rebuilt: the setting `RDT_JAX_NIXL_VIEW_REBUILD_S`, read once per process."""
+  return float(_settings.value("RDT_JAX_NIXL_VIEW_REBUILD_S"))
 
 
 class RemoteViews:
@@ -66,7 +70,7 @@ class RemoteViews:
         self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
       elif (
           meta.dereg_epoch > view[1]
-          and now - view[2] >= VIEW_REBUILD_INTERVAL_S
+          and now - view[2] >= view_rebuild_interval_s()
           and not self._inflight.get(remote)
       ):
         agent.remove_remote_agent(remote)
