@@ -79,6 +79,35 @@ def test_switched_off_by_environment(monkeypatch):
   assert not node_local.enabled() and not node_local.can_read(me)
 
 
+def test_node_local_read_refuses_stale_metadata_like_a_nixl_read(monkeypatch):
+  # One process, two agents: the producer is on this host, so reads are node-local.
+  from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
+
+  from rdt_jax import _dlpack, _state
+  from rdt_jax.transports.nixl import NixlTransport
+
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
+  prod, cons = NixlTransport(), NixlTransport()
+
+  def export(obj: str, x):
+    _state.record_described(x, _dlpack.describe(x, "[0]"))
+    return prod.extract_tensor_transport_metadata(obj, [x])
+
+  def fetch(obj: str, meta):
+    return cons.wait_fetch_complete(cons.fetch_multiple_tensors(obj, meta, CommunicatorMetadata()), 30)
+
+  old_x, new_x = jnp.asarray(sample((64,), "float32", 1)), jnp.asarray(sample((64,), "float32", 2))
+  old = export("old", old_x)
+  prod.garbage_collect("old", old, [old_x])  # freed before the consumer reads it
+  new = export("new", new_x)  # its metadata tells consumers "old" is gone
+  cons.receive_stats(reset=True)
+  assert digest(fetch("new", new)[0]) == digest(new_x)
+  assert cons.receive_stats()["direct"] == 1  # read node-locally
+  with pytest.raises(Exception, match="freed by its producer"):
+    fetch("old", old)
+  prod.garbage_collect("new", new, [new_x])
+
+
 # ---- end to end through Ray
 
 

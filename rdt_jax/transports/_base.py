@@ -124,11 +124,15 @@ class DlpackTransport(TensorTransportManager):
   `start_receive`, `wait_receive`, `finish_receive`, `cancel_receive`,
   `start_pull`, `wait_pull`, nor `release`. Every other object is the
   backend's: `export_buffers` (or `export_arrays`) runs once when Ray stores
-  it, and `release` exactly once when Ray frees it (never for an object the
-  backend did not export); on each consumer `start_receive` runs once, then
-  either `wait_receive` and `finish_receive`, or `cancel_receive` (after a
-  failure, timeout or abort, or when the fetch request is dropped unfinished).
-  `start_receive` is not called for an object with no bytes to move.
+  it, and `release` once when Ray frees it (never for an object the backend
+  did not export). On each consumer, for an object with bytes to move,
+  `start_receive` runs once; if it returns a handle other than None (None:
+  the bytes are already in place), `wait_receive` follows, then
+  `finish_receive` after success or `cancel_receive` after a failure,
+  timeout or abort, or when the fetch request is dropped unfinished (a
+  `start_receive` that raises has released what it took itself).
+  `WholeArrayTransport`'s `start_pull` / `wait_pull` / `cancel_pull` follow
+  the same order.
   """
 
   name: ClassVar[str]
