@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from rdt_jax import _dlpack, _process, _settings
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports._plan import Destination
+from rdt_jax.transports._plan import Destination, memory_kind
 
 __all__ = ["carried", "check_origin", "copy_out", "fits", "inline_max_bytes", "pack"]
 
@@ -38,7 +38,9 @@ def inline_max_bytes() -> int:
 def fits(device: str | None, meta: DlpackTransportMetadata) -> bool:
   """Producer: True if an object of leaves on `device` (one kind for all)
   described by `meta` travels in band."""
-  return device == "cpu" and meta.nbytes <= inline_max_bytes()
+  if device is None or memory_kind(_dlpack.Device(device)) != "host":  # type: ignore[arg-type]
+    return False
+  return meta.nbytes <= inline_max_bytes()
 
 
 def carried(meta: DlpackTransportMetadata | None) -> bool:
