@@ -70,6 +70,8 @@ def test_device_bytes_from_jax_region():
   np.testing.assert_array_equal(np.asarray(out), x)
   empty = _jax.from_device_bytes(region, np.dtype(np.float32), (0, 2), "['e']")
   assert empty.shape == (0, 2) and empty.dtype == np.float32
+  # The cross-framework entry point takes jax regions as they are.
+  np.testing.assert_array_equal(np.asarray(_interop.device_bytes_to_jax(region, x.dtype, (3, 3), "['w']")), x)
 
 
 def test_device_bytes_to_jax_is_zero_copy_when_aligned():

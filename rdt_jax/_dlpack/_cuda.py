@@ -125,7 +125,9 @@ def copy_from_host(dst: int, src: memoryview, device: Device) -> None:
     host_bytes(dst, data.nbytes)[:] = data
     return
   if importable("torch"):
-    _torch.bytes_tensor(dst, data.nbytes, device).copy_(_torch.from_host(data.copy(), ""))
+    import torch
+
+    _torch.bytes_tensor(dst, data.nbytes, device).copy_(torch.from_numpy(data.copy()))
     wait_for_copies(device)
     return
   if importable("cupy"):
