@@ -24,6 +24,7 @@ if TYPE_CHECKING:
   from rdt_jax._registry import receive_as as receive_as
   from rdt_jax._registry import register as register
   from rdt_jax._registry import register_transport as register_transport
+  from rdt_jax._settings import SettingError as SettingError
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
   from rdt_jax.transports._base import Destination as Destination
@@ -36,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "Destination": "rdt_jax.transports._plan",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
+    "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
     "UnsupportedLeafError": "rdt_jax._dlpack",
     "receive_as": "rdt_jax._registry",

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import pickle
 import sys
 import threading
@@ -46,7 +45,7 @@ import warnings
 from collections.abc import Callable, MutableMapping
 from typing import Any, Final
 
-from rdt_jax import _compat, _dlpack, _state
+from rdt_jax import _compat, _dlpack, _settings, _state
 
 # Ray minor versions whose RDT internals we have read and whose suite runs in
 # CI (scripts/matrix.sh); pyproject.toml states the same range.
@@ -198,7 +197,7 @@ def check_ray() -> None:
     )
   if _ray_minor(version) in TESTED_RAY_MINORS:
     return
-  if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+  if _settings.value(ALLOW_UNTESTED_ENV):
     warnings.warn(
         f"rdt_jax is tested with ray{SUPPORTED_RAY}, not Ray {version}; running anyway "
         f"because {ALLOW_UNTESTED_ENV}=1. The RDT internals it wraps passed its shape "
