@@ -305,10 +305,14 @@ def check_block(page: pathlib.Path, block: Block) -> str | None:
 @pytest.mark.parametrize("page", READ_PAGES, ids=page_name)
 def test_every_code_block_is_an_example_doctested_or_marked(page):
   problems = []
-  for block in code_blocks(page):
+  blocks = list(code_blocks(page))
+  for block in blocks:
     problem = check_block(page, block)
     if problem:
       problems.append(f"{page_name(page)}:{block.line}: {problem}")
+  markers = len(re.findall(r"^<!--\s*(?:example|output|illustrative)\b", page.read_text(), re.M))
+  if markers != sum(b.marker is not None for b in blocks):
+    problems.append(f"{page_name(page)}: an example/output/illustrative marker is not right before a code block")
   assert not problems, "\n".join(problems)
 
 
