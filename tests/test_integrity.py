@@ -213,6 +213,15 @@ def test_mark_written_makes_autograd_see_a_raw_write():
     loss.backward()
 
 
+def test_mark_written_on_parameters_and_inference_tensors():
+  param = torch.nn.Parameter(torch.ones(3))
+  _dlpack.mark_written(param)
+  assert param._version == 1
+  with torch.inference_mode():
+    frozen = torch.ones(3)
+  _dlpack.mark_written(frozen)  # keeps no version counter: nothing to do, no error
+
+
 def test_mark_written_on_numpy_is_nothing():
   x = np.zeros(3)
   _dlpack.mark_written(x)

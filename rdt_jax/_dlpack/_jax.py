@@ -108,11 +108,13 @@ def placement_problem(x: Any) -> str | None:
     says cuda. On a cpu every memory kind is host memory, so any is sent as is.
 
   Reads only the public attributes `x.format.layout`, `x.sharding.memory_kind`
-  and the devices' `platform` and `default_memory()`.
+  and the devices' `platform` and `default_memory()` (the layout costs a few
+  microseconds per leaf).
   """
-  layout = x.format.layout
+  layout = x.format.layout  # None where the backend keeps no layout (its default)
   row_major = tuple(range(len(x.shape)))
-  order, tiling = tuple(layout.major_to_minor), tuple(layout.tiling or ())
+  order = row_major if layout is None else tuple(layout.major_to_minor)
+  tiling = () if layout is None else tuple(layout.tiling or ())
   if order != row_major or tiling:
     return (
         f"has a non-default layout (major_to_minor={order}, tiling={tiling}; row-major is "
