@@ -12,6 +12,7 @@ call.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -287,8 +288,6 @@ def written_memory(target: Any) -> Any:
 def _byte_range(buf: Any) -> tuple[str, int, int] | None:
   """(device, first byte, end) of an array's memory; None when it has no
   bytes or lives on a device rdt_jax does not write (refused elsewhere)."""
-  import math
-
   nbytes = math.prod(int(n) for n in buf.shape) * _dlpack.dtype_of(buf).itemsize
   if nbytes == 0:
     return None
