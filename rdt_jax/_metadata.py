@@ -19,6 +19,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
 from rdt_jax._dlpack import ChunkSpec, LeafSpec
@@ -130,8 +131,18 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   memory of a producer on its host directly (`rdt_jax.transports._cma`).
   """
 
+  #: One `(shape, dtype)` pair per leaf, in leaf order (Ray's field, with
+  #: framework-neutral types: a tuple of ints and a `numpy.dtype`).
+  # Narrows Ray's annotation (torch or numpy pairs) to the numpy pairs rdt_jax writes.
+  tensor_meta: list[tuple[tuple[int, ...], np.dtype]]  # type: ignore[assignment]
+  #: The device kind of every leaf: "cpu" or "cuda" (None for no leaves).
+  tensor_device: str | None = None
+  #: Per leaf: pytree path, shape, dtype, source framework, device, chunks
+  #: and sharding (`rdt_jax.LeafSpec`).
   leaves: list[LeafSpec] = field(default_factory=list)
+  #: The object's bytes when it travels in band, else None.
   inline: bytes | None = None
+  #: The producer process (host boot id, pid namespace, pid, start time).
   origin: tuple[str, int, int, int] | None = None
 
   # Ray compares metadata by identity (its NIXL metadata does the same).

@@ -1,4 +1,5 @@
-"""Registration with Ray: `register()`, `register_transport()`, `receive_as()`.
+"""Registration with Ray: `register()`, `register_transport()`, `receive_as()`,
+`receive_stats()`, and the account of a transport name Ray does not know.
 
 The registry knows rdt_jax's transports and registers each with Ray under the
 concrete class of live jax arrays (Ray matches serializers on the exact class;
@@ -8,12 +9,88 @@ are extracted by the reducers `rdt_jax._seam` installs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import difflib
+import importlib.util
+from typing import TYPE_CHECKING, Final
 
 from rdt_jax import _compat, _seam, _state
+from rdt_jax._dlpack._specs import RECEIVE_MODES
+from rdt_jax._errors import TransportNotRegisteredError
 
 if TYPE_CHECKING:
   from rdt_jax.transports._base import DlpackTransport
+
+#: Every rdt_jax transport, by name: what a process needs to run it.
+TRANSPORT_NEEDS: Final[dict[str, str]] = {
+    "jax_nixl": "NIXL (pip install nixl-cu12, or nixl-cu13 for CUDA 13)",
+    "jax_gloo": "torch (Ray's collective groups move torch tensors)",
+    "jax_nccl": "torch (Ray's collective groups move torch tensors)",
+    "jax_transfer": "a jax with jax.experimental.transfer",
+}
+
+
+def _can_run(name: str) -> bool:
+  """True if this process has what rdt_jax transport `name` needs, checked
+  without importing the transports (which would install rdt_jax here)."""
+  if name == "jax_nixl":
+    return _compat.nixl_available()
+  if name in ("jax_gloo", "jax_nccl"):
+    return importlib.util.find_spec("torch") is not None
+  return _compat.has_jax_transfer()
+
+
+def explain_unregistered(name: str, registered: list[str], in_worker: bool) -> tuple[str | None, str | None]:
+  """Why transport `name` is not registered in this process, and what to do.
+
+  Args:
+    name: the transport name as the user gave it.
+    registered: the transports registered in this process (lower case).
+    in_worker: True in an actor (or task), False in a driver.
+
+  Returns:
+    (explanation, suggestion): the explanation is None where the name is
+    neither an rdt_jax transport nor close to one registered or rdt_jax
+    transport (Ray's own error then stands); the suggestion is the closest
+    name, or None.
+  """
+  wanted = name.lower()
+  if wanted in TRANSPORT_NEEDS and wanted not in registered:
+    return _why_missing(wanted, in_worker), None
+  candidates = sorted(set(registered) | set(TRANSPORT_NEEDS))
+  close = difflib.get_close_matches(wanted, candidates, n=1, cutoff=0.75)
+  if not close or close[0] == wanted:
+    return None, None
+  suggestion = close[0]
+  text = f"Did you mean {suggestion!r}? Transports registered here: {', '.join(registered) or 'none'}."
+  if suggestion not in registered:
+    text += " " + _why_missing(suggestion, in_worker)
+  return text, suggestion
+
+
+def _why_missing(name: str, in_worker: bool) -> str:
+  """What to do where rdt_jax transport `name` is not registered."""
+  if not _can_run(name):
+    return (
+        f"{name!r} is an rdt_jax transport that cannot run in this process: it needs "
+        f"{TRANSPORT_NEEDS[name]}. Install that (in every process that uses the "
+        "transport), then call rdt_jax.register()."
+    )
+  if in_worker:
+    return (
+        f"{name!r} is an rdt_jax transport, and this actor has none registered: an actor "
+        "gets them from its creator only if its class has "
+        "@ray.remote(enable_tensor_transport=True) (or a method with "
+        "@ray.method(tensor_transport=...)) and the creator called rdt_jax.register() "
+        "before creating it. Add enable_tensor_transport=True to the actor's class, or "
+        "call rdt_jax.register() in the actor (in __init__) before this call."
+    )
+  return (
+      f"{name!r} is an rdt_jax transport, and rdt_jax.register() has not run in this "
+      "process yet. Call rdt_jax.register() first: before defining classes whose methods "
+      f"name it (@ray.method(tensor_transport={name!r}) checks the name when the class is "
+      f"defined), before ray.put(..., _tensor_transport={name!r}), and before creating "
+      "the actors that use it."
+  )
 
 
 def _transport_classes() -> dict[str, type[DlpackTransport]]:
@@ -84,10 +161,84 @@ def receive_as(mode: str) -> None:
       type, or "source" (the default) to keep each leaf's original type.
 
   Applies process-wide to every leaf that arrives by an rdt_jax transfer
-  (task arguments and `ray.get`, driver included). A process reading its own
-  RDT object gets the stored objects back, unconverted (Ray's semantics).
+  (task arguments and `ray.get`, driver included), from the next transfer
+  on. Call it in the process that receives: in the driver for the driver's
+  `ray.get`, in an actor's method (or `__init__`) for what that actor
+  receives. A process reading its own RDT object gets the stored objects
+  back, unconverted (Ray's semantics).
 
   Raises:
-    ValueError: for any other mode.
+    TypeError: if `mode` is not a string (a module or type, say), naming
+      the string to pass.
+    ValueError: for any other string, naming the modes (and the closest
+      one).
   """
+  if not isinstance(mode, str):
+    hint = getattr(mode, "__name__", type(mode).__name__).split(".")[0].lower()
+    suggestion = f" (receive_as({hint!r}))" if hint in RECEIVE_MODES else ""
+    raise TypeError(
+        f"receive_as takes the mode's name as a string, one of "
+        f"{', '.join(repr(m) for m in RECEIVE_MODES)}, not a {type(mode).__name__}{suggestion}."
+    )
+  if mode not in RECEIVE_MODES:
+    close = difflib.get_close_matches(mode.lower(), RECEIVE_MODES, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"Unknown receive mode {mode!r}; expected one of "
+        f"{', '.join(repr(m) for m in RECEIVE_MODES)}.{hint} 'source' (the default) keeps "
+        "each leaf's type; the others convert every arriving leaf to that framework."
+    )
   _state.set_receive_mode(mode)
+
+
+def receive_stats(transport: str = "jax_nixl", reset: bool = False) -> dict[str, int]:
+  """What this process's fetches over `transport` asked it to move.
+
+  Counts every fetch that arrived in the calling process (the driver's
+  `ray.get`, or an actor's task arguments and `ray.get`, wherever it is
+  called) since the process started or since the last `reset=True`:
+
+  * `fetches`: objects fetched out of band;
+  * `bytes`: payload bytes the backend was asked to move;
+  * `destinations`: receive buffers (chunks, or parts of them) it filled;
+  * `descriptors`: transfer descriptors the backend posted (jax_nixl counts
+    them; other backends report 0);
+  * `inline`: objects that arrived in band, inside their metadata (small
+    host objects: nothing moved out of band);
+  * `direct`: jax_nixl fetches read node-locally from the producer's memory.
+
+  Args:
+    transport: an rdt_jax transport registered in this process, e.g.
+      "jax_nixl", "jax_gloo", "jax_transfer", or a name given to
+      `register_transport`.
+    reset: set every counter to zero after reading it.
+
+  Returns:
+    The counters by name, each an `int`.
+
+  Raises:
+    TransportNotRegisteredError: (a `ValueError`) if no transport of that
+      name is registered in this process, saying why (`register()` not called
+      here yet, a missing dependency) or which name was meant.
+    ValueError: if `transport` names one of Ray's own transports ("nixl",
+      "gloo", ...), which rdt_jax does not count.
+  """
+  _seam.install()
+  name = str(transport)
+  registered = _seam.registered_transports()
+  if name.lower() not in registered:
+    explanation, suggestion = explain_unregistered(name, registered, _seam.in_ray_worker())
+    raise TransportNotRegisteredError(
+        f"No transport {name!r} is registered in this process. "
+        + (explanation or f"Transports registered here: {', '.join(registered) or 'none'}."),
+        name,
+        suggestion,
+    )
+  if not _seam.is_rdt_jax_transport(name):
+    ours = [n for n in registered if _seam.is_rdt_jax_transport(n)]
+    raise ValueError(
+        f"{name!r} is one of Ray's own transports, which rdt_jax does not count; "
+        f"receive_stats reads rdt_jax transports: {', '.join(ours) or 'none registered here'}."
+    )
+  stats: dict[str, int] = _seam.transport_manager(name).receive_stats(reset=reset)
+  return stats
