@@ -29,7 +29,15 @@ public extension points tried first):
 * `RDTManager.set_target_device_for_ref` (wrapped) and `RDTManager._lock` /
   `_managed_rdt_metadata` (written): Ray's public `set_target_for_ref` /
   `set_target_device_for_ref` work on rdt_jax refs, through rdt_jax's targets.
-* `util.transport_manager_info`, `global_worker.rdt_manager`
+* `util.normalize_and_validate_tensor_transport` (wrapped): Ray's check of
+  a `tensor_transport` name raises `rdt_jax.TransportNotRegisteredError`
+  for an rdt_jax name or a near miss, saying why and what to do. Installed
+  by `install()`, and at `import rdt_jax` where Ray is already imported
+  (`install_name_check()`), so a class defined before `register()` says so.
+* `RDTManager.fetch_and_get_rdt_objects` (wrapped): its bare "No metadata
+  found" assertion becomes `rdt_jax.UnknownObjectError`, saying why.
+* `util.transport_manager_info`, `util.get_tensor_transport_manager`,
+  `global_worker.rdt_manager`
   (`is_managed_object`, `get_rdt_metadata`), `global_worker.mode`,
   `ActorHandle._actor_id`, `__ray_call__` on `_ray_system`: reads and calls.
 """

@@ -200,7 +200,7 @@ class DlpackTransport(TensorTransportManager):
     """Ray calls this in the caller before it submits a method with this
     transport to `actor` (and before it sends the actor an RDT argument).
 
-    Asks the actor once, on Ray's `_ray_system` concurrency group (so never
+    Asks the actor once, on Ray's system concurrency group (so never
     behind a running method), whether it can run the transport
     (`available_in_process()` there); the answer is cached per actor.
 
@@ -297,9 +297,9 @@ class DlpackTransport(TensorTransportManager):
     `dst_actor` (None for the driver).
 
     Returns:
-      What the backend needs to reach the peer: nothing for one-sided
-      backends (an empty `CommunicatorMetadata`); two-sided backends override
-      it with the ranks of both actors in their collective group.
+      What the backend needs to reach the peer. One-sided backends need
+      nothing (an empty `CommunicatorMetadata`); two-sided backends override
+      this to return the ranks of both actors in their collective group.
     """
     return CommunicatorMetadata()
 
