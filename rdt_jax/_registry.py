@@ -129,12 +129,37 @@ def register_transport(cls: type[DlpackTransport]) -> str:
     The transport's lower-case name, to pass as `tensor_transport`.
 
   Raises:
-    ValueError: if `cls` is not a `TensorTransportManager` subclass (Ray's check).
+    TypeError: if `cls` is not a `DlpackTransport` subclass.
+    ValueError: if `cls` sets no `name`, or another class is registered
+      under its name in this process (rdt_jax's own names included).
   """
+  from rdt_jax.transports._base import DlpackTransport
+
+  if not (isinstance(cls, type) and issubclass(cls, DlpackTransport)):
+    raise TypeError(
+        f"register_transport takes a subclass of rdt_jax.DlpackTransport (or "
+        f"rdt_jax.WholeArrayTransport), not {cls!r}."
+    )
+  name = getattr(cls, "name", None)
+  if not isinstance(name, str) or not name:
+    raise ValueError(
+        f"{cls.__qualname__} has no transport name: set the class attribute `name` "
+        "(e.g. name = \"my_shm\"), the name users pass as tensor_transport."
+    )
   _seam.install()
-  name = cls.name.lower()
+  name = name.lower()
+  info = _seam.transport_info(name)
+  if info is not None and _qualified(info.transport_manager_class) != _qualified(cls):
+    raise ValueError(
+        f"Transport name {name!r} is already registered in this process by "
+        f"{_qualified(info.transport_manager_class)}; give {_qualified(cls)} another `name`."
+    )
   _seam.register_tensor_transport(name, list(cls.devices), cls, _compat.array_impl_type())
   return name
+
+
+def _qualified(cls: type) -> str:
+  return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register() -> list[str]:

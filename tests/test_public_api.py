@@ -82,3 +82,31 @@ def test_metadata_signature_is_framework_neutral():
   signature = str(inspect.signature(rdt_jax.DlpackTransportMetadata))
   assert "torch" not in signature
   assert "tensor_meta: 'list[tuple[tuple[int, ...], np.dtype]]'" in signature
+
+
+# ---- register_transport's documented errors (its success path: test_backends, the shm example)
+
+
+class _Nameless(rdt_jax.DlpackTransport):
+  pass
+
+
+class _Clash(rdt_jax.DlpackTransport):
+  name = "jax_nixl"
+
+
+def test_register_transport_refuses_what_is_no_transport():
+  with pytest.raises(TypeError, match=r"takes a subclass of rdt_jax\.DlpackTransport .*not <class 'int'>"):
+    rdt_jax.register_transport(int)  # type: ignore[arg-type]
+
+
+def test_register_transport_refuses_a_class_without_a_name():
+  with pytest.raises(ValueError, match=r"_Nameless has no transport name: set the class attribute `name`"):
+    rdt_jax.register_transport(_Nameless)
+
+
+def test_register_transport_refuses_a_name_taken_by_another_class():
+  if "jax_nixl" not in rdt_jax.register():
+    pytest.skip("jax_nixl needs NIXL")
+  with pytest.raises(ValueError, match=r"'jax_nixl' is already registered in this process by rdt_jax\.transports\."):
+    rdt_jax.register_transport(_Clash)
