@@ -31,6 +31,7 @@ if TYPE_CHECKING:
   from rdt_jax._registry import receive_stats as receive_stats
   from rdt_jax._registry import register as register
   from rdt_jax._registry import register_transport as register_transport
+  from rdt_jax._settings import SettingError as SettingError
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
@@ -48,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "DlpackTransportMetadata": "rdt_jax._metadata",
     "LeafSpec": "rdt_jax._dlpack",
     "Placement": "rdt_jax.transports._plan",
+    "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",

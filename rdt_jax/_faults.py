@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
+from rdt_jax import _settings
+
 __all__ = ["ON", "POINTS", "InjectedFault", "configure", "hit", "injected"]
 
 #: The points transports check, and what each stands for.
@@ -151,4 +153,4 @@ def injected() -> dict[str, int]:
     return out
 
 
-configure(os.environ.get("RDT_JAX_FAULTS"), int(os.environ.get("RDT_JAX_FAULTS_SEED", "0")))
+configure(_settings.value("RDT_JAX_FAULTS"), _settings.value("RDT_JAX_FAULTS_SEED"))

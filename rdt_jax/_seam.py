@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import pickle
 import sys
 import threading
@@ -54,7 +53,7 @@ import warnings
 from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any, Final
 
-from rdt_jax import _compat
+from rdt_jax import _compat, _settings
 from rdt_jax._errors import TransportNotRegisteredError, UnknownObjectError
 from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
 
@@ -223,7 +222,7 @@ def check_ray() -> None:
     )
   if _ray_minor(version) in TESTED_RAY_MINORS:
     return
-  if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+  if _settings.value(ALLOW_UNTESTED_ENV):
     warnings.warn(
         f"rdt_jax is tested with ray{SUPPORTED_RAY}, not Ray {version}; running anyway "
         f"because {ALLOW_UNTESTED_ENV}=1. The RDT internals it wraps passed its shape "

@@ -40,6 +40,7 @@ def test_error_types_subclass_what_ray_raises():
   assert issubclass(rdt_jax.UnknownObjectError, AssertionError)
   assert issubclass(rdt_jax.UnsupportedRayError, RuntimeError)
   assert issubclass(rdt_jax.UnsupportedLeafError, ValueError)
+  assert issubclass(rdt_jax.SettingError, ValueError)
 
 
 def test_transport_base_classes():

@@ -8,7 +8,6 @@ buffers are made by the framework modules.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -16,13 +15,12 @@ from typing import Final
 
 import numpy as np
 
+from rdt_jax import _settings
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 
 #: Host receive buffers start on this boundary: `jnp.from_dlpack` and
 #: `jax.device_put` alias (do not copy) host memory aligned to 64 bytes.
 ALIGNMENT: Final = 64
-#: Host memory a process keeps for reuse between transfers, by default.
-DEFAULT_POOL_BYTES: Final = 1 << 30
 
 
 def aligned(nbytes: int) -> int:
@@ -59,7 +57,7 @@ class HostBufferPool:
 
   def __init__(self, max_bytes: int | None = None):
     if max_bytes is None:
-      max_bytes = int(os.environ.get("RDT_JAX_HOST_POOL_BYTES", DEFAULT_POOL_BYTES))
+      max_bytes = _settings.value("RDT_JAX_HOST_POOL_BYTES")
     self.max_bytes = max_bytes
     self._buffers: list[np.ndarray] = []  # aligned uint8 views, oldest first
     self._listeners: list[Callable[[int, int], None]] = []

@@ -34,20 +34,18 @@ jax array of its own and leaves are built from it by a copy (`source`
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
+from rdt_jax import _settings
 from rdt_jax._dlpack._devices import Device
 from rdt_jax._dlpack._specs import LeafSpec
 
 #: Device chunks start on this boundary (cudaMalloc's alignment; jax and torch
 #: alias DLPack buffers aligned this way without copying).
 DEVICE_ALIGNMENT: Final = 256
-#: Device memory a pool keeps for reuse, per process, by default.
-DEFAULT_DEVICE_POOL_BYTES: Final = 1 << 30
 
 Source = Literal["torch", "jax", "jax-copy"]
 
@@ -176,7 +174,7 @@ class RegionPool:
 
   def __init__(self, allocator: Allocator | None = None, max_bytes: int | None = None):
     if max_bytes is None:
-      max_bytes = int(os.environ.get("RDT_JAX_DEVICE_POOL_BYTES", DEFAULT_DEVICE_POOL_BYTES))
+      max_bytes = _settings.value("RDT_JAX_DEVICE_POOL_BYTES")
     self.allocator: Allocator = allocator or FrameworkAllocator()
     self.max_bytes = max_bytes
     self._regions: list[Region] = []  # every live region, least recently used first

@@ -1,0 +1,247 @@
+"""Every `RDT_JAX_*` setting, declared once: type, default, bounds, when it is read.
+
+rdt_jax is configured by environment variables only, so that the driver and
+every worker (whose environment Ray sets from `runtime_env={"env_vars": ...}`)
+agree. This module is the one place that reads them: code asks
+`value("RDT_JAX_...")`, which parses and checks the variable and raises
+`SettingError` (naming the variable, the value, what is allowed and how to
+fix it) for a bad one. `docs/configuration.md` is generated from `SETTINGS`
+(`python -m rdt_jax._settings`) and a test keeps the two equal.
+
+A setting is read when its `read` field says: `"per use"` settings are
+parsed every time the code consults them (changing the variable in a running
+process takes effect at the next object); `"once"` settings are parsed the
+first time the process needs them (the pools' sizes, the NIXL agent's
+timings) and then kept.
+
+This module imports neither Ray nor any array framework: the DLPack layer may
+use it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+__all__ = ["SETTINGS", "Setting", "SettingError", "markdown_table", "value"]
+
+_KIB: Final = 1 << 10
+_MIB: Final = 1 << 20
+_GIB: Final = 1 << 30
+_TIB: Final = 1 << 40
+
+
+class SettingError(ValueError):
+  """An `RDT_JAX_*` environment variable holds a value rdt_jax cannot use."""
+
+
+@dataclass(frozen=True)
+class Setting:
+  """One environment variable rdt_jax reads.
+
+  Attributes:
+    name: the variable (`RDT_JAX_...`).
+    kind: how its text is parsed: "bytes" and "int" (a non-negative integer),
+      "seconds" (a number), "bool" ("1"/"0", also "true"/"false"), "text".
+    default: the value when the variable is unset (or set to "").
+    minimum, maximum: inclusive bounds of a numeric setting.
+    read: "per use" or "once" (see the module docstring).
+    side: where it matters: "producer", "consumer", "both" or "driver".
+    doc: one line on its effect, as the configuration page shows it.
+    test_only: True for settings that exist for rdt_jax's own tests (fault
+      injection); users never need them.
+  """
+
+  name: str
+  kind: Literal["bytes", "int", "seconds", "bool", "text"]
+  default: Any
+  doc: str
+  read: Literal["per use", "once"] = "per use"
+  side: Literal["producer", "consumer", "both", "driver"] = "both"
+  minimum: float | None = None
+  maximum: float | None = None
+  test_only: bool = False
+
+  def parse(self, text: str) -> Any:
+    """The value of `text` for this setting.
+
+    Raises:
+      SettingError: if `text` does not parse or lies outside the bounds.
+    """
+    parser = _PARSERS[self.kind]
+    try:
+      result = parser(text.strip())
+    except ValueError:
+      raise SettingError(f"{self.name}={text!r} is not {_DESCRIBE[self.kind]}: {self._fix()}") from None
+    if (self.minimum is not None and result < self.minimum) or (self.maximum is not None and result > self.maximum):
+      raise SettingError(f"{self.name}={text!r} is out of range: {self._fix()}")
+    return result
+
+  def bounds(self) -> str:
+    """The allowed range as the configuration page shows it ("" if none)."""
+    if self.minimum is None and self.maximum is None:
+      return ""
+    return f"{_show(self.kind, self.minimum)} to {_show(self.kind, self.maximum)}"
+
+  def _fix(self) -> str:
+    allowed = f"{_DESCRIBE[self.kind]}" + (f" from {self.bounds()}" if self.bounds() else "")
+    return f"set it to {allowed}, or unset it for the default ({_show(self.kind, self.default)})."
+
+
+def _parse_bool(text: str) -> bool:
+  lowered = text.lower()
+  if lowered in ("1", "true", "yes", "on"):
+    return True
+  if lowered in ("0", "false", "no", "off"):
+    return False
+  raise ValueError(text)
+
+
+def _parse_count(text: str) -> int:
+  result = int(text)
+  if result < 0:
+    raise ValueError(text)
+  return result
+
+
+def _parse_seconds(text: str) -> float:
+  result = float(text)
+  if result != result or result < 0:  # NaN, negative
+    raise ValueError(text)
+  return result
+
+
+_PARSERS: Final[dict[str, Callable[[str], Any]]] = {
+    "bytes": _parse_count,
+    "int": _parse_count,
+    "seconds": _parse_seconds,
+    "bool": _parse_bool,
+    "text": str,
+}
+_DESCRIBE: Final = {
+    "bytes": "a byte count (a non-negative integer)",
+    "int": "a non-negative integer",
+    "seconds": "a number of seconds",
+    "bool": "1 or 0",
+    "text": "text",
+}
+
+
+def _show(kind: str, v: Any) -> str:
+  if v is None:
+    return "unbounded"
+  if kind == "bytes":
+    for unit, size in (("TiB", _TIB), ("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
+      if v and v % size == 0:
+        return f"{v // size} {unit}"
+    return f"{v} bytes"
+  if kind == "seconds":
+    return f"{v:g} s"
+  if kind == "bool":
+    return "1" if v else "0"
+  if kind == "text":
+    return repr(v) if v else "unset"
+  return str(v)
+
+
+#: Every setting, in the order the configuration page lists them.
+SETTINGS: Final[dict[str, Setting]] = {
+    s.name: s
+    for s in (
+        Setting(
+            "RDT_JAX_INLINE_MAX_BYTES", "bytes", 100 * _KIB,
+            "Objects whose leaves are all host memory and hold at most this many bytes in all travel in "
+            "band, inside their metadata; 0 sends every object out of band.",
+            side="producer", minimum=0, maximum=64 * _MIB,
+        ),
+        Setting(
+            "RDT_JAX_NIXL_CMA", "bool", True,
+            "jax_nixl: a consumer on the producer's host reads host memory directly "
+            "(`process_vm_readv`); 0 sends every read through NIXL.",
+            side="consumer",
+        ),
+        Setting(
+            "RDT_JAX_NIXL_VIEW_REBUILD_S", "seconds", 30.0,
+            "jax_nixl: a consumer rebuilds its view of a producer that deregistered memory at most this "
+            "often; a stale descriptor stops working within this time.",
+            read="once", side="consumer", minimum=0.0, maximum=300.0,
+        ),
+        Setting(
+            "RDT_JAX_NIXL_PARK_END_S", "seconds", 10.0,
+            "jax_nixl: a READ given up while in flight and still running after this long is ended by "
+            "dropping the producer's agent from this process's view.",
+            read="once", side="consumer", minimum=0.1, maximum=600.0,
+        ),
+        Setting(
+            "RDT_JAX_HOST_POOL_BYTES", "bytes", 1 * _GIB,
+            "Free host buffers (receive and staging memory, registered once) kept for reuse; 0 disables "
+            "reuse.",
+            read="once", minimum=0, maximum=1 * _TIB,
+        ),
+        Setting(
+            "RDT_JAX_DEVICE_POOL_BYTES", "bytes", 1 * _GIB,
+            "Free device regions (receive and staging memory on GPUs, registered once) kept for reuse per "
+            "process; 0 disables reuse.",
+            read="once", minimum=0, maximum=1 * _TIB,
+        ),
+        Setting(
+            "RDT_JAX_ALLOW_UNTESTED_RAY", "bool", False,
+            "1 lets `register()` run on a Ray minor version outside the tested range (with a warning) "
+            "when the Ray internals it wraps pass their checks.",
+        ),
+        Setting(
+            "RDT_JAX_FAULTS", "text", "",
+            "Fault injection rules for rdt_jax's own tests (`point:action,...`, see `rdt_jax._faults`); "
+            "unset in production.",
+            read="once", test_only=True,
+        ),
+        Setting(
+            "RDT_JAX_FAULTS_SEED", "int", 0,
+            "Seed of the random choices of probabilistic fault rules.",
+            read="once", test_only=True, minimum=0, maximum=2**32 - 1,
+        ),
+    )
+}
+
+
+def value(name: str) -> Any:
+  """The current value of setting `name`, parsed and checked.
+
+  Reads the environment at each call (callers of "once" settings keep the
+  result themselves); an unset or empty variable gives the default.
+
+  Raises:
+    KeyError: if `name` is not declared in `SETTINGS` (a bug in rdt_jax).
+    SettingError: if the variable is set to a value the setting does not allow.
+  """
+  setting = SETTINGS[name]
+  text = os.environ.get(name)
+  if text is None or not text.strip():
+    return setting.default
+  return setting.parse(text)
+
+
+def markdown_table() -> str:
+  """The settings table of `docs/configuration.md`."""
+  rows = [
+      "| variable | type | default | allowed | read | matters on | effect |",
+      "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for s in SETTINGS.values():
+    if s.test_only:
+      continue
+    rows.append(
+        f"| `{s.name}` | {s.kind} | {_show(s.kind, s.default)} | {s.bounds() or _DESCRIBE[s.kind]} | "
+        f"{s.read} | {s.side} | {s.doc} |"
+    )
+  tests = [s for s in SETTINGS.values() if s.test_only]
+  if tests:
+    rows.append("")
+    rows.append("For rdt_jax's own tests only: " + ", ".join(f"`{s.name}`" for s in tests) + ".")
+  return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+  print(markdown_table(), end="")

@@ -1,0 +1,257 @@
+"""Driver run on host A of the two-host cluster (tests/_twohost.py) by
+tests/test_twohost.py: runs one backend's cross-host checks and prints one JSON
+line per check, `{"check": ..., "ok": bool, "detail": ...}`.
+
+Usage: python _twohost_driver.py TRANSPORT
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import ray
+
+import rdt_jax
+from _helpers import tree_fingerprint, wait_meta
+
+rdt_jax.register()
+
+DEVICES = 4
+#: Workers import this module and tests/_helpers (the driver's PYTHONPATH).
+WORKER_PATH = os.environ.get("PYTHONPATH", "")
+ACTOR_ENV = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "PYTHONPATH": WORKER_PATH}}
+#: A producer killed before a read: the consumer's error comes within this.
+DEATH_BOUND_S = 30.0
+SHAPE = (512, 64)  # 128 KiB: out of band by default
+FULL = np.arange(math.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+
+
+def mixed(nbytes: int, seed: int) -> dict:
+  import torch
+
+  rng = np.random.default_rng(seed)
+  return {
+      "w": jnp.asarray(rng.integers(0, 255, nbytes, dtype=np.uint8)),
+      "b": jnp.asarray(rng.standard_normal(7).astype(np.float32)),
+      "n": rng.integers(0, 9, 5).astype(np.int32),
+      "t": torch.from_numpy(rng.standard_normal((3, 4)).astype(np.float32)),
+      "step": seed,
+  }
+
+
+def mesh_sharding(mesh_shape: tuple, spec: tuple, names: tuple = ("x", "y")):
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  devices = np.array(jax.local_devices()[: math.prod(mesh_shape)]).reshape(mesh_shape)
+  return NamedSharding(Mesh(devices, names[: len(mesh_shape)]), PartitionSpec(*spec))
+
+
+def sharded() -> dict:
+  return {"w": jax.device_put(jnp.asarray(FULL), mesh_sharding((2, 2), ("x", "y")))}
+
+
+def layout(x: Any) -> dict:
+  s = x.sharding
+  return {
+      "mesh": dict(s.mesh.shape) if hasattr(s, "mesh") else None,
+      "spec": [str(p) for p in s.spec] if hasattr(s, "spec") else None,
+      "shards": sorted([sh.device.id, list(sh.data.shape)] for sh in x.addressable_shards),
+  }
+
+
+@ray.remote(enable_tensor_transport=True)
+class Node:
+  def identity(self) -> dict:
+    import socket
+
+    return {
+        "hostname": socket.gethostname(),
+        "pidns": os.readlink("/proc/self/ns/pid"),
+        "netns": os.readlink("/proc/self/ns/net"),
+        "node": ray.get_runtime_context().get_node_id(),
+    }
+
+  def shm_write(self, name: str) -> None:
+    with open(f"/dev/shm/{name}", "w") as f:
+      f.write("x")
+
+  def shm_has(self, name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+  def make(self, build: Callable[..., Any], *args: Any):
+    return build(*args)
+
+  def fingerprint(self, value: Any) -> Any:
+    return tree_fingerprint(value)
+
+  def reset(self, transport: str) -> None:
+    _manager(transport).receive_stats(reset=True)
+
+  def inspect(self, value: Any, transport: str) -> dict:
+    """What arrived as this task's argument (Ray fetched it before the call):
+    its fingerprint, its layout, and the fetch's counters (after `reset`)."""
+    out = {"fingerprint": tree_fingerprint(value), "stats": _manager(transport).receive_stats(reset=True)}
+    if isinstance(value, dict) and isinstance(value.get("w"), jax.Array):
+      out["layout"] = layout(value["w"])
+      out["values"] = np.asarray(value["w"]).tolist()
+    return out
+
+  def fetch(self, refs: list, transport: str, target: Callable[[], Any] | None = None) -> dict:
+    """Gets refs[0] with `ray.get` (with `target()` as its target, if given);
+    see `inspect`."""
+    self.reset(transport)
+    if target is not None:
+      rdt_jax.set_target_for_ref(refs[0], target())
+    return self.inspect(ray.get(refs[0], timeout=120), transport)
+
+  def fetch_error(self, refs: list) -> tuple[str, float]:
+    t0 = time.monotonic()
+    try:
+      ray.get(refs[0], timeout=DEATH_BOUND_S * 3)
+    except Exception as e:
+      return type(e).__name__, time.monotonic() - t0
+    return "none", time.monotonic() - t0
+
+
+def _manager(transport: str) -> Any:
+  from ray.experimental.rdt.util import get_tensor_transport_manager
+
+  return get_tensor_transport_manager(transport.upper())
+
+
+def on(host: str, transport: str):
+  return Node.options(resources={f"host_{host}": 1}, num_cpus=0, runtime_env=ACTOR_ENV)
+
+
+class Checks:
+  def __init__(self, transport: str):
+    self.transport = transport
+    self.one_sided = transport != "jax_gloo"
+    self.a = on("a", transport).remote()
+    self.b = on("b", transport).remote()
+    self.group = None
+    if not self.one_sided:
+      from ray.experimental.collective import create_collective_group
+
+      self.group = create_collective_group([self.a, self.b], backend="torch_gloo")
+
+  def make(self, actor: Any, build: Callable[..., Any], *args: Any):
+    """The ref of `build(*args)` made on `actor`, ready to be lent inside a
+    list (Ray lends an RDT ref only once its owner holds the metadata)."""
+    ref = actor.make.options(tensor_transport=self.transport).remote(build, *args)
+    ray.wait([ref], timeout=120)
+    wait_meta(ref)
+    return ref
+
+  # Each check returns a JSON-able detail, or raises AssertionError.
+
+  def hosts(self) -> dict:
+    ia, ib = ray.get([self.a.identity.remote(), self.b.identity.remote()])
+    assert ia["node"] != ib["node"], (ia, ib)
+    for key in ("hostname", "pidns", "netns"):
+      assert ia[key] != ib[key], f"same {key}: {ia[key]}"
+    name = f"rdtj-probe-{os.getpid()}"
+    ray.get(self.b.shm_write.remote(name))
+    assert ray.get(self.b.shm_has.remote(name)) and not ray.get(self.a.shm_has.remote(name)), "shared /dev/shm"
+    return {"a": ia["hostname"], "b": ib["hostname"]}
+
+  def receive(self, dst: Any, ref: Any) -> dict:
+    """`dst`'s view of `ref` passed as a task argument (both kinds of backend)."""
+    ray.get(dst.reset.remote(self.transport))
+    return ray.get(dst.inspect.remote(ref, self.transport), timeout=180)
+
+  def _across(self, src: Any, dst: Any, nbytes: int, seed: int) -> dict:
+    got = self.receive(dst, self.make(src, mixed, nbytes, seed))
+    want = tree_fingerprint(mixed(nbytes, seed))
+    assert got["fingerprint"] == want, (got["fingerprint"], want)
+    return got["stats"]
+
+  def b_to_a(self) -> dict:
+    return self._across(self.b, self.a, 1 << 20, 1)
+
+  def a_to_b(self) -> dict:
+    return self._across(self.a, self.b, 1 << 20, 2)
+
+  def small_b_to_a(self) -> dict:
+    return self._across(self.b, self.a, 1 << 10, 3)
+
+  def large_b_to_a(self) -> dict:
+    return self._across(self.b, self.a, 64 << 20, 4)
+
+  def no_node_local_reads(self) -> dict:
+    stats = self._across(self.b, self.a, 4 << 20, 5)
+    assert stats.get("direct", 0) == 0, stats
+    return stats
+
+  def driver_get(self) -> dict:
+    ref = self.make(self.b, mixed, 256 << 10, 6)
+    assert tree_fingerprint(ray.get(ref, timeout=120)) == tree_fingerprint(mixed(256 << 10, 6))
+    return {}
+
+  def sharded_leaf(self) -> dict:
+    got = self.receive(self.a, self.make(self.b, sharded))
+    assert got["values"] == FULL.tolist()
+    assert got["layout"]["mesh"] == {"x": 2, "y": 2} and got["layout"]["spec"] == ["x", "y"], got["layout"]
+    return got["layout"]
+
+  def resharded_leaf(self) -> dict:
+    ref = self.make(self.b, sharded)
+    target = lambda: {"w": mesh_sharding((4,), (None, "x"))}  # noqa: E731
+    got = ray.get(self.a.fetch.remote([ref], self.transport, target), timeout=180)
+    assert got["values"] == FULL.tolist()
+    assert got["layout"]["mesh"] == {"x": 4} and got["layout"]["spec"] == ["None", "x"], got["layout"]
+    return got["layout"]
+
+  def sliced_leaf(self) -> dict:
+    ref = self.make(self.b, sharded)
+    target = lambda: {"w": rdt_jax.Slice[100:300, 8:40]}  # noqa: E731
+    got = ray.get(self.a.fetch.remote([ref], self.transport, target), timeout=180)
+    assert got["values"] == FULL[100:300, 8:40].tolist()
+    assert got["stats"]["inline"] == 0 and got["stats"]["bytes"] == FULL[100:300, 8:40].nbytes, got["stats"]
+    return got["stats"]
+
+  def producer_killed(self) -> dict:
+    producer = on("b", self.transport).remote()
+    consumer = self.a
+    ref = self.make(producer, mixed, 8 << 20, 7)
+    ray.wait([ref], timeout=120)
+    ray.kill(producer)
+    time.sleep(1.0)
+    error, elapsed = ray.get(consumer.fetch_error.remote([ref]), timeout=DEATH_BOUND_S * 4)
+    assert error != "none", "a value arrived from a killed producer"
+    assert elapsed < DEATH_BOUND_S, f"the error took {elapsed:.1f}s"
+    return {"error": error, "seconds": round(elapsed, 3)}
+
+
+CHECKS = {
+    "jax_nixl": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "no_node_local_reads", "driver_get",
+                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed"],
+    "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf"],
+}
+
+
+def main(transport: str, names: list[str]) -> None:
+  ray.init(logging_level="error", runtime_env={"env_vars": {"PYTHONPATH": WORKER_PATH}})
+  checks = Checks(transport)
+  for name in names or CHECKS[transport]:
+    t0 = time.monotonic()
+    try:
+      detail, ok = getattr(checks, name)(), True
+    except Exception:
+      detail, ok = traceback.format_exc()[-3000:], False
+    line = {"check": name, "ok": ok, "detail": detail, "seconds": round(time.monotonic() - t0, 3)}
+    print(json.dumps(line, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2:])
