@@ -37,7 +37,8 @@ source_suffix = {".md": "markdown"}
 root_doc = "index"
 # docs/benchmarks/ holds files `rdt-jax bench` writes; benchmarks.md includes
 # them, so they are not documents of their own.
-exclude_patterns = ["_build", "benchmarks/**", "matrix/**", "Thumbs.db", ".DS_Store"]
+# docs/development/ keeps history for developers; it is not part of the site.
+exclude_patterns = ["_build", "benchmarks/**", "matrix/**", "development/**", "Thumbs.db", ".DS_Store"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3

@@ -15,6 +15,8 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from rdt_jax import _hooks
+
 if TYPE_CHECKING:
   from rdt_jax._convert import to_jax as to_jax
   from rdt_jax._convert import to_numpy as to_numpy
@@ -81,6 +83,25 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
   return __all__
+
+
+# The seam's calls into the layers above it (`rdt_jax._hooks` says why), set
+# here because every process imports this module before any rdt_jax module.
+def _register_transports() -> list[str]:
+  return importlib.import_module("rdt_jax._registry").register()
+
+
+def _set_target_buffers(obj_id: str, buffers: list[Any]) -> None:
+  importlib.import_module("rdt_jax._targets").set_target_for_obj_id(obj_id, buffers)
+
+
+def _set_target_device(obj_id: str, device: Any) -> None:
+  importlib.import_module("rdt_jax._targets").set_target_device_for_obj_id(obj_id, device)
+
+
+_hooks.register_transports = _register_transports
+_hooks.set_target_buffers = _set_target_buffers
+_hooks.set_target_device = _set_target_device
 
 
 def _check_transport_names() -> None:

@@ -3,13 +3,22 @@
 Each subclasses the exception type Ray raised (or would raise) in the same
 situation, so code that catches Ray's `ValueError` keeps working; the message
 says what happened and what to do. Errors about a value's leaves are
-`rdt_jax.UnsupportedLeafError` (`rdt_jax._dlpack`). This module imports
-nothing outside the standard library.
+`rdt_jax.UnsupportedLeafError` (`rdt_jax._dlpack`). Also here: the account of
+a transport name this process has not registered (`explain_unregistered`),
+which the seam and the registry both give. Imports no Ray and no array
+framework (only `rdt_jax._compat`, whose checks import jax or NIXL when
+called).
 """
 
 from __future__ import annotations
 
-__all__ = ["TransportNotRegisteredError", "UnknownObjectError", "UnsupportedRayError"]
+import difflib
+import importlib.util
+from typing import Final
+
+from rdt_jax import _compat
+
+__all__ = ["TransportNotRegisteredError", "UnknownObjectError", "UnsupportedRayError", "explain_unregistered"]
 
 
 # Public as `rdt_jax.<name>`: tracebacks and pickles name the public path.
@@ -80,3 +89,76 @@ class UnknownObjectError(AssertionError):
 
 for _cls in (TransportNotRegisteredError, UnknownObjectError, UnsupportedRayError):
   _cls.__module__ = _PUBLIC_MODULE
+
+
+#: Every rdt_jax transport, by name: what a process needs to run it.
+TRANSPORT_NEEDS: Final[dict[str, str]] = {
+    "jax_nixl": "NIXL (pip install nixl-cu12, or nixl-cu13 for CUDA 13)",
+    "jax_gloo": "torch (Ray's collective groups move torch tensors)",
+    "jax_nccl": "torch (Ray's collective groups move torch tensors)",
+    "jax_transfer": "a jax with jax.experimental.transfer",
+}
+
+
+def _can_run(name: str) -> bool:
+  """True if this process has what rdt_jax transport `name` needs, checked
+  without importing the transports (which would install rdt_jax here)."""
+  if name == "jax_nixl":
+    return _compat.nixl_available()
+  if name in ("jax_gloo", "jax_nccl"):
+    return importlib.util.find_spec("torch") is not None
+  return _compat.has_jax_transfer()
+
+
+def explain_unregistered(name: str, registered: list[str], in_worker: bool) -> tuple[str | None, str | None]:
+  """Why transport `name` is not registered in this process, and what to do.
+
+  Args:
+    name: the transport name as the user gave it.
+    registered: the transports registered in this process (lower case).
+    in_worker: True in an actor (or task), False in a driver.
+
+  Returns:
+    (explanation, suggestion): the explanation is None where the name is
+    neither an rdt_jax transport nor close to one registered or rdt_jax
+    transport (Ray's own error then stands); the suggestion is the closest
+    name, or None.
+  """
+  wanted = name.lower()
+  if wanted in TRANSPORT_NEEDS and wanted not in registered:
+    return _why_missing(wanted, in_worker), None
+  candidates = sorted(set(registered) | set(TRANSPORT_NEEDS))
+  close = difflib.get_close_matches(wanted, candidates, n=1, cutoff=0.75)
+  if not close or close[0] == wanted:
+    return None, None
+  suggestion = close[0]
+  text = f"Did you mean {suggestion!r}? Transports registered here: {', '.join(registered) or 'none'}."
+  if suggestion not in registered:
+    text += " " + _why_missing(suggestion, in_worker)
+  return text, suggestion
+
+
+def _why_missing(name: str, in_worker: bool) -> str:
+  """What to do where rdt_jax transport `name` is not registered."""
+  if not _can_run(name):
+    return (
+        f"{name!r} is an rdt_jax transport that cannot run in this process: it needs "
+        f"{TRANSPORT_NEEDS[name]}. Install that (in every process that uses the "
+        "transport), then call rdt_jax.register()."
+    )
+  if in_worker:
+    return (
+        f"{name!r} is an rdt_jax transport, and this actor has none registered: an actor "
+        "gets them from its creator only if its class has "
+        "@ray.remote(enable_tensor_transport=True) (or a method with "
+        "@ray.method(tensor_transport=...)) and the creator called rdt_jax.register() "
+        "before creating it. Add enable_tensor_transport=True to the actor's class, or "
+        "call rdt_jax.register() in the actor (in __init__) before this call."
+    )
+  return (
+      f"{name!r} is an rdt_jax transport, and rdt_jax.register() has not run in this "
+      "process yet. Call rdt_jax.register() first: before defining classes whose methods "
+      f"name it (@ray.method(tensor_transport={name!r}) checks the name when the class is "
+      f"defined), before ray.put(..., _tensor_transport={name!r}), and before creating "
+      "the actors that use it."
+  )

@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any, Final
 
-from rdt_jax import _compat, _settings
+from rdt_jax import _compat, _errors, _hooks, _settings
 from rdt_jax._errors import TransportNotRegisteredError, UnknownObjectError
 from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
 
@@ -514,9 +514,8 @@ def _wrap_default_registration() -> None:
       with _lock:
         if not done:
           done.append(True)
-          # Resolved at run time: the registry knows the transports, which
-          # import this module.
-          importlib.import_module("rdt_jax._registry").register()
+          # The registry sits above this module: reached through `_hooks`.
+          _hooks.register_transports()
 
   _mark(_ensure_default_transports_registered, original)
   util._ensure_default_transports_registered = _ensure_default_transports_registered
@@ -543,13 +542,12 @@ def _forward_ray_targets(manager: Any, obj_id: str, meta: Any) -> Any:
   target goes to `rdt_jax.set_target_*_for_ref` instead (kept for the next
   fetch, as Ray keeps it) and Ray's fetch runs without it.
   """
-  targets = importlib.import_module("rdt_jax._targets")
   if meta.target_buffers:
     buffers = [r() for r in meta.target_buffers]
     if all(b is not None for b in buffers):  # Ray's rule: any dead buffer drops them all
-      targets.set_target_for_obj_id(obj_id, buffers)
+      _hooks.set_target_buffers(obj_id, buffers)
   elif meta.target_device is not None:
-    targets.set_target_device_for_obj_id(obj_id, meta.target_device)
+    _hooks.set_target_device(obj_id, meta.target_device)
   return meta._replace(target_buffers=None, target_device=None)
 
 
@@ -624,8 +622,7 @@ def _invalid_transport_error(name: Any, error: ValueError) -> TransportNotRegist
   None where the name has nothing to do with rdt_jax (Ray's error stands)."""
   if not isinstance(name, str):
     return None
-  registry = importlib.import_module("rdt_jax._registry")  # imports this module
-  explanation, suggestion = registry.explain_unregistered(name, registered_transports(), in_ray_worker())
+  explanation, suggestion = _errors.explain_unregistered(name, registered_transports(), in_ray_worker())
   if explanation is None:
     return None
   return TransportNotRegisteredError(f"{error}. {explanation}", name, suggestion)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdt_jax import _dlpack
-from rdt_jax._dlpack._specs import RECEIVE_MODES
+from rdt_jax._dlpack import RECEIVE_MODES
 
 _receive_mode = "source"
 

@@ -11,8 +11,10 @@ fi
 stamp=.venv/.rdt-jax-setup
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
-  # The CPU build of torch first: nixl-cu12 requires `torch` and an unpinned
-  # install would pull a multi-GB CUDA build.
+  # torch first, pinned: nixl-cu12 requires `torch`, and an unpinned install
+  # would take the newest (multi-GB CUDA) build. From PyPI alone 2.13.0 is the
+  # CUDA build too; pip takes a CPU build already installed in .venv, or one
+  # its configuration offers (docs/install.md: CPU hosts).
   python -m pip install -q "torch==2.13.0"
   python -m pip install -q -e ".[torch,test,bench,docs]"
   # `import nixl` (Ray's built-in NIXL transport, our benchmark's baseline)

@@ -22,11 +22,11 @@ import torch
 
 from _helpers import sample
 from rdt_jax import _dlpack
-from rdt_jax._dlpack import Device, LeafSpec, RegionPool, UnsupportedLeafError, _cupy, _jax, _torch
-from rdt_jax._dlpack._specs import ChunkSpec
+from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, UnsupportedLeafError, _cupy, _dtypes, _interop, _jax, _torch
+from rdt_jax._dlpack._pool import RegionPool
 
 CPU = Device("cpu")
-ALL_DTYPES = sorted(d.name for d in _dlpack.SUPPORTED_DTYPES)
+ALL_DTYPES = sorted(d.name for d in _dtypes.SUPPORTED_DTYPES)
 TORCH_LACKS = [n for n in ALL_DTYPES if not isinstance(getattr(torch, n, None), torch.dtype)]
 
 
@@ -48,7 +48,7 @@ def test_torch_lacks_some_float8():
 def test_device_bytes_to_jax_every_dtype(name, shape):
   with jax.enable_x64(True):
     x = sample(shape, name)
-    out = _jax.from_device_bytes(received(x, extra=7), x.dtype, shape, "['w']")
+    out = _interop.device_bytes_to_jax(received(x, extra=7), x.dtype, shape, "['w']")
     assert isinstance(out, jax.Array) and out.dtype == x.dtype and out.shape == shape
     np.testing.assert_array_equal(np.asarray(out).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
 
@@ -58,7 +58,7 @@ def test_device_bytes_to_jax_dtype_torch_lacks_is_bitcast(name):
   # Was unreachable: the torch view raised first, telling the user to do
   # what they were doing (receive it as jax).
   x = sample((4, 2), name)
-  out = _jax.from_device_bytes(received(x), x.dtype, (4, 2), "['f8']")
+  out = _interop.device_bytes_to_jax(received(x), x.dtype, (4, 2), "['f8']")
   np.testing.assert_array_equal(np.asarray(out).reshape(-1).view(np.uint8), x.reshape(-1).view(np.uint8))
 
 
@@ -70,6 +70,8 @@ def test_device_bytes_from_jax_region():
   np.testing.assert_array_equal(np.asarray(out), x)
   empty = _jax.from_device_bytes(region, np.dtype(np.float32), (0, 2), "['e']")
   assert empty.shape == (0, 2) and empty.dtype == np.float32
+  # The cross-framework entry point takes jax regions as they are.
+  np.testing.assert_array_equal(np.asarray(_interop.device_bytes_to_jax(region, x.dtype, (3, 3), "['w']")), x)
 
 
 def test_device_bytes_to_jax_is_zero_copy_when_aligned():
@@ -78,7 +80,7 @@ def test_device_bytes_to_jax_is_zero_copy_when_aligned():
   off = (-buf.data_ptr()) % 256
   view = buf[off : off + x.nbytes]
   view.copy_(torch.from_numpy(x.view(np.uint8)))
-  out = _jax.from_device_bytes(view, x.dtype, (16,), "['w']")
+  out = _interop.device_bytes_to_jax(view, x.dtype, (16,), "['w']")
   assert out.unsafe_buffer_pointer() == view.data_ptr()
 
 
@@ -148,9 +150,9 @@ def test_check_device_refuses_a_missing_cuda_device_by_name():
 def test_to_torch_keeps_dtype_dlpack_lacks_on_cpu():
   x = jnp.asarray(sample((3,), "float8_e3m4"))
   with pytest.raises(UnsupportedLeafError, match="float8_e3m4, which PyTorch"):
-    _torch.from_jax(x, "['x']")
+    _interop.jax_to_torch(x, "['x']")
   y = jnp.asarray(sample((3,), "float8_e4m3fn"))
-  t = _torch.from_jax(y, "['y']")
+  t = _interop.jax_to_torch(y, "['y']")
   assert t.device.type == "cpu" and t.dtype == torch.float8_e4m3fn
 
 
@@ -204,7 +206,7 @@ def test_region_pool_counts_jax_arrays_made_from_views():
   r = pool.acquire(1024, CPU, "torch")
   x = sample((16,), "float32")
   _dlpack.copy_bytes(r.pointer, x.ctypes.data, x.nbytes, CPU)
-  leaf = _jax.from_device_bytes(r.view(0, x.nbytes), x.dtype, (16,), "['w']")
+  leaf = _interop.device_bytes_to_jax(r.view(0, x.nbytes), x.dtype, (16,), "['w']")
   assert leaf.unsafe_buffer_pointer() == r.pointer  # aliases the region
   r.release()
   assert pool.acquire(1024, CPU, "torch") is not r
@@ -303,4 +305,4 @@ def test_cuda_available_is_false_here():
 
 
 def test_ml_dtypes_float8_e3m4_is_supported():
-  assert np.dtype(ml_dtypes.float8_e3m4) in _dlpack.SUPPORTED_DTYPES
+  assert np.dtype(ml_dtypes.float8_e3m4) in _dtypes.SUPPORTED_DTYPES

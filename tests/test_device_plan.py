@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from rdt_jax import _dlpack
-from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, RegionPool
+from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec
+from rdt_jax._dlpack._pool import RegionPool
 from rdt_jax.transports._plan import ReceivePlan
 
 

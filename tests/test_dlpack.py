@@ -19,15 +19,15 @@ torch = pytest.importorskip("torch")
 import rdt_jax
 from _helpers import sample, wait_for
 from rdt_jax import _dlpack
-from rdt_jax._dlpack import ChunkSpec
+from rdt_jax._dlpack import ChunkSpec, _dtypes, _memory
 
-ALL_DTYPES = sorted(d.name for d in _dlpack.SUPPORTED_DTYPES)
+ALL_DTYPES = sorted(d.name for d in _dtypes.SUPPORTED_DTYPES)
 TORCH_DTYPES = [n for n in ALL_DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]
 
 
 def host_copy(dtype: np.dtype, x: np.ndarray):
   """x's bytes in a fresh aligned receive buffer, as the transport leaves them."""
-  buf = _dlpack.aligned_host_buffer(x.nbytes)
+  buf = _memory.aligned_host_buffer(x.nbytes)
   buf[:] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
   return buf, _dlpack.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
 
@@ -119,10 +119,10 @@ def test_host_layout_aligns_every_chunk():
   specs = [_dlpack.describe(np.zeros(n, np.uint8)).spec for n in (1, 100, 0, 64, 65)]
   offsets, total = _dlpack.host_layout(specs)
   flat = [o for leaf in offsets for o in leaf]
-  assert all(o % _dlpack.ALIGNMENT == 0 for o in flat)
+  assert all(o % _memory.ALIGNMENT == 0 for o in flat)
   assert total >= sum(s.nbytes for s in specs)
-  buf = _dlpack.aligned_host_buffer(total)
-  assert buf.ctypes.data % _dlpack.ALIGNMENT == 0
+  buf = _memory.aligned_host_buffer(total)
+  assert buf.ctypes.data % _memory.ALIGNMENT == 0
 
 
 # ---- errors
@@ -253,7 +253,7 @@ def test_conversions_are_zero_copy_on_cpu():
   tb = torch.zeros(4, dtype=torch.bfloat16)
   assert rdt_jax.to_numpy(tb).ctypes.data == tb.data_ptr()
   assert rdt_jax.to_jax(tb).unsafe_buffer_pointer() == tb.data_ptr()
-  a = _dlpack.aligned_host_buffer(64).view(np.float32)
+  a = _memory.aligned_host_buffer(64).view(np.float32)
   assert rdt_jax.to_jax(a).unsafe_buffer_pointer() == a.ctypes.data
 
 

@@ -1,7 +1,11 @@
 """The package's layering: no import cycles, one seam to Ray, one dispatch point.
 
-Read from the source (module-level imports, outside `if TYPE_CHECKING:`), so
-the rules hold however the modules happen to be imported at run time.
+Read from the source, so the rules hold however the modules happen to be
+imported at run time. Every import counts wherever it is written (module
+level, inside a function or method, under `try:`), and so does
+`importlib.import_module("name")` with a literal name: an import deferred to
+a function still ties the two modules together. Only imports under
+`if TYPE_CHECKING:` (type annotations) are left out.
 """
 
 from __future__ import annotations
@@ -10,12 +14,12 @@ import ast
 import pathlib
 import re
 
-import pytest
-
 PACKAGE = pathlib.Path(__file__).parent.parent / "rdt_jax"
 
 
 def _module_name(path: pathlib.Path) -> str:
+  if not path.is_relative_to(PACKAGE):
+    return path.stem
   parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -23,27 +27,50 @@ def _module_name(path: pathlib.Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-  return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+def _is_type_checking(node: ast.AST) -> bool:
+  return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _absolute(module: str | None, level: int, importer: str, is_package: bool) -> str:
+  """The absolute module name of a (possibly relative) `from ... import`."""
+  if not level:
+    return module or ""
+  base = importer.split(".")
+  base = base[: len(base) - level + (1 if is_package else 0)]
+  return ".".join([*base, module] if module else base)
+
+
+def _imported(node: ast.AST, importer: str, is_package: bool) -> set[str]:
+  """The modules one AST node imports (none for most nodes)."""
+  if isinstance(node, ast.Import):
+    return {a.name for a in node.names}
+  if isinstance(node, ast.ImportFrom):
+    module = _absolute(node.module, node.level, importer, is_package)
+    submodules = {f"{module}.{a.name}" for a in node.names} & set(MODULES)
+    # `from pkg import submodule` depends on the submodule, not on pkg.
+    return submodules or {module}
+  if (
+      isinstance(node, ast.Call)
+      and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+      and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+  ):
+    return {node.args[0].value}
+  return set()
 
 
 def module_imports(path: pathlib.Path) -> set[str]:
-  """Names of the modules `path` imports at module level."""
-  tree = ast.parse(path.read_text())
+  """Names of the modules `path` imports anywhere outside `if TYPE_CHECKING:`."""
+  name = _module_name(path)
+  is_package = path.name == "__init__.py"
   found: set[str] = set()
-  body = list(tree.body)
-  while body:
-    node = body.pop(0)
-    if isinstance(node, ast.If) and not _is_type_checking(node):
-      body.extend(node.body + node.orelse)
-    elif isinstance(node, ast.Try):
-      body.extend(node.body)
-    elif isinstance(node, ast.Import):
-      found.update(a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      submodules = {f"{node.module}.{a.name}" for a in node.names} & set(MODULES)
-      # `from pkg import submodule` depends on the submodule, not on pkg.
-      found.update(submodules or {node.module})
+  stack: list[ast.AST] = [ast.parse(path.read_text())]
+  while stack:
+    node = stack.pop()
+    if _is_type_checking(node):
+      stack.extend(node.orelse)  # type: ignore[attr-defined]
+      continue
+    found |= _imported(node, name, is_package)
+    stack.extend(ast.iter_child_nodes(node))
   return found
 
 
@@ -56,21 +83,48 @@ def internal_graph() -> dict[str, set[str]]:
 
 def test_no_import_cycles():
   graph = internal_graph()
-  state: dict[str, int] = {}
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  cycles: list[str] = []
 
   def visit(node: str, stack: list[str]) -> None:
     state[node] = 1
     for dep in sorted(graph[node]):
       if state.get(dep) == 1:
-        cycle = [*stack[stack.index(dep):], dep] if dep in stack else [node, dep]
-        pytest.fail(f"import cycle: {' -> '.join(cycle)}")
-      if dep not in state:
+        cycles.append(" -> ".join([*stack[stack.index(dep):], dep]))
+      elif dep not in state:
         visit(dep, [*stack, dep])
     state[node] = 2
 
   for name in sorted(graph):
     if name not in state:
       visit(name, [name])
+  assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_imports_are_read_wherever_they_are_written(tmp_path):
+  source = tmp_path / "example.py"
+  source.write_text(
+      "from typing import TYPE_CHECKING\n"
+      "import importlib\n"
+      "if TYPE_CHECKING:\n"
+      "  import annotations_only\n"
+      "else:\n"
+      "  import at_run_time\n"
+      "def f():\n"
+      "  from in_function import x\n"
+      "class C:\n"
+      "  def m(self):\n"
+      "    import in_method\n"
+      "    return importlib.import_module('by_name')\n"
+  )
+  assert module_imports(source) == {
+      "typing", "importlib", "at_run_time", "in_function", "in_method", "by_name",
+  }
+
+
+#: What the DLPack layer may import of rdt_jax besides itself: Ray-free modules
+#: with no dependency on the layers above.
+DLPACK_MAY_IMPORT = ("rdt_jax._dlpack", "rdt_jax._compat", "rdt_jax._settings")
 
 
 def test_dlpack_layer_depends_on_nothing_above_it():
@@ -81,7 +135,70 @@ def test_dlpack_layer_depends_on_nothing_above_it():
       top = dep.split(".")[0]
       assert top != "ray", f"{name} imports {dep}"
       if top == "rdt_jax":
-        assert dep.startswith(("rdt_jax._dlpack", "rdt_jax._compat", "rdt_jax._settings")), f"{name} imports {dep}"
+        assert dep.startswith(DLPACK_MAY_IMPORT), f"{name} imports {dep}"
+
+
+#: One module per framework; each knows only its own framework (and numpy,
+#: the layer's host buffer type).
+FRAMEWORK_MODULES = tuple(f"rdt_jax._dlpack._{fw}" for fw in ("numpy", "jax", "torch", "cupy"))
+
+
+def test_framework_modules_know_only_their_own_framework():
+  # Conversions between frameworks are `_interop`'s; picking a framework for
+  # an array is `_dispatch`'s. A framework module needs neither, nor another
+  # framework module, nor the layers built on them.
+  above = (*FRAMEWORK_MODULES, "rdt_jax._dlpack._interop", "rdt_jax._dlpack._dispatch",
+           "rdt_jax._dlpack._sharding", "rdt_jax._dlpack._cuda", "rdt_jax._dlpack._pool")
+  for name in FRAMEWORK_MODULES:
+    deps = {d for d in module_imports(MODULES[name]) if d in above and d != name}
+    assert deps == set(), f"{name} imports {sorted(deps)}"
+
+
+def test_dlpack_readme_lists_every_module_bottom_up():
+  """`_dlpack/README.md`'s module table names every module of the layer, each
+  importing only modules listed before it."""
+  readme = (PACKAGE / "_dlpack" / "README.md").read_text()
+  listed = [f"rdt_jax._dlpack.{m}" for m in re.findall(r"^\| `(_\w+)` \|", readme, re.MULTILINE)]
+  layer = sorted(n for n in MODULES if n.startswith("rdt_jax._dlpack."))
+  assert sorted(listed) == layer
+  for i, name in enumerate(listed):
+    later = {d for d in module_imports(MODULES[name]) if d in listed[i:]}
+    assert later == set(), f"{name} imports {sorted(later)}, listed after it in _dlpack/README.md"
+
+
+def _surface_names_used(path: pathlib.Path) -> set[str]:
+  """Public names of `rdt_jax._dlpack` that `path` uses: `_dlpack.name`
+  attributes and `from rdt_jax._dlpack import name`."""
+  used: set[str] = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Attribute):
+      owner = node.value
+      if (isinstance(owner, ast.Name) and owner.id == "_dlpack") or (
+          isinstance(owner, ast.Attribute) and owner.attr == "_dlpack"
+      ):
+        used.add(node.attr)
+    elif isinstance(node, ast.ImportFrom) and node.module == "rdt_jax._dlpack" and not node.level:
+      used.update(a.name for a in node.names)
+  return {n for n in used if not n.startswith("_")}
+
+
+def test_dlpack_surface_is_what_the_rest_uses():
+  """`rdt_jax._dlpack.__all__` is exactly the names used outside the layer,
+  by the package, its tests, scripts and examples. Tests of the layer's own
+  internals import its private modules (`from rdt_jax._dlpack import _memory`)."""
+  from rdt_jax import _dlpack
+
+  users = [
+      p for p in sorted(PACKAGE.parent.glob("*/**/*.py"))
+      if p.parts[len(PACKAGE.parent.parts)] in ("rdt_jax", "tests", "scripts", "examples")
+      and not p.is_relative_to(PACKAGE / "_dlpack")
+  ]
+  used = set().union(*(_surface_names_used(p) for p in users))
+  exported = set(_dlpack.__all__)
+  assert len(exported) == len(_dlpack.__all__), "a name is listed twice in __all__"
+  assert sorted(used - exported) == [], "used outside the layer but not exported"
+  assert sorted(exported - used) == [], "exported but used nowhere outside the layer"
+  assert all(hasattr(_dlpack, n) for n in exported)
 
 
 def test_transports_never_import_the_registry():

@@ -48,6 +48,21 @@ def test_dlpack_layer_imports_without_ray(tmp_path):
   assert out.stdout.strip() == "[]"
 
 
+def test_import_rdt_jax_only_sets_the_seams_hooks(tmp_path):
+  # The package root imports one module of rdt_jax (the hooks through which
+  # the seam reaches the registry and targets) and fills every hook.
+  code = (
+      "import sys, rdt_jax\n"
+      "from rdt_jax import _hooks\n"
+      "hooks = ('register_transports', 'set_target_buffers', 'set_target_device')\n"
+      "print(sorted(m for m in sys.modules if m.startswith('rdt_jax')),"
+      " [h for h in hooks if getattr(_hooks, h) is _hooks._not_set])\n"
+  )
+  out = _run_without_ray(tmp_path, "-c", code)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "['rdt_jax', 'rdt_jax._hooks'] []"
+
+
 def test_dlpack_tests_pass_without_ray(tmp_path):
   out = _run_without_ray(
       tmp_path,

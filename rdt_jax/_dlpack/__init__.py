@@ -3,23 +3,14 @@
 Data flows one way through rdt_jax::
 
   producer leaf -> describe() -> LeafSpec + raw buffers -> (a backend moves bytes)
-  -> receive buffers (host_pool / allocate_device_buffer) -> rebuild_*() -> consumer leaf
+  -> receive memory (host_pool, device_pool) -> rebuild_host() / rebuild_device()
+  -> consumer leaf
 
-This subpackage imports no Ray (its tests run where Ray cannot be imported)
-and imports no framework eagerly. Modules:
-
-* `_dispatch`: the one dispatch point on array types (`framework_of`); every
-  other module of rdt_jax asks it for pointers, devices, dtypes, conversions;
-* `_numpy`, `_jax`, `_torch`: one module per framework (describe, export,
-  rebuild, convert); `_sharding`: sharded `jax.Array` layouts;
-* `_dtypes`, `_devices`, `_memory`: dtypes, the one device parser, host
-  pool / layout / byte views; `_pool`: the device region pool (packed,
-  registered once, never reused while a transfer may write it);
-* `_cuda`: every CUDA-specific step (stream ordering), no-ops on host memory;
-  `_cupy`: cupy arrays (described and converted; not a receive type);
-* `_specs`, `_errors`: the framework-neutral leaf descriptions and the error.
-
-`README.md` beside this file has the design rules.
+This subpackage imports no Ray and no framework eagerly, and nothing of
+rdt_jax above it (only `rdt_jax._compat` and `rdt_jax._settings`). The names
+below are what the rest of rdt_jax uses; tests of the layer's internals import
+its private modules directly. `README.md` beside this file lists the modules
+and the design rules.
 """
 
 from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
@@ -50,17 +41,13 @@ from rdt_jax._dlpack._dispatch import rebuild_device as rebuild_device
 from rdt_jax._dlpack._dispatch import rebuild_host as rebuild_host
 from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
 from rdt_jax._dlpack._dispatch import to_jax_exact as to_jax_exact
-from rdt_jax._dlpack._dtypes import SUB_BYTE_DTYPE_NAMES as SUB_BYTE_DTYPE_NAMES
-from rdt_jax._dlpack._dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
 from rdt_jax._dlpack._gc import GC_PAUSE_MIN_LEAVES as GC_PAUSE_MIN_LEAVES
 from rdt_jax._dlpack._gc import gc_paused as gc_paused
 from rdt_jax._dlpack._lazy import importable as importable
-from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
 from rdt_jax._dlpack._memory import aligned as aligned
-from rdt_jax._dlpack._memory import aligned_host_buffer as aligned_host_buffer
 from rdt_jax._dlpack._memory import host_bytes as host_bytes
 from rdt_jax._dlpack._memory import host_chunk as host_chunk
 from rdt_jax._dlpack._memory import host_layout as host_layout
@@ -69,7 +56,6 @@ from rdt_jax._dlpack._memory import host_pool as host_pool
 from rdt_jax._dlpack._memory import pack_host_chunks as pack_host_chunks
 from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
 from rdt_jax._dlpack._pool import Region as Region
-from rdt_jax._dlpack._pool import RegionPool as RegionPool
 from rdt_jax._dlpack._pool import device_pool as device_pool
 from rdt_jax._dlpack._pool import pack_layout as pack_layout
 from rdt_jax._dlpack._pool import region_source as region_source
@@ -86,84 +72,90 @@ from rdt_jax._dlpack._sharding import is_sharding as is_sharding
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
 from rdt_jax._dlpack._sharding import source_boxes as source_boxes
 from rdt_jax._dlpack._sharding import target_layout as target_layout
+from rdt_jax._dlpack._specs import RECEIVE_MODES as RECEIVE_MODES
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
 from rdt_jax._dlpack._specs import DescribedLeaf as DescribedLeaf
-from rdt_jax._dlpack._specs import DeviceKind as DeviceKind
 from rdt_jax._dlpack._specs import Framework as Framework
 from rdt_jax._dlpack._specs import LeafSpec as LeafSpec
 from rdt_jax._dlpack._specs import ShardingLayout as ShardingLayout
 from rdt_jax._dlpack._torch import bytes_tensor as torch_bytes
 
-__all__ = [
-    "ALIGNMENT",
-    "DEVICE_ALIGNMENT",
-    "GC_PAUSE_MIN_LEAVES",
-    "SUB_BYTE_DTYPE_NAMES",
-    "SUPPORTED_DTYPES",
-    "Box",
+# Grouped by purpose, one comment per group (not sorted as a whole).
+__all__ = [  # noqa: RUF022
+    # Leaf descriptions (framework-neutral, cross the wire in metadata) and the error.
+    "RECEIVE_MODES",
     "ChunkSpec",
     "DescribedLeaf",
-    "Device",
-    "DeviceKind",
     "Framework",
-    "HostBufferPool",
     "LeafSpec",
-    "Region",
-    "RegionPool",
     "ShardingLayout",
-    "Slice",
-    "TargetLayout",
     "UnsupportedLeafError",
-    "aligned",
-    "aligned_host_buffer",
-    "block_until_ready",
-    "box_shape",
-    "buffer_pointer",
-    "build_sharded",
+    "np_dtype_from_name",
+    # Devices: the one parser, and lookups that never pick another device.
+    "Device",
     "check_device",
+    "jax_device",
+    "parse_device",
+    # Questions about one array, answered by its framework (the one dispatch point).
+    "block_until_ready",
+    "buffer_pointer",
     "check_x64",
-    "convert_leaf",
-    "copy_bytes",
-    "copy_from_host",
-    "copy_into",
-    "copy_runs",
-    "cuda_available",
-    "cut",
     "describe",
     "device_of",
-    "device_pool",
     "dtype_of",
     "framework_of",
-    "full_box",
-    "gc_paused",
     "hold_buffer",
+    "is_array",
+    "is_c_contiguous",
+    "is_writable",
+    # Conversions between frameworks, and copies into a given array.
+    "convert_leaf",
+    "copy_into",
+    "to_jax_exact",
+    # Rebuilding received leaves from host views or device byte views.
+    "build_sharded",
+    "host_to_jax_many",
+    "rebuild_device",
+    "rebuild_host",
+    "rebuild_view",
+    "receive_sharding",
+    # Host memory: the buffer pool, one object's packed layout, raw byte views.
+    "HostBufferPool",
+    "aligned",
     "host_bytes",
     "host_chunk",
     "host_layout",
     "host_pointer",
     "host_pool",
-    "host_to_jax_many",
-    "importable",
-    "intersect",
-    "is_array",
-    "is_c_contiguous",
-    "is_sharding",
-    "is_writable",
-    "jax_device",
-    "np_dtype_from_name",
     "pack_host_chunks",
+    # Device memory: the region pool and one object's packed region layout.
+    "DEVICE_ALIGNMENT",
+    "Region",
+    "device_pool",
     "pack_layout",
-    "parse_device",
-    "rebuild_device",
-    "rebuild_host",
-    "rebuild_view",
-    "receive_sharding",
     "region_source",
+    # Resharding on receive: slices, target layouts, byte runs between boxes.
+    "Box",
+    "Slice",
+    "TargetLayout",
+    "box_shape",
+    "copy_runs",
+    "cut",
+    "full_box",
+    "intersect",
+    "is_sharding",
     "source_boxes",
     "target_layout",
-    "to_jax_exact",
+    # CUDA: stream ordering, copies on a device, torch tensors over raw memory.
+    "copy_bytes",
+    "copy_from_host",
+    "cuda_available",
     "torch_bytes",
     "wait_for_copies",
     "wait_for_producers",
     "wait_received",
+    # Process helpers: the GC pause around per-leaf work, importability checks.
+    "GC_PAUSE_MIN_LEAVES",
+    "gc_paused",
+    "importable",
 ]

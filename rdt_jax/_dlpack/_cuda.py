@@ -24,10 +24,15 @@ Rules (docs/gpu.md states them for users):
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 
+import numpy as np
+
+from rdt_jax._dlpack import _torch
 from rdt_jax._dlpack._devices import Device
 from rdt_jax._dlpack._lazy import importable, loaded_type
+from rdt_jax._dlpack._memory import CudaBytes, host_bytes
 from rdt_jax._dlpack._specs import DescribedLeaf
 
 
@@ -100,12 +105,8 @@ def copy_bytes(dst: int, src: int, nbytes: int, device: Device) -> None:
   (the current torch stream; call `wait_for_copies` before anything outside
   that order reads `dst`)."""
   if device.kind == "cpu":
-    import ctypes
-
     ctypes.memmove(dst, src, nbytes)
     return
-  from rdt_jax._dlpack import _torch
-
   _torch.bytes_tensor(dst, nbytes, device).copy_(_torch.bytes_tensor(src, nbytes, device))
 
 
@@ -119,18 +120,12 @@ def copy_from_host(dst: int, src: memoryview, device: Device) -> None:
     ImportError: for a cuda `device` where neither torch nor cupy is
       installed, saying what to install.
   """
-  import numpy as np
-
-  from rdt_jax._dlpack._memory import CudaBytes, host_bytes
-
   data = np.frombuffer(src, np.uint8)
   if device.kind == "cpu":
     host_bytes(dst, data.nbytes)[:] = data
     return
   if importable("torch"):
     import torch
-
-    from rdt_jax._dlpack import _torch
 
     _torch.bytes_tensor(dst, data.nbytes, device).copy_(torch.from_numpy(data.copy()))
     wait_for_copies(device)
@@ -161,8 +156,6 @@ def wait_for_copies(device: Device) -> None:
 def cuda_available(framework: str) -> bool:
   """True if `framework` ("torch", "jax" or "cupy") sees a cuda device here;
   imports nothing that is not importable."""
-  from rdt_jax._dlpack._lazy import importable
-
   if not importable(framework):
     return False
   try:

@@ -1,4 +1,6 @@
-"""cupy arrays: describe, rebuild from device bytes, convert (through DLPack).
+"""cupy arrays: describe, export, rebuild from device bytes, and import any
+DLPack producer on a cuda device (`from_dlpack`); `_interop` uses these to
+convert between cupy and the other frameworks.
 
 cupy arrays live on cuda devices only. A cupy leaf can be sent by any
 backend that moves cuda memory, and arrives as cupy in "source" receive mode

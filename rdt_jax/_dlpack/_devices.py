@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from rdt_jax._dlpack._errors import UnsupportedLeafError
-from rdt_jax._dlpack._lazy import loaded_type
+from rdt_jax._dlpack._lazy import importable, loaded_type
 from rdt_jax._dlpack._specs import DeviceKind
 
 if TYPE_CHECKING:
@@ -129,8 +129,6 @@ def check_device(device: Device, path: str = "") -> Device:
   """
   if device.kind == "cpu":
     return device
-  from rdt_jax._dlpack._lazy import importable
-
   if not importable("torch"):
     jax_device(device, path)
     return device

@@ -3,8 +3,9 @@
 Everything outside the layer asks these functions about an array (its
 framework, pointer, device, dtype) and to describe, rebuild or convert it;
 each picks the framework module (`_numpy`, `_jax`, `_torch`, `_cupy`) with one flat
-`if`/`elif` on `framework_of`. Frameworks are never imported here: a value can
-only be a `torch.Tensor` if torch is already imported.
+`if`/`elif` on `framework_of`, or hands a conversion between two frameworks
+to `_interop`. Frameworks are never imported here: a value can only be a
+`torch.Tensor` if torch is already imported.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax._dlpack import _cupy, _jax, _numpy, _sharding, _torch
+from rdt_jax._dlpack import _cupy, _interop, _jax, _numpy, _sharding, _torch
 from rdt_jax._dlpack._devices import Device, jax_device
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
@@ -123,29 +124,7 @@ def check_x64(dtype: np.dtype, path: str) -> None:
 
 
 # --------------------------------------------------------------------------
-# Conversion: the one place where arrays change framework.
-
-
-def _convert(x: Any, src: Framework, dst: Framework, path: str) -> Any:
-  if src == "cupy":  # cuda memory: to the host only when numpy was asked for
-    if dst == "numpy":
-      return _cupy.to_host(x, path)
-    return _jax.from_dlpack_exact(x, path) if dst == "jax" else _torch.from_dlpack(x)
-  if dst == "cupy":
-    if src == "numpy" or device_of(x).kind == "cpu":
-      raise UnsupportedLeafError(
-          path,
-          f"(a {src} array in host memory) cannot become a cupy array, which lives on cuda",
-          "Receive it as numpy, jax or torch instead.",
-      )
-    return _cupy.from_dlpack(x, path)
-  if dst == "numpy":
-    return _jax.to_host(x, path) if src == "jax" else _torch.to_host(x, path)
-  if src == "numpy":
-    return _jax.from_host(x, path) if dst == "jax" else _torch.from_host(x, path)
-  if dst == "torch":
-    return _torch.from_jax(x, path)
-  return _jax.from_torch(x, path)
+# Conversion: same framework kept here, another one through `_interop`.
 
 
 def convert_leaf(x: Any, framework: Framework, path: str = "") -> Any:
@@ -164,7 +143,7 @@ def convert_leaf(x: Any, framework: Framework, path: str = "") -> Any:
     if src == "jax":
       _jax.check_alive(x, path)
     return x
-  return _convert(x, src, framework, path)
+  return _interop.convert(x, src, framework, path)
 
 
 def to_jax_exact(x: Any, path: str = "") -> Any:
@@ -272,7 +251,7 @@ def rebuild_device(views: list[Any], spec: LeafSpec, framework: Framework) -> An
   buf = views[0]
   shape = spec.chunks[0].shape
   if framework == "jax":
-    return _jax.from_device_bytes(buf, spec.dtype, shape, spec.path)
+    return _interop.device_bytes_to_jax(buf, spec.dtype, shape, spec.path)
   if framework == "torch":
     return _torch.from_device_bytes(buf, spec.dtype, shape, spec.path)
   if framework == "cupy":

@@ -1,4 +1,9 @@
-"""jax arrays: describe, hold against donation, rebuild from buffers, convert."""
+"""jax arrays: describe (sharded ones too), hold against donation, export,
+rebuild from host or device buffers.
+
+Knows jax and numpy (the layer's host buffer type) only; conversions from and
+to other frameworks are in `_interop`.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ import numpy as np
 
 from rdt_jax import _compat
 from rdt_jax._dlpack._devices import PLATFORM_KIND, Device, jax_device, parse_device
-from rdt_jax._dlpack._dtypes import BFLOAT16, NUMPY_NATIVE_DTYPES, check_dtype, is_64_bit
+from rdt_jax._dlpack._dtypes import check_dtype, is_64_bit
 from rdt_jax._dlpack._errors import UnsupportedLeafError
-from rdt_jax._dlpack._specs import DescribedLeaf, single_chunk
+from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec, ShardingLayout, single_chunk
 
 if TYPE_CHECKING:
   import jax
@@ -80,13 +85,68 @@ def describe(x: Any, path: str) -> DescribedLeaf:
     )
   x.block_until_ready()
   if len(devices) > 1:
-    from rdt_jax._dlpack import _sharding
-
-    return _sharding.describe_sharded(x, path, dtype)
+    return _describe_sharded(x, path, dtype)
   dev = parse_device(devices[0])
   _LOCAL_DEVICES[devices[0]] = dev  # addressable, on a supported platform
   shape = tuple(int(d) for d in x.shape)
   return single_chunk(shape, path, "jax", dtype, dev.kind, dev.index, pointer(x), x)
+
+
+def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
+  """A `NamedSharding`-sharded array as one chunk per distinct shard.
+
+  Replicated shards cross the wire once: every device holding the same index
+  range maps to one chunk (`ShardingLayout.device_chunks`).
+
+  Raises:
+    UnsupportedLeafError: for any other kind of sharding.
+  """
+  import jax
+
+  sharding = x.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise UnsupportedLeafError(
+        path,
+        f"is sharded with {type(sharding).__name__}; rdt_jax rebuilds "
+        "NamedSharding layouts only",
+        "Reshard it with jax.device_put(x, NamedSharding(mesh, spec)).",
+    )
+  mesh = sharding.mesh
+  by_device = {s.device: s for s in x.addressable_shards}
+  chunk_of_index: dict[tuple, int] = {}
+  chunks: list[ChunkSpec] = []
+  pointers: list[int] = []
+  device_indices: list[int] = []
+  arrays: list[Any] = []
+  device_chunks: list[int] = []
+  for d in mesh.devices.flat:
+    shard = by_device[d]
+    key = tuple((s.start, s.stop, s.step) for s in shard.index)
+    if key not in chunk_of_index:  # replicated shards cross the wire once
+      chunk_of_index[key] = len(chunks)
+      data = shard.data
+      shape = tuple(int(n) for n in data.shape)
+      chunks.append(ChunkSpec(shape, math.prod(shape) * dtype.itemsize))
+      pointers.append(pointer(data))
+      arrays.append(data)
+      device_indices.append(parse_device(d).index)
+    device_chunks.append(chunk_of_index[key])
+  layout = ShardingLayout(
+      mesh_shape=tuple(int(n) for n in mesh.devices.shape),
+      axis_names=tuple(mesh.axis_names),
+      spec=tuple(sharding.spec),
+      device_chunks=tuple(device_chunks),
+  )
+  spec = LeafSpec(
+      path=path,
+      shape=tuple(int(n) for n in x.shape),
+      dtype=dtype,
+      framework="jax",
+      device=PLATFORM_KIND[mesh.devices.flat[0].platform],
+      chunks=tuple(chunks),
+      sharding=layout,
+  )
+  return DescribedLeaf(spec, tuple(pointers), tuple(device_indices), tuple(arrays))
 
 
 def pointer(x: Any) -> int:
@@ -140,7 +200,7 @@ def from_host(x: np.ndarray, path: str, device: jax.Device | None = None) -> Any
     device = jax.local_devices(backend="cpu")[0]
   # Placing host memory on the cpu backend aliases 64-byte aligned buffers for
   # every dtype, bfloat16 and float8 included, which numpy's DLPack export
-  # refuses; tests/test_arrays.py checks that no copy happens.
+  # refuses; tests/test_dlpack.py checks that no copy happens.
   if device.platform == "cpu":
     return _compat.host_arrays_to_jax([x], device)[0]
   return jax.device_put(x, device)
@@ -161,18 +221,15 @@ def to_host(x: Any, path: str) -> np.ndarray:
 
 
 def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: str) -> Any:
-  """A leaf's bytes in a received region as a jax.Array on the same device.
+  """A leaf's bytes in a uint8 jax array as a jax.Array on the same device.
 
   Args:
-    buf: a uint8 byte view of at least the leaf's bytes: a torch tensor (a
-      view into a pooled region) or a jax array (a region of a process
-      without torch).
+    buf: a uint8 jax array of at least the leaf's bytes (a received region
+      of a process without torch, or a byte view `_interop` imported).
     dtype, shape: the leaf's.
 
-  Zero-copy from a torch view for every dtype torch has (DLPack carries
-  bfloat16 and torch's float8 types); a dtype torch lacks (`float8_e3m4`,
-  ...) and a jax region are bitcast on the device (one device copy, never
-  through the host). An empty leaf is made fresh (no bytes to alias).
+  A bitcast on the device (one device copy, never through the host). An
+  empty leaf is made fresh (no bytes to alias).
 
   Raises:
     UnsupportedLeafError: for a 64-bit leaf while x64 is off.
@@ -180,25 +237,21 @@ def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: s
   import jax
   import jax.numpy as jnp
 
-  from rdt_jax._dlpack import _torch
-
   check_x64(dtype, path)
   n = math.prod(shape)
-  nbytes = n * dtype.itemsize
-  if _torch.is_tensor(buf):
-    if n == 0:
-      return jnp.zeros(shape, dtype, device=jax_device(parse_device(buf.device)))
-    tdt = _torch.torch_dtype_or_none(dtype)
-    raw = buf[:nbytes]
-    if tdt is not None:
-      return jnp.from_dlpack(raw.view(tdt).reshape(shape))
-    buf = jnp.from_dlpack(raw)
   if n == 0:
     return jnp.zeros(shape, dtype, device=next(iter(buf.sharding.device_set)))
-  raw = buf[:nbytes]
+  raw = buf[: n * dtype.itemsize]
   if dtype.itemsize > 1:
     raw = raw.reshape(n, dtype.itemsize)
   return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device) -> Any:
+  """A fresh zero-filled jax.Array on `device`."""
+  import jax.numpy as jnp
+
+  return jnp.zeros(shape, dtype, device=jax_device(device))
 
 
 def bytes_of(x: Any) -> Any:
@@ -211,35 +264,25 @@ def bytes_of(x: Any) -> Any:
   return raw.reshape(-1)
 
 
-def from_torch(t: Any, path: str) -> Any:
-  """A torch tensor as a jax.Array, through DLPack where jax imports it."""
+def from_dlpack(x: Any) -> Any:
+  """`jnp.from_dlpack(x)`: a jax.Array aliasing any DLPack producer's memory.
+
+  The caller checks the dtype against x64 (`check_x64`) first.
+  """
   import jax.numpy as jnp
 
-  from rdt_jax._dlpack import _torch
-
-  dt = _torch.dtype(t)
-  check_x64(dt, path)
-  t = t.detach()
-  if not t.is_contiguous():
-    t = t.contiguous()
-  if dt in NUMPY_NATIVE_DTYPES or dt == BFLOAT16:
-    return jnp.from_dlpack(t)
-  if t.device.type == "cpu":
-    return from_host(_torch.to_host(t, path), path)
-  # A cuda dtype jax cannot import through DLPack: bitcast on the device.
-  return from_device_bytes(_torch.byte_view(t), dt, tuple(t.shape), path)
+  return jnp.from_dlpack(x)
 
 
 def from_dlpack_exact(x: Any, path: str) -> Any:
-  """Any DLPack producer (a cupy array) as a jax.Array on its device, zero-copy.
+  """A DLPack producer whose `dtype` is a numpy dtype (a cupy array) as a
+  jax.Array on its device, zero-copy.
 
   Raises:
     UnsupportedLeafError: for a 64-bit leaf while x64 is off.
   """
-  import jax.numpy as jnp
-
   check_x64(np.dtype(x.dtype), path)
-  return jnp.from_dlpack(x)
+  return from_dlpack(x)
 
 
 def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:

@@ -1,4 +1,5 @@
-"""NumPy arrays: describe, and the host side of every conversion."""
+"""NumPy arrays: describe and export (numpy is also the host buffer type of
+every framework module)."""
 
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 from rdt_jax import _settings
+from rdt_jax._dlpack import _cuda, _jax, _torch
 from rdt_jax._dlpack._devices import Device
 from rdt_jax._dlpack._specs import LeafSpec
 
@@ -77,8 +78,6 @@ def region_source(frameworks: set[str]) -> Source:
   instead of competing with it; otherwise torch's ("torch"). Without torch in
   this process, "jax-copy" (leaves are device copies out of the region).
   """
-  from rdt_jax._dlpack import _torch
-
   if not _torch.available():
     return "jax-copy"
   return "jax" if "jax" in frameworks else "torch"
@@ -105,18 +104,16 @@ class FrameworkAllocator:
   """The allocator of every pool in rdt_jax: torch or jax memory, torch views."""
 
   def allocate(self, nbytes: int, device: Device, source: Source) -> tuple[Any, int]:
-    from rdt_jax._dlpack import _jax, _torch
-
     if source == "torch":
-      return _torch.empty_bytes(nbytes, device)
+      root, pointer = _torch.empty_bytes(nbytes, device)
+      _cuda.settle_fresh(device)  # kernels queued on the freed block come first
+      return root, pointer
     array, pointer = _jax.empty_bytes(nbytes, device)
     if source == "jax":
       return _torch.from_dlpack(array), pointer
     return array, pointer
 
   def in_use(self, root: Any) -> bool:
-    from rdt_jax._dlpack import _torch
-
     if not _torch.is_tensor(root):
       return False  # a "jax-copy" root: leaves are copies, waited for before release
     return _torch.storage_use_count(root) > 1

@@ -1,4 +1,8 @@
-"""Sharded `jax.Array`s: describe their distinct shards, rebuild their layout."""
+"""Sharded `jax.Array`s: rebuild the producer's layout, and the geometry of
+resharding on receive (`Slice`, target layouts, byte runs between boxes).
+
+Describing a sharded array (one chunk per distinct shard) is `_jax`'s.
+"""
 
 from __future__ import annotations
 
@@ -9,63 +13,10 @@ from typing import Any
 import numpy as np
 
 from rdt_jax._dlpack import _jax
-from rdt_jax._dlpack._devices import PLATFORM_KIND, Device, jax_device, jax_platform, parse_device
+from rdt_jax._dlpack._devices import Device, jax_device, jax_platform
 from rdt_jax._dlpack._errors import UnsupportedLeafError
-from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec, ShardingLayout
-
-
-def describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
-  """A `NamedSharding`-sharded array as one chunk per distinct shard.
-
-  Raises:
-    UnsupportedLeafError: for any other kind of sharding.
-  """
-  import jax
-
-  sharding = x.sharding
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    raise UnsupportedLeafError(
-        path,
-        f"is sharded with {type(sharding).__name__}; rdt_jax rebuilds "
-        "NamedSharding layouts only",
-        "Reshard it with jax.device_put(x, NamedSharding(mesh, spec)).",
-    )
-  mesh = sharding.mesh
-  by_device = {s.device: s for s in x.addressable_shards}
-  chunk_of_index: dict[tuple, int] = {}
-  chunks: list[ChunkSpec] = []
-  pointers: list[int] = []
-  device_indices: list[int] = []
-  arrays: list[Any] = []
-  device_chunks: list[int] = []
-  for d in mesh.devices.flat:
-    shard = by_device[d]
-    key = tuple((s.start, s.stop, s.step) for s in shard.index)
-    if key not in chunk_of_index:  # replicated shards cross the wire once
-      chunk_of_index[key] = len(chunks)
-      data = shard.data
-      shape = tuple(int(n) for n in data.shape)
-      chunks.append(ChunkSpec(shape, math.prod(shape) * dtype.itemsize))
-      pointers.append(_jax.pointer(data))
-      arrays.append(data)
-      device_indices.append(parse_device(d).index)
-    device_chunks.append(chunk_of_index[key])
-  layout = ShardingLayout(
-      mesh_shape=tuple(int(n) for n in mesh.devices.shape),
-      axis_names=tuple(mesh.axis_names),
-      spec=tuple(sharding.spec),
-      device_chunks=tuple(device_chunks),
-  )
-  spec = LeafSpec(
-      path=path,
-      shape=tuple(int(n) for n in x.shape),
-      dtype=dtype,
-      framework="jax",
-      device=PLATFORM_KIND[mesh.devices.flat[0].platform],
-      chunks=tuple(chunks),
-      sharding=layout,
-  )
-  return DescribedLeaf(spec, tuple(pointers), tuple(device_indices), tuple(arrays))
+from rdt_jax._dlpack._lazy import loaded_type
+from rdt_jax._dlpack._specs import LeafSpec
 
 
 def chunk_indices(spec: LeafSpec) -> list[tuple[slice, ...]]:
@@ -280,8 +231,6 @@ def _show_index(index: tuple[Any, ...]) -> str:
 
 def is_sharding(x: Any) -> bool:
   """True if `x` is a `jax.sharding.Sharding` (never imports jax)."""
-  from rdt_jax._dlpack._lazy import loaded_type
-
   sharding = loaded_type("jax.sharding", "Sharding")
   return sharding is not None and isinstance(x, sharding)
 

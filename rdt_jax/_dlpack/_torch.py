@@ -1,4 +1,9 @@
-"""torch tensors: describe, rebuild from buffers, convert, and byte tensors."""
+"""torch tensors: describe, export, rebuild from host or device buffers, and
+byte tensors over raw memory.
+
+Knows torch and numpy (the layer's host buffer type) only; conversions from
+and to other frameworks are in `_interop`.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from rdt_jax._dlpack._dtypes import (
     unsigned_view_dtype,
 )
 from rdt_jax._dlpack._errors import UnsupportedLeafError
-from rdt_jax._dlpack._lazy import importable
+from rdt_jax._dlpack._lazy import importable, loaded_type
 from rdt_jax._dlpack._memory import CudaBytes, host_bytes
 from rdt_jax._dlpack._specs import DescribedLeaf, single_chunk
 
@@ -149,63 +154,12 @@ def to_host(t: Any, path: str) -> np.ndarray:
   return t.view(bits).numpy().view(dt)
 
 
-def from_jax(x: Any, path: str) -> Any:
-  """A jax array as a tensor on the same device, through DLPack (zero-copy).
-
-  A cpu array DLPack cannot carry goes by a host byte view (still on the
-  host). A cuda array never leaves its device: one DLPack cannot carry goes
-  by a bitcast to uint8 on the device (one device copy).
-
-  Raises:
-    UnsupportedLeafError: for a dtype torch lacks, a jax array sharded over
-      several cuda devices, or a cuda array that cannot be handed to torch on
-      its device, naming the leaf, the device and the fix.
-  """
-  import torch
-
-  from rdt_jax._dlpack import _jax
-
-  _jax.check_alive(x, path)
-  dt = np.dtype(x.dtype)
-  tdt = torch_dtype(dt, path)
-  devices = list(x.sharding.device_set)
-  on_cuda = devices[0].platform != "cpu"
-  if len(devices) > 1:
-    if on_cuda:
-      raise UnsupportedLeafError(
-          path,
-          f"is a jax.Array sharded over {len(devices)} {devices[0].platform} devices "
-          f"({', '.join(str(d) for d in devices)}); a torch tensor lives on one device",
-          "Gather it onto one device first (jax.device_put(x, device)), or ask for "
-          "host arrays (rdt_jax.to_numpy / receive_as('numpy')).",
-      )
-    return from_host(np.asarray(x), path)
-  try:
-    return torch.from_dlpack(x)
-  except (BufferError, RuntimeError, TypeError) as e:
-    if not on_cuda:  # float8 variants torch cannot import: a host byte view
-      return from_host(np.asarray(x), path)
-    error = e
-  try:
-    raw = _jax.bytes_of(x)
-    return torch.from_dlpack(raw).view(tdt).reshape(tuple(x.shape))
-  except (BufferError, RuntimeError, TypeError):
-    pass
-  raise UnsupportedLeafError(
-      path,
-      f"(dtype {dt.name}) lives on {devices[0]}, and neither DLPack nor a byte view "
-      f"can hand it to torch there ({type(error).__name__}: {error})",
-      "Ask for host arrays (rdt_jax.to_numpy / receive_as('numpy')), or cast it to "
-      "a dtype both frameworks exchange on the device (float32, bfloat16) first.",
-  )
-
-
 def from_device_bytes(buf: Any, dtype: np.dtype, shape: tuple[int, ...], path: str) -> Any:
   """A leaf's bytes in a received region as a tensor on the same device.
 
   Args:
-    buf: a uint8 byte view of at least the leaf's bytes (a torch tensor,
-      zero-copy; or a jax array, imported through DLPack).
+    buf: a uint8 byte view of at least the leaf's bytes (a torch tensor, or
+      any other DLPack producer, imported through `torch.from_dlpack`).
     dtype, shape: the leaf's.
 
   Zero-copy. Raises `UnsupportedLeafError` for a dtype torch lacks.
@@ -233,22 +187,17 @@ def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:
   """A uint8 tensor of `nbytes` on `device` and its address.
 
   Memory from torch's caching allocator may still be the target of kernels
-  queued before it was freed; a transfer writes it outside stream order, so
-  the allocating stream is waited for once (`_cuda.settle_fresh`).
+  queued before it was freed: before a transfer writes it outside stream
+  order, the caller waits for the allocating stream (`_cuda.settle_fresh`).
   """
   import torch
 
-  from rdt_jax._dlpack import _cuda
-
   t = torch.empty(nbytes, dtype=torch.uint8, device=str(device))
-  _cuda.settle_fresh(device)
   return t, int(t.data_ptr())
 
 
 def is_tensor(x: Any) -> bool:
   """True if `x` is a torch tensor (never imports torch)."""
-  from rdt_jax._dlpack._lazy import loaded_type
-
   tensor = loaded_type("torch", "Tensor")
   return tensor is not None and isinstance(x, tensor)
 
@@ -267,7 +216,7 @@ def storage_use_count(t: Any) -> int:
 
 
 def from_dlpack(x: Any) -> Any:
-  """`torch.from_dlpack(x)`: a tensor aliasing `x`'s memory."""
+  """`torch.from_dlpack(x)`: a tensor aliasing any DLPack producer's memory."""
   import torch
 
   return torch.from_dlpack(x)

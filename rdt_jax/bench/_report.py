@@ -112,9 +112,7 @@ def markdown(doc: dict[str, Any]) -> str:
       "",
       f"{env['date']} · {env['cpus']} CPUs · Ray {env['versions'].get('ray')} · "
       f"jax {env['versions'].get('jax')} · torch {env['versions'].get('torch')} · "
-      f"nixl {env['versions'].get('nixl')} · load average at start {_load(env['loadavg_start'])}, "
-      f"at end {_load(env['loadavg_end'])} · wall time {doc['wall_s']:.0f} s · "
-      f"{_git(env.get('git') or {})}",
+      f"nixl {env['versions'].get('nixl')} · wall time {doc['wall_s']:.0f} s",
       "",
       "End to end: producer method call -> ref passed to a consumer actor that sums "
       "every byte -> result in the driver. Paths interleaved per repetition in "
@@ -165,7 +163,7 @@ def markdown(doc: dict[str, Any]) -> str:
       table_rows.append([_row_name(c, v), *(f"{s['ratios'][b]:.2f}x" if b in s["ratios"] else "" for b in baselines)])
     lines += _table(["case", *(f"vs {labels[b]}" for b in baselines)], table_rows)
   lines += _overhead_lines(doc, labels)
-  lines += ["", "## Targets (issue 14, ratios of medians in this run)", ""]
+  lines += ["", "## Targets (ratios of medians in this run)", ""]
   lines += _table(
       ["target", "goal", "measured", "met", "from"],
       [
@@ -178,7 +176,7 @@ def markdown(doc: dict[str, Any]) -> str:
     p = doc["plain_check"]
     lines += [
         "",
-        "## Plain method without tensor_transport (issue 3)",
+        "## Plain method without tensor_transport",
         "",
         f"A {_cases.format_bytes(p['nbytes'])} NumPy array returned by a method without "
         "`tensor_transport` and read by the driver, from a producer process that never "
@@ -268,16 +266,6 @@ def _overhead_lines(doc: dict[str, Any], labels: dict[str, str]) -> list[str]:
   return lines
 
 
-def _git(git: dict[str, Any]) -> str:
-  commit = (git.get("commit") or "unknown")[:10]
-  dirty = len(git.get("uncommitted_rdt_jax_files") or [])
-  return f"rdt_jax at {commit}" + (f" + {dirty} uncommitted file(s)" if dirty else "")
-
-
-def _load(values: list[float]) -> str:
-  return " / ".join(f"{v:.2f}" for v in values) if values else "n/a"
-
-
 def _memory_rows(doc: dict[str, Any], cols: list[str], labels: dict[str, str]) -> list[list[str]]:
   rows = []
   for s in doc["summary"]:
@@ -344,8 +332,7 @@ def plot(doc: dict[str, Any], path: pathlib.Path) -> bool:
     ax.legend(fontsize=8)
   env = doc["environment"]
   fig.suptitle(
-      f"rdt-jax bench ({doc['config']['label']}), {env['date']}, {env['cpus']} CPUs, "
-      f"load {_load(env['loadavg_start'])}", fontsize=10)
+      f"rdt-jax bench ({doc['config']['label']}), {env['date']}, {env['cpus']} CPUs", fontsize=10)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
