@@ -38,9 +38,11 @@ def _check_rdt_ref(ref: Any) -> str:
     raise TypeError(f"Expected a ray.ObjectRef, got {type(ref).__name__}.")
   if not _seam.is_managed_object(ref.hex()):
     raise ValueError(
-        f"{ref} is not an RDT object: targets apply to refs returned by a "
-        "method with @ray.method(tensor_transport=...) or by ray.put(..., "
-        "_tensor_transport=...)."
+        f"{ref} is not an RDT object (or this process no longer knows it: "
+        "freed): targets apply to live refs returned by a method with "
+        "@ray.method(tensor_transport=...) or by ray.put(..., "
+        "_tensor_transport=...). Set the target before the ray.get that "
+        "uses it, while the ref is alive."
     )
   return ref.hex()
 
@@ -199,7 +201,7 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
   for leaf in leaves:
     if leaf.path not in buffers:
       raise ValueError(
-          f"Target has no array for leaf {leaf.path or '(the value itself)'} "
+          f"Target has no array for leaf {_leaf_name(leaf.path)} "
           f"(shape {leaf.shape}, dtype {leaf.dtype.name}); the target must "
           "have the value's structure."
       )
@@ -269,9 +271,11 @@ def _check_buffer(leaf: Any, buf: Any, shape: tuple[int, ...], what: str) -> Non
   dtype = _dlpack.dtype_of(buf)
   if got != shape or dtype != np.dtype(leaf.dtype):
     raise ValueError(
-        f"Target for leaf {leaf.path} has shape {got} and dtype "
+        f"Target for leaf {_leaf_name(leaf.path)} has shape {got} and dtype "
         f"{dtype.name}, but the value's leaf {what}has shape {shape} and "
-        f"dtype {leaf.dtype.name}."
+        f"dtype {leaf.dtype.name}. Pass an array of shape {shape} and dtype "
+        f"{leaf.dtype.name} (e.g. np.empty({shape}, np.{leaf.dtype.name})), or, to "
+        "receive part of the leaf, an rdt_jax.Slice."
     )
 
 
@@ -320,7 +324,7 @@ def check_disjoint(buffers: dict[str, Any]) -> None:
   for ((dev_a, _, end_a), path_a), ((dev_b, start_b, end_b), path_b) in itertools.pairwise(ranges):
     if dev_a == dev_b and start_b < end_a:
       raise ValueError(
-          f"Targets for leaves {path_a or '(the value itself)'} and {path_b or '(the value itself)'} "
+          f"Targets for leaves {_leaf_name(path_a)} and {_leaf_name(path_b)} "
           f"share memory on {dev_a} (bytes {start_b:#x}..{min(end_a, end_b):#x}): each leaf's bytes "
           "would overwrite the other's. Give each leaf its own array (for tied weights, receive one "
           "and tie them again after ray.get)."
@@ -350,16 +354,20 @@ def _check_host_into(leaf: Any, into: Any) -> None:
         "or give Slice.into a jax sharding (or no into) and move the received array.",
     )
 
+def _leaf_name(path: str) -> str:
+  """A leaf's pytree path as messages print it ("" is the value itself)."""
+  return path or "(the value itself)"
+
 
 def _check_writable(leaf: Any, buf: Any) -> None:
   if not _dlpack.is_c_contiguous(buf):
     raise ValueError(
-        f"Target for leaf {leaf.path} is not C-contiguous; pass a "
+        f"Target for leaf {_leaf_name(leaf.path)} is not C-contiguous; pass a "
         "contiguous array to receive into."
     )
   if _dlpack.framework_of(buf) == "numpy" and not _dlpack.is_writable(buf):
     raise ValueError(
-        f"Target for leaf {leaf.path} is a read-only numpy array (arrays "
+        f"Target for leaf {_leaf_name(leaf.path)} is a read-only numpy array (arrays "
         "from Ray's object store are); pass a writable copy (x.copy())."
     )
   if not _dlpack.is_writable(buf):
