@@ -12,6 +12,7 @@ used, and tested, where Ray is not installed.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from rdt_jax import _hooks
@@ -20,29 +21,45 @@ if TYPE_CHECKING:
   from rdt_jax._convert import to_jax as to_jax
   from rdt_jax._convert import to_numpy as to_numpy
   from rdt_jax._convert import to_torch as to_torch
+  from rdt_jax._dlpack import DescribedLeaf as DescribedLeaf
+  from rdt_jax._dlpack import LeafSpec as LeafSpec
   from rdt_jax._dlpack import Slice as Slice
   from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
+  from rdt_jax._errors import TransportNotRegisteredError as TransportNotRegisteredError
+  from rdt_jax._errors import UnknownObjectError as UnknownObjectError
+  from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
   from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
   from rdt_jax._registry import receive_as as receive_as
+  from rdt_jax._registry import receive_stats as receive_stats
   from rdt_jax._registry import register as register
   from rdt_jax._registry import register_transport as register_transport
   from rdt_jax._settings import SettingError as SettingError
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
-  from rdt_jax.transports._base import Destination as Destination
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
+  from rdt_jax.transports._base import WholeArrayTransport as WholeArrayTransport
+  from rdt_jax.transports._plan import Destination as Destination
+  from rdt_jax.transports._plan import Placement as Placement
 
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "DescribedLeaf": "rdt_jax._dlpack",
     "Destination": "rdt_jax.transports._plan",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
+    "LeafSpec": "rdt_jax._dlpack",
+    "Placement": "rdt_jax.transports._plan",
     "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
+    "TransportNotRegisteredError": "rdt_jax._errors",
+    "UnknownObjectError": "rdt_jax._errors",
     "UnsupportedLeafError": "rdt_jax._dlpack",
+    "UnsupportedRayError": "rdt_jax._errors",
+    "WholeArrayTransport": "rdt_jax.transports._base",
     "receive_as": "rdt_jax._registry",
+    "receive_stats": "rdt_jax._registry",
     "register": "rdt_jax._registry",
     "register_transport": "rdt_jax._registry",
     "set_target_device_for_ref": "rdt_jax._targets",
@@ -85,3 +102,15 @@ def _set_target_device(obj_id: str, device: Any) -> None:
 _hooks.register_transports = _register_transports
 _hooks.set_target_buffers = _set_target_buffers
 _hooks.set_target_device = _set_target_device
+
+
+def _check_transport_names() -> None:
+  """Where Ray is already imported, its transport-name check explains rdt_jax
+  names from now on (`rdt_jax._seam.install_name_check`): a class defined
+  before `register()` then fails saying so. Imports nothing new (`import ray`
+  imports the checked module); `register()` installs it in any case."""
+  if "ray.experimental.rdt.util" in sys.modules:
+    importlib.import_module("rdt_jax._seam").install_name_check()
+
+
+_check_transport_names()

@@ -1,13 +1,17 @@
-"""Deterministic fault injection, for tests: off unless `RDT_JAX_FAULTS` is set.
+"""Deterministic fault injection, for tests: inert unless a test enables it.
 
 Transports call `hit(point)` at the points where a real failure can happen
 (before a READ is posted, while it is in flight, when it completes, in
-release, registration and deregistration). With `RDT_JAX_FAULTS` unset
-(the default) `ON` is False and callers skip the call: no cost.
+release, registration and deregistration). With no rules (the default) `ON`
+is False and callers skip the call: no cost.
 
-`RDT_JAX_FAULTS` is read once, when this module is first imported (set it in
-an actor's `runtime_env={"env_vars": ...}` to fault that actor only). It is a
-comma-separated list of rules::
+Rules come from `configure()` (tests in this process) or from the
+environment, read once when this module is first imported: `RDT_JAX_FAULTS`
+holds them, and they are honoured only where `RDT_JAX_FAULTS_ENABLE=1` is set
+too (set both in an actor's `runtime_env={"env_vars": ...}` to fault that
+actor only). Rules without the enabling variable are ignored with a warning,
+so a production process cannot be made to fail or kill itself by one stray
+variable. `RDT_JAX_FAULTS` is a comma-separated list of rules::
 
     point:action[=seconds][@first][*count][~probability]
 
@@ -26,6 +30,7 @@ READ post and delays every wait by 2 s.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -153,4 +158,20 @@ def injected() -> dict[str, int]:
     return out
 
 
-configure(_settings.value("RDT_JAX_FAULTS"), _settings.value("RDT_JAX_FAULTS_SEED"))
+def rules_from_environment() -> str:
+  """The rules of `RDT_JAX_FAULTS` if `RDT_JAX_FAULTS_ENABLE` allows them, else "".
+
+  Raises:
+    SettingError: for an enabling variable that is not a boolean.
+  """
+  spec = _settings.value("RDT_JAX_FAULTS")
+  if not spec or _settings.value("RDT_JAX_FAULTS_ENABLE"):
+    return spec
+  logging.getLogger(__name__).warning(
+      "RDT_JAX_FAULTS is set but ignored: fault injection is for rdt_jax's own tests and needs "
+      "RDT_JAX_FAULTS_ENABLE=1 as well. Unset RDT_JAX_FAULTS."
+  )
+  return ""
+
+
+configure(rules_from_environment(), _settings.value("RDT_JAX_FAULTS_SEED"))

@@ -19,6 +19,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
 from rdt_jax._dlpack import ChunkSpec, LeafSpec
@@ -114,22 +115,34 @@ class _Ints:
 class DlpackTransportMetadata(TensorTransportMetadata):
   """Metadata every rdt_jax transport produces for an RDT object.
 
-  `tensor_meta` (Ray's field) holds `(shape tuple, np.dtype)` pairs, one per
-  leaf, and `tensor_device` the device kind, as Ray expects. `leaves` carries
-  the rest: source framework, chunks and sharding. Backends subclass this to
-  add what they need to move the bytes (addresses, agent names, ...); their
-  fields pickle as they are, lists of ints compactly.
+  Built on the producer by `DlpackTransport.extract_tensor_transport_metadata`
+  and handed by Ray to every consumer, where the backend's hooks read it. It
+  holds only plain Python values and `LeafSpec`s, never a jax, torch or NIXL
+  object. Backends subclass it (a dataclass) to add what they need to move
+  the bytes (addresses, agent names, ...); their fields pickle as they are,
+  lists of ints compactly.
 
-  `inline` holds the object's bytes (every chunk in leaf order) when the
-  producer sent it in band (host leaves of at most `RDT_JAX_INLINE_MAX_BYTES`
-  in all, see `rdt_jax.transports._inband.inline_max_bytes`); the backend then
-  exported nothing and moves nothing. `origin` names the producer process
-  (`rdt_jax._process.identity()`: host boot id, pid namespace, pid, start
-  time): a consumer on its host refuses an in-band object once the producer
-  died, as it would an object read out of band, and jax_nixl reads host
-  memory of a producer on its host directly (`rdt_jax.transports.nixl.node_local`).
+  Attributes:
+    tensor_meta: one `(shape tuple, numpy.dtype)` pair per leaf, in leaf
+      order (Ray's field, with framework-neutral types).
+    tensor_device: the device kind of every leaf, "cpu" or "cuda" (None for
+      an object without leaves).
+    leaves: one `LeafSpec` per leaf: pytree path, shape, dtype, source
+      framework, device, chunks and sharding.
+    inline: the object's bytes (every chunk, in leaf order) when the producer
+      sent it in band (host leaves of at most `RDT_JAX_INLINE_MAX_BYTES` in
+      all); the backend then exported nothing and moves nothing. None
+      otherwise.
+    origin: the producer process (host boot id, pid namespace, pid, start
+      time), or None where it cannot be told: a consumer on the producer's
+      host refuses an in-band object once the producer exited, as it would
+      an object read out of band, and jax_nixl reads a producer's host memory
+      directly on its host.
   """
 
+  # Narrows Ray's annotation (torch or numpy pairs) to the numpy pairs rdt_jax writes.
+  tensor_meta: list[tuple[tuple[int, ...], np.dtype]]  # type: ignore[assignment]
+  tensor_device: str | None = None
   leaves: list[LeafSpec] = field(default_factory=list)
   inline: bytes | None = None
   origin: tuple[str, int, int, int] | None = None
@@ -140,6 +153,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
 
   @property
   def nbytes(self) -> int:
+    """Payload bytes of every leaf together."""
     return sum(leaf.nbytes for leaf in self.leaves)
 
   def __getstate__(self) -> dict[str, Any]:

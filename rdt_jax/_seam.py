@@ -29,22 +29,36 @@ public extension points tried first):
 * `RDTManager.set_target_device_for_ref` (wrapped) and `RDTManager._lock` /
   `_managed_rdt_metadata` (written): Ray's public `set_target_for_ref` /
   `set_target_device_for_ref` work on rdt_jax refs, through rdt_jax's targets.
-* `util.transport_manager_info`, `global_worker.rdt_manager`
+* `util.normalize_and_validate_tensor_transport` (wrapped): Ray's check of
+  a `tensor_transport` name raises `rdt_jax.TransportNotRegisteredError`
+  for an rdt_jax name or a near miss, saying why and what to do. Installed
+  by `install()`, and at `import rdt_jax` where Ray is already imported
+  (`install_name_check()`), so a class defined before `register()` says so.
+* `RDTManager.fetch_and_get_rdt_objects` (wrapped): its bare "No metadata
+  found" assertion becomes `rdt_jax.UnknownObjectError`, saying why.
+* `util.transport_manager_info`, `util.get_tensor_transport_manager`,
+  `global_worker.rdt_manager`
   (`is_managed_object`, `get_rdt_metadata`), `global_worker.mode`,
   `ActorHandle._actor_id`, `__ray_call__` on `_ray_system`: reads and calls.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import pickle
 import sys
 import threading
 import warnings
 from collections.abc import Callable, MutableMapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from rdt_jax import _compat, _dlpack, _hooks, _settings, _state
+from rdt_jax import _compat, _errors, _hooks, _settings
+from rdt_jax._errors import TransportNotRegisteredError, UnknownObjectError
+from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
+
+if TYPE_CHECKING:
+  from rdt_jax import _dlpack, _state
 
 # Ray minor versions whose RDT internals we have read and whose suite runs in
 # CI (scripts/matrix.sh); pyproject.toml states the same range.
@@ -58,8 +72,17 @@ _lock = threading.RLock()
 _installed = False
 
 
-class UnsupportedRayError(RuntimeError):
-  """The installed Ray lacks an internal rdt_jax relies on, or is untested."""
+
+def _import_layers() -> None:
+  """Binds `_dlpack` and `_state` in this module (both import numpy).
+
+  Deferred to the first `install()` / `install_reducers()`, before which
+  nothing here uses them, so that `install_name_check()` can run at
+  `import rdt_jax` without importing numpy.
+  """
+  if "_state" not in globals():
+    globals()["_dlpack"] = importlib.import_module("rdt_jax._dlpack")
+    globals()["_state"] = importlib.import_module("rdt_jax._state")
 
 
 def _ray_minor(version: str) -> tuple[int, int] | None:
@@ -136,6 +159,8 @@ def _check_ray_shapes() -> list[str]:
       _params(util, "register_tensor_transport", ("transport_name", "devices", "transport_manager_class", "data_type")),
       _params(util, "_ensure_default_transports_registered", ()),
       _params(util, "get_transport_data_type", ("tensor_transport",)),
+      _params(util, "get_tensor_transport_manager", ("transport_name",)),
+      _params(util, "normalize_and_validate_tensor_transport", ("tensor_transport",)),
       _params(ctx, "serialize_rdt_objects", ("self", "value", "tensor_transport")),
       _uses(getattr(ctx, "serialize_rdt_objects", None), "SerializationContext.serialize_rdt_objects",
             ("_thread_local", "use_external_transport", "rdt_tensors")),
@@ -145,6 +170,7 @@ def _check_ray_shapes() -> list[str]:
       _uses(mgr.__init__, "RDTManager.__init__",
             ("actor_id_to_transports_registered", "_managed_rdt_metadata", "_lock")),
       _params(mgr, "_trigger_fetch", ("self", "obj_id", "use_object_store")),
+      _params(mgr, "fetch_and_get_rdt_objects", ("self", "object_ids")),
       _params(mgr, "set_target_device_for_ref", ("self", "ref", "target_device")),
       _params(mgr, "get_rdt_metadata", ("self", "obj_id")),
       _params(mgr, "is_managed_object", ("self", "obj_id")),
@@ -228,6 +254,21 @@ def is_rdt_jax_transport(name: str) -> bool:
   """True if Ray's transport `name` is an rdt_jax (DLPack) transport."""
   info = transport_info(name)
   return info is not None and getattr(info.transport_manager_class, "_rdt_jax_transport", False)
+
+
+def registered_transports() -> list[str]:
+  """The lower-case names of every transport registered with Ray in this process."""
+  from ray.experimental.rdt import util
+
+  return sorted(name.lower() for name in util.transport_manager_info)
+
+
+def transport_manager(name: str) -> Any:
+  """This process's instance of registered transport `name` (Ray makes one
+  per process on first use)."""
+  from ray.experimental.rdt import util
+
+  return util.get_tensor_transport_manager(name.upper())
 
 
 def register_tensor_transport(name: str, devices: list[str], cls: type, data_type: type) -> None:
@@ -358,6 +399,7 @@ def install_reducers() -> None:
   """
   import numpy as np
 
+  _import_layers()
   _chain(np.ndarray, _default_reduce_ex)
   if "jax" in sys.modules:
     _chain(_compat.array_impl_type(), _default_reduce)
@@ -575,6 +617,94 @@ def _wrap_set_target_device() -> None:
   cls.set_target_device_for_ref = set_target_device_for_ref  # type: ignore[method-assign]
 
 
+def _invalid_transport_error(name: Any, error: ValueError) -> TransportNotRegisteredError | None:
+  """rdt_jax's account of Ray's "Invalid tensor transport" for `name`, or
+  None where the name has nothing to do with rdt_jax (Ray's error stands)."""
+  if not isinstance(name, str):
+    return None
+  explanation, suggestion = _errors.explain_unregistered(name, registered_transports(), in_ray_worker())
+  if explanation is None:
+    return None
+  return TransportNotRegisteredError(f"{error}. {explanation}", name, suggestion)
+
+
+def _wrap_transport_name_check() -> None:
+  """Ray checks a `tensor_transport` name (`@ray.method`, `.options`,
+  `ray.put`) with `util.normalize_and_validate_tensor_transport`, whose error
+  names only the upper-cased name. For an rdt_jax transport name, or one close
+  to a registered name, the wrapper raises `TransportNotRegisteredError` (a
+  `ValueError`) saying why the name is missing here and what to do."""
+  from ray.experimental.rdt import util
+
+  original = util.normalize_and_validate_tensor_transport
+  if getattr(original, "_rdt_jax", False):
+    return
+
+  def normalize_and_validate_tensor_transport(tensor_transport: str) -> str:
+    try:
+      return str(original(tensor_transport))
+    except ValueError as e:
+      error = _invalid_transport_error(tensor_transport, e)
+      if error is None:
+        raise
+      raise error from None
+
+  _mark(normalize_and_validate_tensor_transport, original)
+  util.normalize_and_validate_tensor_transport = normalize_and_validate_tensor_transport
+
+
+def install_name_check() -> None:
+  """Installs only the transport-name check (see `_wrap_transport_name_check`).
+
+  `import rdt_jax` calls it where Ray is already imported, so a class defined
+  before `rdt_jax.register()` gets the error that says so; `install()`
+  installs it too. Does nothing on a Ray whose check function has another
+  shape (`install()` then refuses that Ray).
+  """
+  from ray.experimental.rdt import util
+
+  with _lock:
+    if _params(util, "normalize_and_validate_tensor_transport", ("tensor_transport",)) is None:
+      _wrap_transport_name_check()
+
+
+_NO_METADATA = "No metadata found for "
+
+
+def _wrap_fetch_and_get() -> None:
+  """`ray.get` of an RDT ref whose object this process does not know (freed,
+  or a ref not obtained from Ray) fails in Ray's
+  `RDTManager.fetch_and_get_rdt_objects` with a bare `AssertionError`; the
+  wrapper raises `UnknownObjectError` (an `AssertionError`) saying why and
+  what to do."""
+  from ray.experimental.rdt import rdt_manager
+
+  cls = rdt_manager.RDTManager
+  original = cls.fetch_and_get_rdt_objects
+  if getattr(original, "_rdt_jax", False):
+    return
+
+  def fetch_and_get_rdt_objects(self: Any, object_ids: list[str], *args: Any, **kwargs: Any) -> Any:
+    try:
+      return original(self, object_ids, *args, **kwargs)
+    except AssertionError as e:
+      text = str(e)
+      if not text.startswith(_NO_METADATA):
+        raise
+      obj_id = text[len(_NO_METADATA):]
+      raise UnknownObjectError(
+          f"{text}: this process knows no RDT object {obj_id}. It was freed before this "
+          "ray.get (every ref to it went out of scope, or its producer released it), or "
+          "the ref was not obtained from Ray (rebuilt from its id, or kept from an earlier "
+          "Ray session). Keep the ref that the method or ray.put returned alive until "
+          "every consumer has fetched the object, and fetch it through that ref.",
+          obj_id,
+      ) from None
+
+  _mark(fetch_and_get_rdt_objects, original)
+  cls.fetch_and_get_rdt_objects = fetch_and_get_rdt_objects  # type: ignore[method-assign]
+
+
 def install() -> None:
   """Checks Ray, then installs the reducers and Ray wrappers in this process, once.
 
@@ -586,7 +716,10 @@ def install() -> None:
     if _installed:
       return
     check_ray()
+    _import_layers()
     install_reducers()
+    _wrap_transport_name_check()
+    _wrap_fetch_and_get()
     _wrap_serialize_rdt_objects()
     _wrap_register_on_actor()
     _wrap_default_registration()

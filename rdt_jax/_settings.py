@@ -198,6 +198,12 @@ SETTINGS: Final[dict[str, Setting]] = {
             read="once", test_only=True,
         ),
         Setting(
+            "RDT_JAX_FAULTS_ENABLE", "bool", False,
+            "1 lets a process honour `RDT_JAX_FAULTS`; without it the rules are ignored (with a "
+            "warning), so one stray variable cannot make a production process fail or kill itself.",
+            read="once", test_only=True,
+        ),
+        Setting(
             "RDT_JAX_FAULTS_SEED", "int", 0,
             "Seed of the random choices of probabilistic fault rules.",
             read="once", test_only=True, minimum=0, maximum=2**32 - 1,

@@ -11,6 +11,8 @@ call.
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +38,11 @@ def _check_rdt_ref(ref: Any) -> str:
     raise TypeError(f"Expected a ray.ObjectRef, got {type(ref).__name__}.")
   if not _seam.is_managed_object(ref.hex()):
     raise ValueError(
-        f"{ref} is not an RDT object: targets apply to refs returned by a "
-        "method with @ray.method(tensor_transport=...) or by ray.put(..., "
-        "_tensor_transport=...)."
+        f"{ref} is not an RDT object (or this process no longer knows it: "
+        "freed): targets apply to live refs returned by a method with "
+        "@ray.method(tensor_transport=...) or by ray.put(..., "
+        "_tensor_transport=...). Set the target before the ray.get that "
+        "uses it, while the ref is alive."
     )
   return ref.hex()
 
@@ -93,6 +97,7 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
         "targets, with a sharding of your own, or as a slice."
     )
   buffers = _flatten_target(target)
+  check_disjoint(buffers)
   meta = _seam.transport_metadata(obj_id)
   if meta is not None:
     align_targets(buffers, getattr(meta, "leaves", []))
@@ -182,18 +187,21 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
 
   Raises:
     ValueError: naming the first leaf whose target is missing, has another
-      shape or dtype, is not C-contiguous, or is a read-only numpy array.
-    UnsupportedLeafError: naming the leaf, for a slice out of range or a target
-      sharding this process cannot hold (see `leaf_layout`).
+      shape or dtype, is not C-contiguous, or is a read-only numpy array, or
+      naming two leaves whose targets share memory (`check_disjoint`).
+    UnsupportedLeafError: naming the leaf, for a slice out of range, a target
+      sharding this process cannot hold or a `Slice.into` array outside host
+      memory (see `leaf_layout`).
   """
   positional = [f"[{i}]" for i in range(len(leaves))]
   if set(buffers) == set(positional):
     buffers = {leaf.path: buffers[p] for p, leaf in zip(positional, leaves)}
+  check_disjoint(buffers)
   aligned = []
   for leaf in leaves:
     if leaf.path not in buffers:
       raise ValueError(
-          f"Target has no array for leaf {leaf.path or '(the value itself)'} "
+          f"Target has no array for leaf {_leaf_name(leaf.path)} "
           f"(shape {leaf.shape}, dtype {leaf.dtype.name}); the target must "
           "have the value's structure."
       )
@@ -232,6 +240,7 @@ def leaf_layout(leaf: Any, target: Any) -> _dlpack.TargetLayout | None:
             f"Slice.into for leaf {path} is a {type(into).__name__}; pass a "
             "numpy array, torch tensor, jax array or jax.sharding.Sharding."
         )
+      _check_host_into(leaf, into)
       _check_buffer(leaf, into, _dlpack.box_shape(box), "slice ")
       _check_writable(leaf, into)
     return _dlpack.target_layout(box, sharding, path)
@@ -262,20 +271,107 @@ def _check_buffer(leaf: Any, buf: Any, shape: tuple[int, ...], what: str) -> Non
   dtype = _dlpack.dtype_of(buf)
   if got != shape or dtype != np.dtype(leaf.dtype):
     raise ValueError(
-        f"Target for leaf {leaf.path} has shape {got} and dtype "
+        f"Target for leaf {_leaf_name(leaf.path)} has shape {got} and dtype "
         f"{dtype.name}, but the value's leaf {what}has shape {shape} and "
-        f"dtype {leaf.dtype.name}."
+        f"dtype {leaf.dtype.name}. Pass an array of shape {shape} and dtype "
+        f"{leaf.dtype.name} (e.g. np.empty({shape}, np.{leaf.dtype.name})), or, to "
+        "receive part of the leaf, an rdt_jax.Slice."
     )
+
+
+def written_memory(target: Any) -> Any:
+  """The array a target leaf has bytes written into in place (a numpy, torch
+  or cupy array, or a `Slice`'s `into` one), or None (jax arrays and
+  shardings are templates: the leaf arrives as a new array)."""
+  if isinstance(target, _dlpack.Slice):
+    target = target.into
+  fw = _dlpack.framework_of(target)
+  return target if fw is not None and fw != "jax" else None
+
+
+def _byte_range(buf: Any) -> tuple[str, int, int] | None:
+  """(device, first byte, end) of an array's memory; None when it has no
+  bytes or lives on a device rdt_jax does not write (refused elsewhere)."""
+  nbytes = math.prod(int(n) for n in buf.shape) * _dlpack.dtype_of(buf).itemsize
+  if nbytes == 0:
+    return None
+  try:
+    device = str(_dlpack.device_of(buf))
+  except ValueError:
+    return None
+  start = _dlpack.buffer_pointer(buf)
+  return device, start, start + nbytes
+
+
+def check_disjoint(buffers: dict[str, Any]) -> None:
+  """Raises if two target leaves would have bytes written into the same memory.
+
+  Tied weights (one tensor given for two leaves) or two `Slice(into=...)`
+  views over overlapping memory would receive two leaves' bytes in one place,
+  the last write winning. Compares the byte range each target is written
+  through (its pointer and size on its device).
+
+  Raises:
+    ValueError: naming both leaves and the shared memory.
+  """
+  ranges = []
+  for path, target in buffers.items():
+    buf = written_memory(target)
+    span = None if buf is None else _byte_range(buf)
+    if span is not None:
+      ranges.append((span, path))
+  ranges.sort()  # by device, then first byte: an overlap shows between neighbours
+  for ((dev_a, _, end_a), path_a), ((dev_b, start_b, end_b), path_b) in itertools.pairwise(ranges):
+    if dev_a == dev_b and start_b < end_a:
+      raise ValueError(
+          f"Targets for leaves {_leaf_name(path_a)} and {_leaf_name(path_b)} "
+          f"share memory on {dev_a} (bytes {start_b:#x}..{min(end_a, end_b):#x}): each leaf's bytes "
+          "would overwrite the other's. Give each leaf its own array (for tied weights, receive one "
+          "and tie them again after ray.get)."
+      )
+
+
+def host_into_problem(device: _dlpack.Device | None) -> str | None:
+  """Why a `Slice.into` array on `device` (None: a device rdt_jax cannot
+  name) cannot receive a slice, or None for host memory. Slices are planned,
+  read and copied in host memory only."""
+  if device is not None and device.kind == "cpu":
+    return None
+  where = "on a device rdt_jax cannot write" if device is None else f"in {device} memory"
+  return f"has a Slice.into array {where}; receiving a slice into device memory is not supported yet"
+
+
+def _check_host_into(leaf: Any, into: Any) -> None:
+  try:
+    device: _dlpack.Device | None = _dlpack.device_of(into)
+  except ValueError:
+    device = None
+  problem = host_into_problem(device)
+  if problem is not None:
+    raise _dlpack.UnsupportedLeafError(
+        leaf.path, problem,
+        "Receive the slice into a host array (numpy or a cpu torch tensor) and copy it to the device, "
+        "or give Slice.into a jax sharding (or no into) and move the received array.",
+    )
+
+def _leaf_name(path: str) -> str:
+  """A leaf's pytree path as messages print it ("" is the value itself)."""
+  return path or "(the value itself)"
 
 
 def _check_writable(leaf: Any, buf: Any) -> None:
   if not _dlpack.is_c_contiguous(buf):
     raise ValueError(
-        f"Target for leaf {leaf.path} is not C-contiguous; pass a "
+        f"Target for leaf {_leaf_name(leaf.path)} is not C-contiguous; pass a "
         "contiguous array to receive into."
     )
   if _dlpack.framework_of(buf) == "numpy" and not _dlpack.is_writable(buf):
     raise ValueError(
-        f"Target for leaf {leaf.path} is a read-only numpy array (arrays "
+        f"Target for leaf {_leaf_name(leaf.path)} is a read-only numpy array (arrays "
         "from Ray's object store are); pass a writable copy (x.copy())."
+    )
+  if not _dlpack.is_writable(buf):
+    raise ValueError(
+        f"Target for leaf {leaf.path} is a torch conjugate or negative view, whose memory would "
+        "read back conjugated or negated; pass a resolved tensor (x.resolve_conj().resolve_neg())."
     )

@@ -37,7 +37,10 @@ NOT_IN_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0"}
 
 
 def worker_env(**env: str) -> dict:
-  """An actor's `runtime_env`: its worker can import the tests, with `env` set."""
+  """An actor's `runtime_env`: its worker can import the tests, with `env` set
+  (fault rules in `RDT_JAX_FAULTS` enabled with `RDT_JAX_FAULTS_ENABLE`)."""
+  if env.get("RDT_JAX_FAULTS"):
+    env = {"RDT_JAX_FAULTS_ENABLE": "1", **env}
   return {"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **env}}
 
 

@@ -361,8 +361,7 @@ def test_pyobject_selection_includes_decorators():
 # ---- what the pages say
 
 
-# errors.md is checked once its CUDA status note moves to gpu.md, the one place for it.
-HISTORY_PAGES = [p for p in READ_PAGES if p.name != "errors.md"]
+HISTORY_PAGES = READ_PAGES
 
 
 @pytest.mark.parametrize("page", HISTORY_PAGES, ids=page_name)

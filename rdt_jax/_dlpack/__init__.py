@@ -37,6 +37,7 @@ from rdt_jax._dlpack._dispatch import host_to_jax_many as host_to_jax_many
 from rdt_jax._dlpack._dispatch import is_array as is_array
 from rdt_jax._dlpack._dispatch import is_c_contiguous as is_c_contiguous
 from rdt_jax._dlpack._dispatch import is_writable as is_writable
+from rdt_jax._dlpack._dispatch import mark_written as mark_written
 from rdt_jax._dlpack._dispatch import rebuild_device as rebuild_device
 from rdt_jax._dlpack._dispatch import rebuild_host as rebuild_host
 from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
@@ -108,6 +109,7 @@ __all__ = [  # noqa: RUF022
     "is_array",
     "is_c_contiguous",
     "is_writable",
+    "mark_written",
     # Conversions between frameworks, and copies into a given array.
     "convert_leaf",
     "copy_into",

@@ -117,6 +117,15 @@ def is_writable(x: Any) -> bool:
   return fw != "jax" and bool(_module_of(x).is_writable(x))
 
 
+def mark_written(x: Any) -> None:
+  """Records that bytes were written raw into the array `x` (a receive
+  target): a torch tensor's version counter is bumped, so autograd sees the
+  change as it sees an in-place operation; numpy and cupy arrays keep no
+  such record."""
+  if framework_of(x) == "torch":
+    _torch.mark_written(x)
+
+
 def check_x64(dtype: np.dtype, path: str) -> None:
   """Raises `UnsupportedLeafError` if a 64-bit leaf would arrive as jax
   while this process has `jax_enable_x64` off (a silent downcast)."""

@@ -48,7 +48,8 @@ def describe(x: Any, path: str) -> DescribedLeaf:
   Raises:
     UnsupportedLeafError: for a PRNG key array, a deleted array, a dtype
       rdt_jax cannot move, an array spanning processes or an unsupported
-      platform, naming the leaf and the fix.
+      platform, a non-default layout or memory kind (`check_placement`),
+      naming the leaf and the fix.
   """
   key_type = _compat.prng_key_array_type()
   if key_type is not None and isinstance(x, key_type):
@@ -60,6 +61,7 @@ def describe(x: Any, path: str) -> DescribedLeaf:
     )
   check_alive(x, path)
   dtype = check_dtype(np.dtype(x.dtype), path)
+  check_placement(x, path)
   devices_set = x.sharding.device_set
   if len(devices_set) == 1:
     # Fast path: a leaf on one device this process has seen before (checks
@@ -90,6 +92,59 @@ def describe(x: Any, path: str) -> DescribedLeaf:
   _LOCAL_DEVICES[devices[0]] = dev  # addressable, on a supported platform
   shape = tuple(int(d) for d in x.shape)
   return single_chunk(shape, path, "jax", dtype, dev.kind, dev.index, pointer(x), x)
+
+
+def placement_problem(x: Any) -> str | None:
+  """What keeps `x`'s buffers from being sent as plain row-major bytes of its
+  device kind, or None.
+
+  Two things are refused:
+
+  * a layout other than row-major without tiles (`jax.device_put(x,
+    Format(Layout(...), ...))` or a jit's `out_shardings=Format(...)`): the
+    buffer's bytes are in another order than the shape says;
+  * on a gpu, a memory kind other than the device's default (`pinned_host`,
+    `unpinned_host`): the bytes are in host memory while the array's device
+    says cuda. On a cpu every memory kind is host memory, so any is sent as is.
+
+  Reads only the public attributes `x.format.layout`, `x.sharding.memory_kind`
+  and the devices' `platform` and `default_memory()` (the layout costs a few
+  microseconds per leaf).
+  """
+  layout = x.format.layout  # None where the backend keeps no layout (its default)
+  row_major = tuple(range(len(x.shape)))
+  order = row_major if layout is None else tuple(layout.major_to_minor)
+  tiling = () if layout is None else tuple(layout.tiling or ())
+  if order != row_major or tiling:
+    return (
+        f"has a non-default layout (major_to_minor={order}, tiling={tiling}; row-major is "
+        f"major_to_minor={row_major} without tiles)"
+    )
+  kind = x.sharding.memory_kind
+  device = next(iter(x.sharding.device_set))
+  if kind is None or device.platform == "cpu" or kind == device.default_memory().kind:
+    return None
+  return (
+      f"lives in memory kind {kind!r} of {device.platform} device {device} (its default is "
+      f"{device.default_memory().kind!r})"
+  )
+
+
+def check_placement(x: Any, path: str) -> None:
+  """Raises if `x` cannot be sent as plain row-major bytes (`placement_problem`).
+
+  Raises:
+    UnsupportedLeafError: naming the leaf, the layout or memory kind found and
+      how to move it to the default one.
+  """
+  problem = placement_problem(x)
+  if problem is not None:
+    raise UnsupportedLeafError(
+        path, problem,
+        "Return it in the default layout and memory kind: x.copy() for a layout, "
+        "jax.device_put(x, x.sharding.with_memory_kind(device.default_memory().kind)) for a "
+        "memory kind.",
+    )
 
 
 def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:

@@ -158,8 +158,9 @@ class Slice:
       its axis with length 1.
     into: where the slice arrives. None: a new array of the receive mode's type
       (`rdt_jax.receive_as`; jax arrays on the default cpu device). A numpy
-      array or torch tensor of the slice's shape and dtype (C-contiguous,
-      writable): the bytes are written straight into it. A
+      array or cpu torch tensor of the slice's shape and dtype (C-contiguous,
+      writable, in host memory): the bytes are written straight into it;
+      arrays in device memory (cuda tensors, cupy arrays) are refused. A
       `jax.sharding.Sharding` (or a jax array whose sharding is used): the
       slice arrives as a `jax.Array` of the slice's shape with that sharding,
       each device reading only its own shard.

@@ -69,15 +69,30 @@ def dtype(t: Any) -> np.dtype:
 def describe(x: Any, path: str) -> DescribedLeaf:
   """A torch leaf as one chunk in host or cuda memory.
 
+  Conjugate and negative views (`t.conj()` of a complex tensor, `is_neg()`
+  views) are refused, not resolved: their memory holds the values before the
+  lazy conjugation or negation, so sending it raw would deliver other values,
+  and resolving them would be a hidden copy. torch's own DLPack export refuses
+  them too.
+
   Raises:
-    UnsupportedLeafError: for a sparse or non-contiguous tensor, a dtype or
-      device rdt_jax cannot move, naming the leaf and the fix.
+    UnsupportedLeafError: for a sparse, non-contiguous, conjugate or negative
+      view tensor, a dtype or device rdt_jax cannot move, naming the leaf and
+      the fix.
   """
   import torch
 
   if x.layout != torch.strided:
     raise UnsupportedLeafError(
         path, f"is a {x.layout} torch tensor", "Convert it with .to_dense() before returning it."
+    )
+  lazy = lazy_bits(x)
+  if lazy:
+    raise UnsupportedLeafError(
+        path,
+        f"is a torch {lazy} view: its memory holds the values before that lazy operation, so "
+        "its raw bytes are not its values",
+        "Return x.resolve_conj().resolve_neg() (a copy) instead.",
     )
   try:
     dt = dtype(x)
@@ -109,6 +124,13 @@ def describe(x: Any, path: str) -> DescribedLeaf:
   return single_chunk(shape, path, "torch", dt, dev.kind, dev.index, pointer(x), x)
 
 
+def lazy_bits(t: Any) -> str:
+  """"conjugate", "negative", both, or "" for a tensor whose memory holds
+  its values (torch's lazy conjugate and negative bits unset)."""
+  bits = [name for name, on in (("conjugate", t.is_conj()), ("negative", t.is_neg())) if on]
+  return " and ".join(bits)
+
+
 def pointer(t: Any) -> int:
   return int(t.data_ptr())
 
@@ -122,7 +144,22 @@ def is_c_contiguous(t: Any) -> bool:
 
 
 def is_writable(t: Any) -> bool:
-  return True
+  """False for a conjugate or negative view: bytes written raw into its
+  memory would read back conjugated or negated."""
+  return not lazy_bits(t)
+
+
+def mark_written(t: Any) -> None:
+  """Records that bytes were written into `t`'s memory outside torch.
+
+  Bumps the tensor's version counter, as an in-place torch operation does,
+  so autograd refuses a backward pass through a graph that saved the old
+  values (instead of silently using the new ones). Call it once after each
+  raw write into a received torch target.
+  """
+  import torch
+
+  torch.autograd.graph.increment_version(t)
 
 
 def from_host(x: np.ndarray, path: str) -> Any:

@@ -162,7 +162,7 @@ def _fetch_round(
 
 def run_chaos(args: argparse.Namespace) -> int:
   rdt_jax.register()
-  env = {"env_vars": {"RDT_JAX_FAULTS": CONSUMER_FAULTS}}
+  env = {"env_vars": {"RDT_JAX_FAULTS": CONSUMER_FAULTS, "RDT_JAX_FAULTS_ENABLE": "1"}}
   # A Ray of its own, never a cluster another process started here.
   ray.init(
       address="local", num_cpus=args.producers + args.consumers + 4, include_dashboard=False,

@@ -175,6 +175,11 @@ class DlpackTransport(TensorTransportManager):
   # ---- Ray's interface, shared by every backend.
 
   def tensor_transport_backend(self) -> str:
+    """Ray calls this to name the transport in its records and errors.
+
+    Returns:
+      `name` in upper case (Ray's registry keys), e.g. "JAX_NIXL".
+    """
     return self.name.upper()
 
   @classmethod
@@ -183,7 +188,18 @@ class DlpackTransport(TensorTransportManager):
     return True
 
   def actor_has_tensor_transport(self, actor: ray.actor.ActorHandle) -> bool:
-    """Asks `actor` once whether it can run this transport; cached per actor."""
+    """Ray calls this in the caller before it submits a method with this
+    transport to `actor` (and before it sends the actor an RDT argument).
+
+    Asks the actor once, on Ray's system concurrency group (so never
+    behind a running method), whether it can run the transport
+    (`available_in_process()` there); the answer is cached per actor.
+
+    Returns:
+      True if `actor` can run the transport. On False Ray refuses the call
+      with a `ValueError`; a two-sided backend's override instead raises an
+      error naming the missing collective group.
+    """
     import ray
 
     actor_id = _seam.actor_id(actor)
@@ -195,7 +211,22 @@ class DlpackTransport(TensorTransportManager):
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
   ) -> DlpackTransportMetadata:
-    """Ray calls this on the producer when it stores an RDT object."""
+    """Ray calls this on the producer when a method with this transport
+    returns (or `ray.put(..., _tensor_transport=...)` stores a value).
+
+    Describes every leaf Ray extracted (`rdt_object`, in order), checks that
+    they share one device kind this transport moves, and builds the object's
+    metadata: small host objects get their bytes in band
+    (`DlpackTransportMetadata.inline`); any other object is handed to the
+    backend's `export_buffers` (or `export_arrays`).
+
+    Returns:
+      The object's metadata, which Ray pickles and hands to every consumer.
+
+    Raises:
+      UnsupportedLeafError: for a leaf that cannot be sent (deleted, sub-byte
+        dtype, unsupported device, ...), naming it by its pytree path.
+    """
     with _dlpack.gc_paused(len(rdt_object)):
       described = _state.take_described(rdt_object)
       device = self._common_device(described)
@@ -252,6 +283,14 @@ class DlpackTransport(TensorTransportManager):
       dst_actor: ray.actor.ActorHandle | None,
       backend: str | None = None,
   ) -> CommunicatorMetadata:
+    """Ray calls this in the caller before a transfer from `src_actor` to
+    `dst_actor` (None for the driver).
+
+    Returns:
+      What the backend needs to reach the peer. One-sided backends need
+      nothing (an empty `CommunicatorMetadata`); two-sided backends override
+      this to return the ranks of both actors in their collective group.
+    """
     return CommunicatorMetadata()
 
   def fetch_multiple_tensors(
@@ -261,7 +300,27 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
       target_buffers: list[Any] | None = None,
   ) -> DlpackFetchRequest:
-    """Ray calls this on the consumer: plans the receive, starts the move."""
+    """Ray calls this on the consumer to start receiving object `obj_id`
+    (`ray.get`, or a task argument), before `wait_fetch_complete`.
+
+    Plans the receive from the metadata (the type each leaf arrives as, per
+    `rdt_jax.receive_as`, and any target set with
+    `rdt_jax.set_target_for_ref` / `set_target_device_for_ref` or Ray's
+    `target_buffers`), allocates the destinations and calls the backend's
+    `start_receive`; an in-band object is copied out of its metadata here.
+
+    Returns:
+      The request `wait_fetch_complete` finishes; dropped unfinished, it
+      releases what it took.
+
+    Raises:
+      UnsupportedLeafError: if a leaf cannot arrive as asked (a 64-bit leaf
+        as jax with x64 off, a sharding this process cannot hold, a target
+        that does not fit), naming the leaf and what to do.
+      RuntimeError: if Ray aborted this transfer, or the producer of an
+        in-band object has exited.
+      ray.exceptions.RayDirectTransportError: if the backend failed to start.
+    """
     self._raise_if_aborted(obj_id)
     target = _targets.pop_target(obj_id)
     if target is None and target_buffers:
@@ -339,7 +398,13 @@ class DlpackTransport(TensorTransportManager):
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1
   ) -> list[Any]:
-    """Ray calls this on the consumer: waits for the bytes, rebuilds leaves.
+    """Ray calls this on the consumer after `fetch_multiple_tensors`: waits
+    for the backend's move, then rebuilds each leaf as the consumer's array
+    type (zero-copy through DLPack where the framework allows).
+
+    Returns:
+      The leaves in the order of the metadata; Ray puts them back into the
+      value's structure.
 
     Raises:
       TimeoutError: if `timeout` (seconds, -1 for none) passes first.
@@ -375,7 +440,13 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
       target_buffers: list[Any] | None = None,
   ) -> list[Any]:
-    """Ray calls this on the consumer of a task argument: fetch and wait."""
+    """Ray calls this on the consumer of a task argument sent over a
+    two-sided transport: `fetch_multiple_tensors`, then
+    `wait_fetch_complete`.
+
+    Returns:
+      The leaves, as `wait_fetch_complete` returns them.
+    """
     request = self.fetch_multiple_tensors(
         obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
     )
@@ -387,11 +458,16 @@ class DlpackTransport(TensorTransportManager):
       tensor_transport_metadata: DlpackTransportMetadata,
       communicator_metadata: CommunicatorMetadata,
   ) -> None:
-    """Ray calls this on the producer of a two-sided transport, per consumer.
+    """Ray calls this on the producer of a two-sided transport, once per
+    consumer task that takes the object as an argument.
 
     `tensors` are the leaves this process stored for the object, in the order
     of `tensor_transport_metadata.leaves`; they are described again (cheap:
-    no bytes move) and their buffers handed to `send_buffers`.
+    no bytes move) and their buffers handed to `send_buffers`. An in-band
+    object sends nothing.
+
+    Raises:
+      NotImplementedError: on a one-sided transport (Ray never calls it there).
     """
     if self.is_one_sided():
       raise NotImplementedError(
@@ -410,7 +486,9 @@ class DlpackTransport(TensorTransportManager):
       tensor_transport_meta: DlpackTransportMetadata,
       tensors: list[Any],
   ) -> None:
-    """Ray calls this on the producer once the object is out of scope."""
+    """Ray calls this on the producer once every ref to the object is out of
+    scope: forgets its abort mark and, for an object the backend exported
+    (not one sent in band), calls the backend's `release`."""
     self.forget_abort(obj_id)
     if not _inband.carried(tensor_transport_meta):
       self.release(obj_id)
@@ -418,7 +496,11 @@ class DlpackTransport(TensorTransportManager):
   def abort_transport(
       self, obj_id: str, communicator_metadata: CommunicatorMetadata
   ) -> None:
-    """Ray calls this on both sides after a failure: the wait stops early."""
+    """Ray calls this on the producer and the consumer after a transfer of
+    `obj_id` failed or timed out (for transports whose
+    `can_abort_transport()` is True): the consumer's wait stops early with a
+    `RuntimeError` saying the transfer was aborted, and a later fetch of the
+    object starts afresh."""
     with self._aborted_lock:
       self._aborted[obj_id] = None
       while len(self._aborted) > MAX_ABORTED:

@@ -1,0 +1,113 @@
+"""The public surface: every name in `rdt_jax.__all__` loads, states its
+contract, and is the object rdt_jax itself uses (no private duplicate)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
+
+import rdt_jax
+from rdt_jax import _dlpack, _seam
+from rdt_jax.transports import _base, _plan
+
+
+@pytest.mark.parametrize("name", rdt_jax.__all__)
+def test_every_public_name_loads_and_has_a_docstring(name):
+  value = getattr(rdt_jax, name)
+  assert inspect.getdoc(value), f"rdt_jax.{name} has no docstring"
+  assert name in dir(rdt_jax)
+
+
+def test_unknown_names_raise_attribute_error():
+  with pytest.raises(AttributeError, match="module 'rdt_jax' has no attribute 'NixlTransport'"):
+    rdt_jax.NixlTransport  # noqa: B018
+
+
+def test_public_names_are_the_objects_rdt_jax_uses():
+  assert rdt_jax.UnsupportedRayError is _seam.UnsupportedRayError
+  assert rdt_jax.WholeArrayTransport is _base.WholeArrayTransport
+  assert rdt_jax.DescribedLeaf is _dlpack.DescribedLeaf
+  assert rdt_jax.LeafSpec is _dlpack.LeafSpec
+  assert rdt_jax.Destination is _plan.Destination
+  assert rdt_jax.Placement is _plan.Placement
+
+
+def test_error_types_subclass_what_ray_raises():
+  assert issubclass(rdt_jax.TransportNotRegisteredError, ValueError)
+  assert issubclass(rdt_jax.UnknownObjectError, AssertionError)
+  assert issubclass(rdt_jax.UnsupportedRayError, RuntimeError)
+  assert issubclass(rdt_jax.UnsupportedLeafError, ValueError)
+  assert issubclass(rdt_jax.SettingError, ValueError)
+
+
+def test_transport_base_classes():
+  assert issubclass(rdt_jax.DlpackTransport, TensorTransportManager)
+  assert issubclass(rdt_jax.WholeArrayTransport, rdt_jax.DlpackTransport)
+
+
+def test_hook_argument_types_have_their_documented_fields():
+  assert rdt_jax.LeafSpec._fields == ("path", "shape", "dtype", "framework", "device", "chunks", "sharding")
+  assert rdt_jax.DescribedLeaf._fields == ("spec", "pointers", "device_indices", "arrays")
+  fields = {f.name for f in dataclasses.fields(rdt_jax.Destination)}
+  assert {"pointer", "nbytes", "device", "array", "region", "source", "source_offset", "part"} <= fields
+
+
+# Ray's TensorTransportManager methods that Ray calls and DlpackTransport implements.
+RAY_INTERFACE = [
+    "tensor_transport_backend",
+    "actor_has_tensor_transport",
+    "extract_tensor_transport_metadata",
+    "get_communicator_metadata",
+    "fetch_multiple_tensors",
+    "wait_fetch_complete",
+    "recv_multiple_tensors",
+    "send_multiple_tensors",
+    "garbage_collect",
+    "abort_transport",
+]
+
+
+@pytest.mark.parametrize("method", RAY_INTERFACE)
+def test_ray_interface_methods_have_rdt_jax_docstrings(method):
+  """Each says who calls it (not Ray's inherited text, which documents the
+  abstract interface's arguments)."""
+  own = rdt_jax.DlpackTransport.__dict__[method].__doc__
+  assert own and own.startswith("Ray calls this"), own
+  assert own != getattr(TensorTransportManager, method).__doc__
+
+
+def test_metadata_signature_is_framework_neutral():
+  signature = str(inspect.signature(rdt_jax.DlpackTransportMetadata))
+  assert "torch" not in signature
+  assert "tensor_meta: 'list[tuple[tuple[int, ...], np.dtype]]'" in signature
+
+
+# ---- register_transport's documented errors (its success path: test_backends, the shm example)
+
+
+class _Nameless(rdt_jax.DlpackTransport):
+  pass
+
+
+class _Clash(rdt_jax.DlpackTransport):
+  name = "jax_nixl"
+
+
+def test_register_transport_refuses_what_is_no_transport():
+  with pytest.raises(TypeError, match=r"takes a subclass of rdt_jax\.DlpackTransport .*not <class 'int'>"):
+    rdt_jax.register_transport(int)  # type: ignore[arg-type]
+
+
+def test_register_transport_refuses_a_class_without_a_name():
+  with pytest.raises(ValueError, match=r"_Nameless has no transport name: set the class attribute `name`"):
+    rdt_jax.register_transport(_Nameless)
+
+
+def test_register_transport_refuses_a_name_taken_by_another_class():
+  if "jax_nixl" not in rdt_jax.register():
+    pytest.skip("jax_nixl needs NIXL")
+  with pytest.raises(ValueError, match=r"'jax_nixl' is already registered in this process by rdt_jax\.transports\."):
+    rdt_jax.register_transport(_Clash)
