@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def _transport_classes() -> dict[str, type[DlpackTransport]]:
   """The rdt_jax transports this process can run, by lower-case name."""
   from rdt_jax.transports import _collective
-  from rdt_jax.transports._nixl import NixlTransport
+  from rdt_jax.transports.nixl import NixlTransport
 
   classes: dict[str, type[DlpackTransport]] = {}
   if _compat.nixl_available():

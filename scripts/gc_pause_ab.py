@@ -27,7 +27,7 @@ def main() -> None:
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
   from rdt_jax._dlpack import _gc
-  from rdt_jax.transports._nixl import NixlTransport
+  from rdt_jax.transports.nixl import NixlTransport
 
   size = (64 << 20) // args.leaves // 4
   tree = jax.block_until_ready(

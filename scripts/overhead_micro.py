@@ -43,7 +43,10 @@ def measure(counts: list[int], nbytes: int, reps: int) -> dict[str, dict[str, li
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
   from rdt_jax import _dlpack, _state
-  from rdt_jax.transports._nixl import NixlTransport
+  try:
+    from rdt_jax.transports.nixl import NixlTransport
+  except ImportError:  # a revision (--compare) from before transports/nixl/
+    from rdt_jax.transports._nixl import NixlTransport  # type: ignore[no-redef]
 
   prod, cons = NixlTransport(), NixlTransport()
   trees = {}

@@ -6,7 +6,7 @@ process (the consumer) reads it, alternating per repetition:
 * `nixl`: jax_nixl's fetch with node-local reads off, i.e. one NIXL READ
   (UCX picks its `cma` transport on one host: `process_vm_readv`);
 * `direct`: jax_nixl's fetch with node-local reads on
-  (`rdt_jax.transports._cma`: `process_vm_readv` called by rdt_jax);
+  (`rdt_jax.transports.nixl.node_local`: `process_vm_readv` called by rdt_jax);
 * `syscall`: one `process_vm_readv` of the whole array into a buffer already
   faulted in, nothing else: the floor;
 * `memcpy`: a copy of the same size inside this process.
@@ -36,7 +36,7 @@ def _producer(sizes: list[int], requests: mp.Queue, replies: mp.Queue) -> None:
   import numpy as np
 
   from rdt_jax import _dlpack, _state
-  from rdt_jax.transports._nixl import NixlTransport
+  from rdt_jax.transports.nixl import NixlTransport
 
   prod = NixlTransport()
   arrays = {n: jax.device_put(np.arange(n // 4, dtype=np.int32)) for n in sizes}
@@ -74,8 +74,7 @@ def main() -> None:
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax.transports import _cma
-  from rdt_jax.transports._nixl import NixlTransport
+  from rdt_jax.transports.nixl import NixlTransport, node_local
 
   cons = NixlTransport()
   libc = ctypes.CDLL(None, use_errno=True)
@@ -112,7 +111,7 @@ def main() -> None:
   requests.put(None)
   child.join()
   print(f"# {args.reps} alternating repetitions per way; load average {os.getloadavg()}; "
-        f"node-local read threads: {_cma.THREADS} from {_cma.PARALLEL_MIN_BYTES >> 20} MiB")
+        f"node-local read threads: {node_local.THREADS} from {node_local.PARALLEL_MIN_BYTES >> 20} MiB")
   print(f"{'size':>10} " + "".join(f"{w + ' (ms)':>24}" for w in WAYS))
   for n in sizes:
     cells = []

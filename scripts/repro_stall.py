@@ -71,7 +71,7 @@ class Producer:
 @ray.remote(enable_tensor_transport=True)
 class Consumer:
   def __init__(self):
-    from rdt_jax.transports import _nixl
+    from rdt_jax.transports.nixl import transport as _nixl
 
     if hasattr(_nixl, "STALL_RETRY_S"):  # measure the stall itself, not the retry
       _nixl.STALL_RETRY_S = float("inf")
@@ -83,7 +83,7 @@ class Consumer:
     """Reads refs[0] with a brand-new agent; returns time, outcome, digests."""
     import jax
 
-    from rdt_jax.transports._nixl import NixlTransport
+    from rdt_jax.transports.nixl import NixlTransport
 
     manager = ray._private.worker.global_worker.rdt_manager
     obj_id = refs[0].hex()

@@ -1,5 +1,5 @@
 """Node-local reads: a jax_nixl consumer on its producer's host copies the
-producer's host memory itself (`rdt_jax.transports._cma`), and falls back to
+producer's host memory itself (`rdt_jax.transports.nixl.node_local`), and falls back to
 NIXL where the kernel refuses it or `RDT_JAX_NIXL_CMA=0` turns it off.
 
 Objects here are larger than the in-band threshold, so they are exported.
@@ -19,7 +19,7 @@ import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
 from rdt_jax import _process
-from rdt_jax.transports import _cma
+from rdt_jax.transports.nixl import node_local
 
 rdt_jax.register()
 
@@ -32,12 +32,12 @@ IOV = 1 << 16
 
 def test_split_cuts_runs_of_equal_bytes():
   pairs = [(1000, 5000, 10), (2000, 6000, 3), (3000, 7000, 7)]
-  runs = _cma._split(pairs, 2)
+  runs = node_local._split(pairs, 2)
   assert [sum(n for _, _, n in r) for r in runs] == [10, 10]
   assert runs[0] == [(1000, 5000, 10)] and runs[1] == [(2000, 6000, 3), (3000, 7000, 7)]
-  runs = _cma._split([(0, 100, 9)], 4)
+  runs = node_local._split([(0, 100, 9)], 4)
   assert runs == [[(0, 100, 3)], [(3, 103, 3)], [(6, 106, 3)]]
-  assert _cma._split([(0, 0, 5)], 1) == [[(0, 0, 5)]]
+  assert node_local._split([(0, 0, 5)], 1) == [[(0, 0, 5)]]
 
 
 def test_read_copies_from_a_process_exactly(monkeypatch):
@@ -45,11 +45,11 @@ def test_read_copies_from_a_process_exactly(monkeypatch):
   dst = np.zeros_like(src)
   me = _process.identity()
   # More descriptors than one system call takes, and large enough for threads.
-  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * _cma.IOV_MAX + 5)]
-  pairs.append((dst.ctypes.data + 2 * _cma.IOV_MAX + 5, src.ctypes.data + 2 * _cma.IOV_MAX + 5,
-                src.nbytes - 2 * _cma.IOV_MAX - 5))
-  monkeypatch.setattr(_cma, "PARALLEL_MIN_BYTES", 1024)
-  _cma.read(me, pairs)
+  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * node_local.IOV_MAX + 5)]
+  pairs.append((dst.ctypes.data + 2 * node_local.IOV_MAX + 5, src.ctypes.data + 2 * node_local.IOV_MAX + 5,
+                src.nbytes - 2 * node_local.IOV_MAX - 5))
+  monkeypatch.setattr(node_local, "PARALLEL_MIN_BYTES", 1024)
+  node_local.read(me, pairs)
   assert np.array_equal(src, dst)
 
 
@@ -57,26 +57,55 @@ def test_read_refuses_a_producer_that_exited_or_a_reused_pid():
   me = _process.identity()
   buf = np.zeros(8, np.uint8)
   with pytest.raises(ProcessLookupError, match="has exited"):
-    _cma.read((*me[:3], me[3] + 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
+    node_local.read((*me[:3], me[3] + 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
   with open("/proc/sys/kernel/pid_max") as f:
     never = int(f.read())
   with pytest.raises(ProcessLookupError):
-    _cma.read((*me[:2], never, 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
+    node_local.read((*me[:2], never, 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
 
 
 def test_unreadable_memory_is_an_error():
   me = _process.identity()
   buf = np.zeros(8, np.uint8)
   with pytest.raises(OSError, match=r"read -1 of 8 bytes|Bad address"):
-    _cma.read(me, [(buf.ctypes.data, 8, 8)])  # address 8 is never mapped
+    node_local.read(me, [(buf.ctypes.data, 8, 8)])  # address 8 is never mapped
 
 
 def test_switched_off_by_environment(monkeypatch):
   me = _process.identity()
-  assert _cma.can_read(me) and not _cma.can_read(None)
-  assert not _cma.can_read(("another-host", me[1], me[2], me[3]))
+  assert node_local.can_read(me) and not node_local.can_read(None)
+  assert not node_local.can_read(("another-host", me[1], me[2], me[3]))
   monkeypatch.setenv("RDT_JAX_NIXL_CMA", "0")
-  assert not _cma.enabled() and not _cma.can_read(me)
+  assert not node_local.enabled() and not node_local.can_read(me)
+
+
+def test_node_local_read_refuses_stale_metadata_like_a_nixl_read(monkeypatch):
+  # One process, two agents: the producer is on this host, so reads are node-local.
+  from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
+
+  from rdt_jax import _dlpack, _state
+  from rdt_jax.transports.nixl import NixlTransport
+
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
+  prod, cons = NixlTransport(), NixlTransport()
+
+  def export(obj: str, x):
+    _state.record_described(x, _dlpack.describe(x, "[0]"))
+    return prod.extract_tensor_transport_metadata(obj, [x])
+
+  def fetch(obj: str, meta):
+    return cons.wait_fetch_complete(cons.fetch_multiple_tensors(obj, meta, CommunicatorMetadata()), 30)
+
+  old_x, new_x = jnp.asarray(sample((64,), "float32", 1)), jnp.asarray(sample((64,), "float32", 2))
+  old = export("old", old_x)
+  prod.garbage_collect("old", old, [old_x])  # freed before the consumer reads it
+  new = export("new", new_x)  # its metadata tells consumers "old" is gone
+  cons.receive_stats(reset=True)
+  assert digest(fetch("new", new)[0]) == digest(new_x)
+  assert cons.receive_stats()["direct"] == 1  # read node-locally
+  with pytest.raises(Exception, match="freed by its producer"):
+    fetch("old", old)
+  prod.garbage_collect("new", new, [new_x])
 
 
 # ---- end to end through Ray
@@ -120,7 +149,7 @@ class Consumer:
   def take(self, value) -> tuple:
     stats = transport_manager("jax_nixl").receive_stats(reset=True)
     leaves = jax.tree_util.tree_leaves(value)
-    return [digest(x) for x in leaves], stats, _cma.enabled()
+    return [digest(x) for x in leaves], stats, node_local.enabled()
 
 
 def _want_tree(seed: int) -> list[str]:

@@ -304,7 +304,7 @@ def test_producer_killed_while_exporting():
 
 def test_abort_marks_are_bounded_and_forgotten_on_free():
   from rdt_jax.transports import _base
-  from rdt_jax.transports._nixl import NixlTransport
+  from rdt_jax.transports.nixl import NixlTransport
 
   t = NixlTransport()
   for i in range(_base.MAX_ABORTED + 10):

@@ -1,6 +1,6 @@
 """Small objects travel in band: their bytes ride in the transport metadata.
 
-The policy (`rdt_jax.transports._base.inline_max_bytes`): an object whose
+The policy (`rdt_jax.transports._inband.inline_max_bytes`): an object whose
 leaves are all host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes
 in all is copied into its metadata; the backend registers, sends and reads
 nothing. Checked here in one process (two NIXL agents, as Ray drives them),
@@ -26,8 +26,8 @@ import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
 from rdt_jax import _dlpack, _process, _state
-from rdt_jax.transports import _base
-from rdt_jax.transports._nixl import NixlTransport
+from rdt_jax.transports import _inband
+from rdt_jax.transports.nixl import NixlTransport
 
 rdt_jax.register()  # the transports exist before the actor classes below name them
 
@@ -53,13 +53,13 @@ def agents():
 
 def test_threshold_default_and_environment(monkeypatch):
   monkeypatch.delenv("RDT_JAX_INLINE_MAX_BYTES", raising=False)
-  assert _base.inline_max_bytes() == _base.INLINE_MAX_BYTES == 100 << 10
+  assert _inband.inline_max_bytes() == 100 << 10
   monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
-  assert _base.inline_max_bytes() == 0
-  for bad in ("-1", "64KiB", ""):
+  assert _inband.inline_max_bytes() == 0
+  for bad in ("-1", "64KiB"):
     monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", bad)
-    with pytest.raises(ValueError, match="RDT_JAX_INLINE_MAX_BYTES"):
-      _base.inline_max_bytes()
+    with pytest.raises(rdt_jax.SettingError, match="RDT_JAX_INLINE_MAX_BYTES"):
+      _inband.inline_max_bytes()
 
 
 def test_small_mixed_tree_moves_in_band_exactly(agents):
@@ -82,7 +82,54 @@ def test_small_mixed_tree_moves_in_band_exactly(agents):
   assert stats["inline"] == 1 and stats["descriptors"] == 0
   assert [digest(g) for g in got] == [digest(x) for x in leaves]
   assert [type(g) for g in got] == [type(x) for x in leaves]  # "source" mode: as they left
-  prod.garbage_collect("inline-mixed", meta, leaves)  # releasing an in-band object is a no-op
+  prod.garbage_collect("inline-mixed", meta, leaves)  # an in-band object: nothing to release
+
+
+class _Recording(NixlTransport):
+  """A jax_nixl transport that records which backend hooks ran."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.calls: list[str] = []
+
+  def export_buffers(self, obj_id, leaves, meta):
+    self.calls.append("export_buffers")
+    return super().export_buffers(obj_id, leaves, meta)
+
+  def start_receive(self, obj_id, meta, communicator_metadata, destinations):
+    self.calls.append("start_receive")
+    return super().start_receive(obj_id, meta, communicator_metadata, destinations)
+
+  def finish_receive(self, handle):
+    self.calls.append("finish_receive")
+    return super().finish_receive(handle)
+
+  def cancel_receive(self, handle):
+    self.calls.append("cancel_receive")
+    return super().cancel_receive(handle)
+
+  def release(self, obj_id):
+    self.calls.append("release")
+    return super().release(obj_id)
+
+
+def test_no_backend_hook_runs_for_an_in_band_object(monkeypatch):
+  monkeypatch.setenv("RDT_JAX_NIXL_CMA", "0")
+  prod, cons = _Recording(), _Recording()
+  small = [jnp.asarray(sample((4,), "float32", 8))]
+  meta = _export(prod, "inline-hooks", small)
+  assert meta.inline is not None
+  request = cons.fetch_multiple_tensors("inline-hooks", meta, CommunicatorMetadata())
+  del request  # dropped unfinished: nothing of the backend's to cancel
+  assert digest(_fetch(cons, "inline-hooks", meta)[0]) == digest(small[0])
+  prod.garbage_collect("inline-hooks", meta, small)
+  assert prod.calls == [] and cons.calls == []
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")  # the same object out of band
+  meta = _export(prod, "oob-hooks", small)
+  assert digest(_fetch(cons, "oob-hooks", meta)[0]) == digest(small[0])
+  prod.garbage_collect("oob-hooks", meta, small)
+  assert prod.calls == ["export_buffers", "release"]
+  assert cons.calls == ["start_receive", "finish_receive"]
 
 
 def test_threshold_is_inclusive_and_zero_turns_it_off(agents, monkeypatch):
@@ -119,15 +166,15 @@ def sharded_round_trip() -> tuple[int, str, str, bool]:
 def test_process_identity_and_origin_check():
   me = _process.identity()
   assert me is not None and me[2] == os.getpid()
-  _base._check_origin("o", me)  # alive: no error
-  _base._check_origin("o", None)  # no origin (another producer version): delivered
-  _base._check_origin("o", ("another-host", me[1], 1, 1))  # another host: cannot tell, delivered
+  _inband.check_origin("o", me)  # alive: no error
+  _inband.check_origin("o", None)  # no origin (another producer version): delivered
+  _inband.check_origin("o", ("another-host", me[1], 1, 1))  # another host: cannot tell, delivered
   with open("/proc/sys/kernel/pid_max") as f:
     never = int(f.read())  # pids are below pid_max: no process has this one
   with pytest.raises(RuntimeError, match=rf"pid {never}\) has exited"):
-    _base._check_origin("o", (*me[:2], never, 1))
+    _inband.check_origin("o", (*me[:2], never, 1))
   with pytest.raises(RuntimeError, match="has exited"):
-    _base._check_origin("o", (*me[:3], me[3] + 1))  # the pid now names another process
+    _inband.check_origin("o", (*me[:3], me[3] + 1))  # the pid now names another process
 
 
 def test_wrong_inline_length_is_an_error_not_a_guess(agents):

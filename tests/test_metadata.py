@@ -9,7 +9,7 @@ import numpy as np
 
 from rdt_jax._dlpack import ChunkSpec, LeafSpec, ShardingLayout
 from rdt_jax._metadata import DlpackTransportMetadata, _Ints, _Leaves
-from rdt_jax.transports._nixl import NixlTransportMetadata
+from rdt_jax.transports.nixl import NixlTransportMetadata
 
 F32 = np.dtype("float32")
 

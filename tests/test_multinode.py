@@ -55,7 +55,7 @@ class Node:
 
 
 #: Each cluster runs twice: with the defaults (the simulated nodes share a host,
-#: so jax_nixl reads node-locally, rdt_jax.transports._cma) and with UCX
+#: so jax_nixl reads node-locally, rdt_jax.transports.nixl.node_local) and with UCX
 #: restricted to TCP and node-local reads off, so that NIXL reads over sockets
 #: as it does between real nodes without RDMA.
 UCX_ENVS = {"default-ucx": {}, "ucx-tcp": {"UCX_TLS": "tcp", "RDT_JAX_NIXL_CMA": "0"}}

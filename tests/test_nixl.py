@@ -346,7 +346,7 @@ def _worker_path() -> str:
 
 
 def test_coalesce_merges_only_within_one_registration():
-  from rdt_jax.transports._nixl import coalesce
+  from rdt_jax.transports.nixl import coalesce
 
   local = [(1000, 10, 0), (1064, 20, 0), (1128, 5, 0)]
   remote = [(5000, 10, 0), (5064, 20, 0), (5128, 5, 0)]

@@ -47,7 +47,7 @@ BASELINES: Final = (OS_NUMPY, OS_JAX, RAY_NIXL, MEMCPY)
 NIXL_TCP: Final = "jax_nixl_tcp"
 #: The environment of that path's actors: UCX may use TCP only, so NIXL reads
 #: over sockets even between processes of one host, and no node-local reads
-#: (`rdt_jax.transports._cma`), which would bypass NIXL on one host.
+#: (`rdt_jax.transports.nixl.node_local`), which would bypass NIXL on one host.
 TCP_ENV: Final = {"UCX_TLS": "tcp", "RDT_JAX_NIXL_CMA": "0"}
 #: jax_nixl with in-band sending off (every object is registered and READ):
 #: run beside jax_nixl, it measures the in-band threshold. Opt-in (`--paths`).

@@ -9,8 +9,9 @@ moves bytes: register, move, release. It implements:
 * `export_buffers` (producer): make the described buffers reachable and add
   what consumers need to the metadata (one-sided backends register memory);
 * `start_receive` / `wait_receive` (consumer): move the bytes of every chunk
-  into the given destinations; `finish_receive` / `cancel_receive` release
-  what the receive took;
+  into the given destinations; `finish_receive` (after success) /
+  `cancel_receive` (after failure, or a dropped request) release what the
+  receive took;
 * `release` (producer): undo `export_buffers` when Ray frees the object;
 * `send_buffers` (producer, two-sided backends only): push every chunk to the
   consumer, whose `wait_receive` takes them in the same order. When the
@@ -22,19 +23,16 @@ A backend that moves whole jax arrays rather than bytes (`jax_transfer`)
 subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
 `start_pull` and `wait_pull`.
 
-Small objects travel in band: an object whose leaves are all host memory and
-hold at most `inline_max_bytes()` bytes in all is copied into its metadata
-(`DlpackTransportMetadata.inline`), which Ray already carries from producer to
-owner to consumer; the backend then exports, sends and receives nothing. The
-threshold is a measured policy (docs/performance.md), set by
-`RDT_JAX_INLINE_MAX_BYTES` (0 turns it off); counted in `receive_stats()`
-as `inline`.
+Small objects travel in band (`rdt_jax.transports._inband`): an object whose
+leaves are all host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes
+in all (100 KiB by default) is copied into its metadata, and no backend hook
+runs for it on either side (`DlpackTransport` states the contract); counted
+in `receive_stats()` as `inline`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import traceback
 from collections import OrderedDict
@@ -47,8 +45,9 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _process, _seam, _state, _targets
+from rdt_jax import _dlpack, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
+from rdt_jax.transports import _inband
 from rdt_jax.transports._plan import Destination, Placement, ReceivePlan
 
 if TYPE_CHECKING:
@@ -59,48 +58,22 @@ if TYPE_CHECKING:
 #: are forgotten (and `release` forgets an object's mark when Ray frees it).
 MAX_ABORTED = 4096
 
-#: Default of `RDT_JAX_INLINE_MAX_BYTES` (docs/performance.md has the
-#: measurement that set it).
-INLINE_MAX_BYTES = 100 << 10
-
-
-def inline_max_bytes() -> int:
-  """The largest object (payload bytes, all leaves) sent in band: the
-  environment variable `RDT_JAX_INLINE_MAX_BYTES` if set (0 turns in-band
-  sending off), else `INLINE_MAX_BYTES`. Read at each object, so it may be
-  changed while a process runs; only the producer's value matters.
-
-  Raises:
-    ValueError: if the variable is set but not a non-negative integer.
-  """
-  text = os.environ.get("RDT_JAX_INLINE_MAX_BYTES")
-  if text is None:
-    return INLINE_MAX_BYTES
-  try:
-    value = int(text)
-  except ValueError:
-    value = -1
-  if value < 0:
-    raise ValueError(
-        f"RDT_JAX_INLINE_MAX_BYTES={text!r} is not a non-negative integer: set it to a "
-        "byte count (0 sends every object out of band) or unset it."
-    )
-  return value
-
 __all__ = [
-    "INLINE_MAX_BYTES",
     "Destination",
     "DlpackFetchRequest",
     "DlpackTransport",
     "Placement",
     "WholeArrayTransport",
-    "inline_max_bytes",
 ]
 
 
 @dataclass
 class DlpackFetchRequest(FetchRequest):
-  """An in-flight fetch: the receive plan and the backend's transfer handle."""
+  """An in-flight fetch: the receive plan and the backend's transfer handle.
+
+  `transport` is None for an in-band object (nothing of the backend's to
+  release if the request is dropped unfinished).
+  """
 
   plan: ReceivePlan | None = None
   handle: Any = None
@@ -142,6 +115,24 @@ class DlpackTransport(TensorTransportManager):
   `cancel_receive(handle)` to release what the receive took. Register a
   subclass with `rdt_jax.register_transport(MyTransport)`;
   `examples/shm_transport.py` is a complete one in under 100 lines.
+
+  Which objects reach the backend's hooks: an object whose leaves are all
+  host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes in all (100
+  KiB by default; 0 turns this off) travels in band, inside its metadata
+  (`rdt_jax.transports._inband`). For such an object no hook runs, on either
+  side: not `export_buffers` / `export_arrays`, `send_buffers`,
+  `start_receive`, `wait_receive`, `finish_receive`, `cancel_receive`,
+  `start_pull`, `wait_pull`, nor `release`. Every other object is the
+  backend's: `export_buffers` (or `export_arrays`) runs once when Ray stores
+  it, and `release` once when Ray frees it (never for an object the backend
+  did not export). On each consumer, for an object with bytes to move,
+  `start_receive` runs once; if it returns a handle other than None (None:
+  the bytes are already in place), `wait_receive` follows, then
+  `finish_receive` after success or `cancel_receive` after a failure,
+  timeout or abort, or when the fetch request is dropped unfinished (a
+  `start_receive` that raises has released what it took itself).
+  `WholeArrayTransport`'s `start_pull` / `wait_pull` / `cancel_pull` follow
+  the same order.
   """
 
   name: ClassVar[str]
@@ -165,7 +156,7 @@ class DlpackTransport(TensorTransportManager):
     `destinations`, `descriptors` (transfer descriptors the backend
     posted, for backends that count them; jax_nixl does), `inline`
     (fetches of objects that arrived in band, which moved nothing) and
-    `direct` (jax_nixl fetches read node-locally, `rdt_jax.transports._cma`).
+    `direct` (jax_nixl fetches read node-locally, `rdt_jax.transports.nixl.node_local`).
 
     Args:
       reset: zero the counters after reading them.
@@ -247,9 +238,8 @@ class DlpackTransport(TensorTransportManager):
       if described:
         # Queued device work writing the leaves finishes before any read.
         _dlpack.wait_for_producers(described)
-        if device == "cpu" and meta.nbytes <= inline_max_bytes():
-          meta.inline = _dlpack.pack_host_chunks(described)
-          meta.origin = _process.identity()
+        if _inband.fits(device, meta):
+          _inband.pack(described, meta)
         else:
           self._export(obj_id, rdt_object, described, meta)
     return meta
@@ -335,41 +325,46 @@ class DlpackTransport(TensorTransportManager):
     target = _targets.pop_target(obj_id)
     if target is None and target_buffers:
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
-    inline = tensor_transport_metadata.inline
+    if _inband.carried(tensor_transport_metadata):
+      return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
     try:
       with _dlpack.gc_paused(len(tensor_transport_metadata.leaves)):
         plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
-        if inline is None:
-          self._prepare(plan)
-        else:
-          DlpackTransport._prepare(self, plan, reads_parts=True)
+        self._prepare(plan)
     except Exception:
-      if not self.is_one_sided() and inline is None:
+      if not self.is_one_sided():
         # The producer is already sending: take its bytes so it does not block.
         self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
       raise
-    request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self, inline=inline is not None)
-    if inline is not None:
-      try:
-        self._wrap_errors(obj_id, _check_origin, obj_id, tensor_transport_metadata.origin)
-        _receive_inline(inline, tensor_transport_metadata.leaves, plan.destinations)
-      except BaseException:
-        request.done = True
-        plan.release()
-        raise
-      self._count(inline=1)
-      return request
+    request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
     try:
       with _dlpack.gc_paused(len(plan.plans)):
         request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
     except BaseException:
       request.done = True  # the backend released (or parked) what it took
-      plan.release()
+      plan.quarantine()
       raise
     return request
 
-  def _prepare(self, plan: ReceivePlan, reads_parts: bool | None = None) -> None:
-    plan.allocate(self.reads_parts if reads_parts is None else reads_parts)
+  def _fetch_in_band(
+      self, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
+  ) -> DlpackFetchRequest:
+    """Receives an in-band object from its metadata; no backend hook runs."""
+    with _dlpack.gc_paused(len(meta.leaves)):
+      plan = ReceivePlan(meta.leaves, _state.receive_mode(), target)
+      plan.allocate(reads_parts=True)
+    self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
+    try:
+      self._wrap_errors(obj_id, _inband.check_origin, obj_id, meta.origin)
+      _inband.copy_out(meta, plan.destinations)
+    except BaseException:
+      plan.quarantine()
+      raise
+    self._count(inline=1)
+    return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True)
+
+  def _prepare(self, plan: ReceivePlan) -> None:
+    plan.allocate(self.reads_parts)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
 
   def _start(
@@ -398,7 +393,7 @@ class DlpackTransport(TensorTransportManager):
       handle = self.start_receive(obj_id, meta, communicator_metadata, destinations)
       self.wait_receive(handle, obj_id, -1)
       self.finish_receive(handle)
-    scratch.release_regions()
+    scratch.return_regions()
 
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1
@@ -415,6 +410,8 @@ class DlpackTransport(TensorTransportManager):
       TimeoutError: if `timeout` (seconds, -1 for none) passes first.
       ray.exceptions.RayDirectTransportError: if the transfer failed.
     """
+    if fetch_request.inline:
+      return _build(fetch_request)  # the bytes arrived with the metadata
     return self._complete(fetch_request, timeout)
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
@@ -426,14 +423,11 @@ class DlpackTransport(TensorTransportManager):
         request.done = True
         self._abandon(request.handle)
         if request.plan is not None:
-          request.plan.release()
+          request.plan.quarantine()
         raise
       request.done = True
       self.finish_receive(request.handle)
-    request.done = True
-    assert request.plan is not None
-    with _dlpack.gc_paused(len(request.plan.plans)):
-      return request.plan.build()
+    return _build(request)
 
   def _abandon(self, handle: Any) -> None:
     """A fetch request was dropped unfinished: release what it took."""
@@ -479,7 +473,7 @@ class DlpackTransport(TensorTransportManager):
       raise NotImplementedError(
           f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
       )
-    if tensor_transport_metadata.inline is not None:
+    if _inband.carried(tensor_transport_metadata):
       return  # sent in band: the consumer has every byte already
     leaves = tensor_transport_metadata.leaves
     described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
@@ -493,9 +487,11 @@ class DlpackTransport(TensorTransportManager):
       tensors: list[Any],
   ) -> None:
     """Ray calls this on the producer once every ref to the object is out of
-    scope: forgets its abort mark and calls the backend's `release`."""
+    scope: forgets its abort mark and, for an object the backend exported
+    (not one sent in band), calls the backend's `release`."""
     self.forget_abort(obj_id)
-    self.release(obj_id)
+    if not _inband.carried(tensor_transport_meta):
+      self.release(obj_id)
 
   def abort_transport(
       self, obj_id: str, communicator_metadata: CommunicatorMetadata
@@ -614,7 +610,7 @@ class WholeArrayTransport(DlpackTransport):
   ) -> None:
     self.export_arrays(obj_id, arrays, leaves, meta)
 
-  def _prepare(self, plan: ReceivePlan, reads_parts: bool | None = None) -> None:
+  def _prepare(self, plan: ReceivePlan) -> None:
     pass  # the backend allocates the arrays it pulls
 
   def _start(
@@ -638,8 +634,6 @@ class WholeArrayTransport(DlpackTransport):
     )
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
-    if request.inline:
-      return DlpackTransport._complete(self, request, timeout)
     arrays: list[Any] = []
     if request.handle is not None:
       arrays = self._wrap_errors(
@@ -687,42 +681,12 @@ class WholeArrayTransport(DlpackTransport):
     """Consumer: release what `start_pull` took if the fetch was dropped."""
 
 
-def _check_origin(obj_id: str, origin: _process.Identity | None) -> None:
-  """Refuses an in-band object whose producer process is known to be gone.
-
-  An object read out of band fails when its producer died (its memory went
-  with it); an in-band one keeps that behaviour wherever the consumer can
-  tell, on the producer's host (same boot id and pid namespace). Elsewhere
-  the bytes are delivered (docs/performance.md).
-
-  Raises:
-    RuntimeError: naming the object and the producer's pid.
-  """
-  if _process.same_host(origin) and not _process.alive(origin):  # type: ignore[arg-type]
-    raise RuntimeError(
-        f"The producer of in-band object {obj_id} (pid {origin[2]}) has exited: "  # type: ignore[index]
-        "the object died with it. Keep the producing actor alive until every "
-        "consumer has fetched the object."
-    )
-
-
-def _receive_inline(data: bytes, leaves: list[_dlpack.LeafSpec], destinations: list[Destination]) -> None:
-  """Copies an in-band object's bytes (`DlpackTransportMetadata.inline`:
-  every chunk in leaf order) into its receive destinations."""
-  starts = [0]
-  for leaf in leaves:
-    for chunk in leaf.chunks:
-      starts.append(starts[-1] + chunk.nbytes)
-  if starts[-1] != len(data):
-    raise RuntimeError(
-        f"In-band object holds {len(data)} bytes but its leaves describe {starts[-1]}: "
-        "the producer and consumer run different rdt_jax versions."
-    )
-  view = memoryview(data)
-  for d in destinations:
-    if d.nbytes:
-      begin = starts[d.source] + d.source_offset
-      _dlpack.copy_from_host(d.pointer, view[begin : begin + d.nbytes], d.device)
+def _build(request: DlpackFetchRequest) -> list[Any]:
+  """The leaves of a fetch whose bytes are all in its plan's memory."""
+  request.done = True
+  assert request.plan is not None
+  with _dlpack.gc_paused(len(request.plan.plans)):
+    return request.plan.build()
 
 
 def _actor_can_run(self: Any, cls: type[DlpackTransport]) -> bool:

@@ -23,13 +23,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._targets import Target, align_targets, leaf_layout
+
+#: What memory a buffer is: host memory (any cpu device: one address space)
+#: or the memory of one accelerator device.
+MemoryKind = Literal["host", "device"]
+
+
+def memory_kind(device: Device) -> MemoryKind:
+  """The memory kind of buffers on `device`: "host" for a cpu device, whatever
+  its index, "device" for any other. Every host-or-device decision about
+  receive memory, here and in the backends, goes through this function."""
+  return "host" if device.kind == "cpu" else "device"
 
 
 @dataclass
@@ -40,8 +51,11 @@ class Destination:
     pointer: address of the chunk's first byte.
     nbytes: the chunk's size.
     device: the device the memory is on.
-    array: the framework object owning the memory (a uint8 numpy view, a
-      torch tensor or a jax array), for backends that need one.
+    keepalive: the framework object owning the memory (a uint8 numpy view,
+      a torch tensor or a jax array). Holding it keeps the memory from being
+      freed or reused: a backend whose transfer may still write after the
+      fetch gave up keeps this reference until the transfer ended. Also
+      readable as `array` (the former name).
     region: `(pointer, nbytes)` of the whole allocation the chunk lies in
       (chunks of one object share a host buffer): what a backend registers.
     pooled: True if `region` belongs to the process's host buffer pool and
@@ -59,12 +73,17 @@ class Destination:
   pointer: int
   nbytes: int
   device: Device
-  array: Any
+  keepalive: Any
   region: tuple[int, int]
   pooled: bool = False
   source: int = -1
   source_offset: int = 0
   part: bool = False
+
+  @property
+  def array(self) -> Any:
+    """Deprecated, read-only alias of `keepalive` (kept for custom transports)."""
+    return self.keepalive
 
 
 @dataclass(frozen=True)
@@ -190,7 +209,7 @@ class ReceivePlan:
     elif device is None:
       device = Device(spec.device)
     framework = target_fw or (spec.framework if mode == "source" else mode)  # type: ignore[assignment]
-    if framework == "cupy" and device.kind == "cpu":
+    if framework == "cupy" and memory_kind(device) == "host":
       framework = "numpy"  # host memory was asked for: cupy's host type
     _dlpack.check_device(device, spec.path)  # cuda:N or an error, never another
     if framework == "jax":
@@ -209,7 +228,7 @@ class ReceivePlan:
     self.reads_parts = reads_parts
     host_plans = [
         p for p in self.plans
-        if p.device.kind == "cpu" and not p.in_place and (p.layout is None or not reads_parts)
+        if memory_kind(p.device) == "host" and not p.in_place and (p.layout is None or not reads_parts)
     ]
     offsets, total = _dlpack.host_layout([p.spec for p in host_plans])
     for plan, leaf_offsets in zip(host_plans, offsets):
@@ -240,7 +259,7 @@ class ReceivePlan:
     """One pooled region per device for every device chunk not received in place."""
     by_device: dict[Device, list[_LeafPlan]] = {}
     for p in self.plans:
-      if p.device.kind != "cpu" and not p.in_place:
+      if memory_kind(p.device) == "device" and not p.in_place:
         by_device.setdefault(p.device, []).append(p)
     for device, plans in by_device.items():
       offsets, total = _dlpack.pack_layout([p.spec for p in plans])
@@ -250,10 +269,11 @@ class ReceivePlan:
       for p, leaf_offsets in zip(plans, offsets):
         p.region, p.device_offsets = region, leaf_offsets
 
-  def release_regions(self) -> None:
-    """The bytes landed and nothing more will be built here: the device
-    regions may be reused once the leaves on them are gone. Call only after
-    the transfer reported success; after a failure they stay held."""
+  def return_regions(self) -> None:
+    """Returns the device regions to their pool, which reuses each once the
+    leaves built on it are gone. Call only after the transfer reported
+    success and nothing more will be built here; after a failure call
+    `quarantine` instead."""
     for region in self.regions:
       region.release()
     self.regions = []
@@ -297,7 +317,7 @@ class ReceivePlan:
       t = plan.target
       pointer = _dlpack.buffer_pointer(t)
       return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes))
-    if plan.device.kind == "cpu":
+    if memory_kind(plan.device) == "host":
       assert self.host is not None
       offset = plan.host_offsets[i]
       view = self.host[offset : offset + nbytes]
@@ -312,13 +332,18 @@ class ReceivePlan:
         pointer, nbytes, plan.device, region.root, (region.pointer, region.nbytes), region.kept
     )
 
-  def release(self) -> None:
-    """Drops this plan's references to its receive memory (after a failed
-    fetch). The backend keeps its own references for as long as a transfer
-    may still write there; the plan's must not outlive the failure in a
-    traceback that Ray keeps, or the host pool could not reuse the buffer."""
+  def quarantine(self) -> None:
+    """After a failed fetch: drops this plan's references to its receive
+    memory without returning any of it to a pool.
+
+    A transfer given up in flight may still write there, so the device
+    regions are never returned (they stay out of reuse for good), and the
+    host buffer is reused only once nothing references it: the backend keeps
+    its own references (`Destination.keepalive`) for as long as a transfer
+    may still write, and the plan's must not outlive the failure in a
+    traceback that Ray keeps."""
     for d in self.destinations:
-      d.array = None
+      d.keepalive = None
     self.destinations = []
     self.host = None
     self._host_region = None
@@ -328,18 +353,18 @@ class ReceivePlan:
   def build(self) -> list[Any]:
     """The received leaves, as each plan's framework (after the bytes moved).
 
-    Releases the device regions afterwards (`release_regions`); a region
+    Returns the device regions to their pool afterwards (`return_regions`); a region
     whose leaves are device copies ("jax-copy") only once those copies ran.
     """
     try:
       leaves = self._build_all()
     except BaseException:
       if all(r.source != "jax-copy" for r in self.regions):
-        self.release_regions()  # no copy out of them can still be queued
+        self.return_regions()  # no copy out of them can still be queued
       raise
     if any(r.source == "jax-copy" for r in self.regions):
       _dlpack.block_until_ready(leaves)
-    self.release_regions()
+    self.return_regions()
     return leaves
 
   def _build_all(self) -> list[Any]:
@@ -398,7 +423,7 @@ class ReceivePlan:
       return self._build_resharded(plan)
     if plan.in_place:
       return plan.target
-    if plan.device.kind != "cpu":
+    if memory_kind(plan.device) == "device":
       region = plan.region
       assert region is not None
       views = [

@@ -9,12 +9,12 @@ per READ; reading in several threads at once is where most of the gain on
 large objects comes from (docs/performance.md), and reading directly also skips
 connecting to the producer's agent and NIXL's request machinery.
 
-The policy, in `enabled`: on unless `RDT_JAX_NIXL_CMA=0`, and off for the
+The policy, in `enabled`: on unless the setting `RDT_JAX_NIXL_CMA` is 0
+(`rdt_jax._settings`, read at each object), and off for the
 rest of the process after the kernel refuses the first read (`EPERM`: Yama's
-`ptrace_scope` or a container policy forbids it), which then goes through NIXL
-as before. The producer's memory stays readable for exactly as long as for a
-NIXL read: the consumer holds the object's reference while it reads, and
-`NixlTransport._check_live` refuses objects the producer is known to have freed.
+`ptrace_scope` or a container policy forbids it), which then goes through NIXL.
+This module only copies bytes; `rdt_jax.transports.nixl.read` decides when it
+is used, and checks staleness first (`rdt_jax.transports.nixl.staleness`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
-from rdt_jax import _faults, _process
+from rdt_jax import _faults, _process, _settings
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def enabled() -> bool:
   """True if this process may read other processes' memory directly: not
   turned off (`RDT_JAX_NIXL_CMA=0`, or refused once by the kernel) and the
   system call exists."""
-  if os.environ.get("RDT_JAX_NIXL_CMA", "1") == "0" or _state.get("refused"):
+  if _state.get("refused") or not _settings.value("RDT_JAX_NIXL_CMA"):
     return False
   return _readv() is not None
 

@@ -1,0 +1,229 @@
+"""The producer's side: making an object's chunks readable, until Ray frees it.
+
+For each non-empty chunk of an object, in leaf order, `Exports.export` puts in
+the metadata the address a consumer reads, its device index, and the
+registered region it lies in:
+
+* small host chunks (up to `PACK_MAX_CHUNK` bytes) are copied into one pooled
+  staging buffer (region id 0), so an object of a thousand small leaves costs
+  one registration and, on the consumer, one descriptor;
+* small cuda chunks likewise into one pooled staging region per device
+  (region id `1 + device index`, copied on the device; needs torch);
+* every other chunk is read in place (region id `-1 - chunk index`): its
+  registration is cached per buffer and shared across objects, and the
+  array's buffer is held (`_dlpack.hold_buffer`) so it is not donated while
+  the object lives.
+
+Each export gets a serial, and the metadata lists the serials live at that
+moment (`staleness` explains what a consumer does with them). `release` undoes
+an export when Ray frees the object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from rdt_jax import _dlpack, _faults, _process
+from rdt_jax.transports._plan import memory_kind
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
+from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
+from rdt_jax.transports.nixl.staleness import live_ranges
+
+__all__ = ["PACK_MAX_CHUNK", "Exports"]
+
+#: Chunks up to this size are packed into one staging buffer (per device).
+PACK_MAX_CHUNK: Final = 256 << 10
+
+#: A non-empty chunk to export: (pointer, nbytes, device as NIXL sees it).
+_Chunk = tuple[int, int, _dlpack.Device]
+
+
+@dataclass
+class _Export:
+  """What the producer holds for one object until Ray frees it."""
+
+  keys: list[Key] = field(default_factory=list)
+  serial: int = 0
+  staging: Any = None  # the pooled host staging buffer of packed chunks
+  holds: list[Any] = field(default_factory=list)  # see _dlpack.hold_buffer
+  regions: list[Any] = field(default_factory=list)  # pooled device staging regions
+
+
+class Exports:
+  """The objects this process exports (see the module docstring).
+
+  Args:
+    agent: returns the agent (created on first use).
+    lock: the transport's lock.
+    registrations: the agent's registration cache.
+    changed: called (lock held) when the set of exported objects changes.
+  """
+
+  def __init__(
+      self,
+      agent: Callable[[], Any],
+      lock: threading.RLock,
+      registrations: Registrations,
+      changed: Callable[[], None],
+  ):
+    self._agent = agent
+    self._lock = lock
+    self._registrations = registrations
+    self._changed = changed
+    self._exports: dict[str, _Export] = {}
+    self._serial = 0  # the last export serial handed out
+    self._agent_meta: tuple[tuple[int, int], bytes] | None = None
+
+  def __len__(self) -> int:
+    """Objects exported now."""
+    return len(self._exports)
+
+  def export(self, obj_id: str, leaves: list[_dlpack.DescribedLeaf], meta: NixlTransportMetadata) -> None:
+    """Makes every non-empty chunk of `leaves` readable and fills `meta`'s
+    NIXL fields. On failure, nothing stays registered or held."""
+    agent = self._agent()
+    chunks = _chunks(leaves)
+    arrays = [
+        array
+        for leaf in leaves
+        for chunk, array in zip(leaf.spec.chunks, leaf.arrays)
+        if chunk.nbytes
+    ]
+    export = _Export()
+    try:
+      packed = self._pack_host(chunks, export) | self._pack_device(chunks, export)
+      for i, (pointer, nbytes, device) in enumerate(chunks):
+        if i in packed:  # a copy: later changes to the array cannot reach it
+          address, region = packed[i]
+        else:  # read in place: keep the buffer from being donated meanwhile
+          export.keys.append(self._registrations.register(pointer, nbytes, device))
+          export.holds.append(_dlpack.hold_buffer(arrays[i]) if i < len(arrays) else None)
+          address, region = pointer, -1 - i
+        meta.addresses.append(address)
+        meta.device_ids.append(device.index)
+        meta.regions.append(region)
+      if _faults.ON:
+        _faults.hit("nixl.export")
+      agent_meta = self._agent_metadata()
+    except BaseException:
+      self._undo(export)  # no consumer has seen these registrations
+      raise
+    with self._lock:
+      self._serial += 1
+      export.serial = meta.serial = self._serial
+      self._exports[obj_id] = export
+      meta.live = live_ranges([e.serial for e in self._exports.values()])
+      meta.agent_version = self._registrations.version
+      meta.dereg_epoch = self._registrations.dereg_epoch
+      self._changed()
+    meta.agent_name = agent.name
+    meta.agent_meta = agent_meta
+    meta.origin = _process.identity()
+
+  def release(self, obj_id: str) -> None:
+    """Deregisters what `obj_id` registered; its memory may then be reused.
+
+    One-sided READs give the producer no notice, so a READ a consumer gave up
+    (timeout, abort) may still be reading when Ray frees the object. Its bytes
+    are never delivered: the consumer's fetch has already failed, and its
+    receive memory is parked until NIXL ends the READ. A consumer that posts
+    after the release is refused (`staleness`), or fails with
+    NIXL_ERR_NOT_FOUND once its view of this agent is rebuilt (`views`).
+    """
+    with self._lock:
+      export = self._exports.pop(obj_id, None)
+      self._changed()
+    if export is not None:
+      self._undo(export)
+
+  def _undo(self, export: _Export) -> None:
+    self._registrations.unregister(export.keys, export)
+    for region in export.regions:
+      region.release()
+
+  def _agent_metadata(self) -> bytes:
+    """This agent's metadata, fetched again only after its registrations changed."""
+    with self._lock:
+      key = (self._registrations.version, self._registrations.dereg_epoch)
+      if self._agent_meta is None or self._agent_meta[0] != key:
+        self._agent_meta = (key, self._agent().get_agent_metadata())
+      return self._agent_meta[1]
+
+  def _pack_host(self, chunks: list[_Chunk], export: _Export) -> dict[int, tuple[int, int]]:
+    """Copies small host chunks into one pooled staging buffer.
+
+    Returns, per packed chunk index, its address in the staging buffer and
+    the staging buffer's region id (0).
+    """
+    small = [i for i, (_, n, d) in enumerate(chunks) if memory_kind(d) == "host" and n <= PACK_MAX_CHUNK]
+    if not small:
+      return {}
+    total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
+    staging = export.staging = _dlpack.host_pool.acquire(total)
+    base = _dlpack.host_pointer(staging)
+    region = _dlpack.host_pool.region_of(staging)
+    host = _dlpack.Device("cpu")
+    if region is not None:
+      self._registrations.register(region[0], region[1], host, pooled=True)
+    else:
+      export.keys.append(self._registrations.register(base, total, host))
+    packed, offset = {}, 0
+    for i in small:
+      pointer, nbytes, _ = chunks[i]
+      ctypes.memmove(base + offset, pointer, nbytes)
+      packed[i] = (base + offset, 0)
+      offset += _dlpack.aligned(nbytes)
+    return packed
+
+  def _pack_device(self, chunks: list[_Chunk], export: _Export) -> dict[int, tuple[int, int]]:
+    """Copies small cuda chunks into one pooled staging region per device
+    (a device-to-device copy, waited for once per device).
+
+    Needs torch here (the copies are torch byte copies); without it every
+    chunk is read in place. Region ids are `1 + device index`.
+    """
+    if not _dlpack.importable("torch"):
+      return {}
+    by_device: dict[_dlpack.Device, list[int]] = {}
+    for i, (_, n, d) in enumerate(chunks):
+      if memory_kind(d) == "device" and n <= PACK_MAX_CHUNK:
+        by_device.setdefault(d, []).append(i)
+    packed = {}
+    for device, small in by_device.items():
+      total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
+      region = _dlpack.device_pool.acquire(total, device, "torch")
+      export.regions.append(region)
+      key = self._registrations.register(region.pointer, region.nbytes, device, pooled=region.kept)
+      if not region.kept:
+        export.keys.append(key)
+      offset = 0
+      for i in small:
+        pointer, nbytes, _ = chunks[i]
+        _dlpack.copy_bytes(region.pointer + offset, pointer, nbytes, device)
+        packed[i] = (region.pointer + offset, 1 + device.index)
+        offset += _dlpack.aligned(nbytes)
+      _dlpack.wait_for_copies(device)
+    return packed
+
+
+def _chunks(leaves: list[_dlpack.DescribedLeaf]) -> list[_Chunk]:
+  """The non-empty chunks of `leaves`, in leaf order, each with its device as
+  NIXL sees it (one `Device` object per device)."""
+  devices: dict[tuple[str, int], _dlpack.Device] = {}
+
+  def device_of(kind: str, index: int) -> _dlpack.Device:
+    d = devices.get((kind, index))
+    if d is None:
+      d = devices[(kind, index)] = nixl_memory(_dlpack.Device(kind, index))[1]  # type: ignore[arg-type]
+    return d
+
+  return [
+      (pointer, chunk.nbytes, device_of(leaf.spec.device, index))
+      for leaf in leaves
+      for pointer, chunk, index in zip(leaf.pointers, leaf.spec.chunks, leaf.device_indices)
+      if chunk.nbytes
+  ]

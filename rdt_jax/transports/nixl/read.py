@@ -1,0 +1,225 @@
+"""The consumer's read: two strategies behind one interface.
+
+* `NixlRead`: one NIXL READ for the whole object, posted and left in flight
+  (`ray.get` of many refs posts every READ before waiting on any); waited for,
+  retired or parked by `inflight`.
+* `NodeLocalRead`: a producer on this host whose memory and the consumer's are
+  both host memory is read with `process_vm_readv` (`node_local`), in several
+  threads for large objects; the bytes are in place when `start` returns. NIXL
+  remains the path for device memory, other hosts, and processes the kernel
+  does not let read each other.
+
+Both call the same staleness check (`staleness.FreedObjects.check`) before
+reading, and both read the same descriptor pairs (`read_pairs`, merged by
+`coalesce`). `NixlTransport._read_strategy` picks one per object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rdt_jax import _dlpack, _faults
+from rdt_jax.transports._plan import Destination, memory_kind
+from rdt_jax.transports.nixl import node_local
+from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
+from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
+from rdt_jax.transports.nixl.staleness import FreedObjects
+from rdt_jax.transports.nixl.views import RemoteViews
+
+__all__ = ["NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "coalesce", "read_pairs"]
+
+#: A transfer descriptor: (address, nbytes, device index).
+Descriptor = tuple[int, int, int]
+
+
+class ReadRefused(Exception):
+  """A strategy cannot read this object after all (nothing was read); the
+  caller reads it with another."""
+
+
+class ReadStrategy(Protocol):
+  """How a consumer reads an object's chunks into its destinations."""
+
+  def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> PostedRead | None:
+    """Checks staleness, then starts reading every destination's bytes.
+
+    Returns the posted READ to wait for, or None if the bytes are already in
+    place.
+
+    Raises:
+      ReadRefused: nothing was read; read with another strategy.
+      RuntimeError: the object is stale, or the read failed.
+    """
+    ...
+
+
+def coalesce(
+    local: list[Descriptor],
+    remote: list[Descriptor],
+    regions: list[Any],
+) -> tuple[list[Descriptor], list[Descriptor]]:
+  """Merges neighbouring (address, nbytes, device) descriptor pairs.
+
+  Two chunks merge when they lie in the same registered region on both sides
+  (`regions` holds a (local, remote) region pair per chunk) and both their
+  local and remote copies follow each other with the same 64-byte padding, so
+  one descriptor (padding included) moves both. A descriptor must never span
+  two registrations, even of adjacent memory.
+  """
+  out_l: list[list[int]] = []
+  out_r: list[list[int]] = []
+  last_region = None
+  for (la, n, ld), (ra, _, rd), region in zip(local, remote, regions):
+    if (
+        out_l
+        and region == last_region
+        and out_l[-1][2] == ld
+        and out_r[-1][2] == rd
+        and out_l[-1][0] + _dlpack.aligned(out_l[-1][1]) == la
+        and out_r[-1][0] + _dlpack.aligned(out_r[-1][1]) == ra
+    ):
+      out_l[-1][1] = la + n - out_l[-1][0]
+      out_r[-1][1] = ra + n - out_r[-1][0]
+    else:
+      out_l.append([la, n, ld])
+      out_r.append([ra, n, rd])
+    last_region = region
+  return [(a, b, c) for a, b, c in out_l], [(a, b, c) for a, b, c in out_r]
+
+
+def read_pairs(
+    dests: list[Destination], meta: NixlTransportMetadata
+) -> tuple[list[Descriptor], list[Descriptor], list[Any]]:
+  """The (local, remote, region key) lists `coalesce` takes, one per
+  non-empty destination: each reads `nbytes` at its source chunk's address
+  plus `source_offset`. A byte run of a resharded leaf (`part`) gets a region
+  key of its own: the bytes after it are not padding, so it never merges.
+  """
+  # meta.addresses lists only non-empty chunks, in leaf order.
+  nonempty = [i for i, c in enumerate(c for leaf in meta.leaves for c in leaf.chunks) if c.nbytes]
+  slot = {chunk: k for k, chunk in enumerate(nonempty)}
+  local, remote, regions = [], [], []
+  for n, d in enumerate(dests):
+    k = slot[d.source] if d.source >= 0 else n
+    local.append((d.pointer, d.nbytes, nixl_memory(d.device)[1].index))
+    remote.append((meta.addresses[k] + d.source_offset, d.nbytes, meta.device_ids[k]))
+    regions.append((d.region, meta.regions[k], n) if d.part else (d.region, meta.regions[k]))
+  return local, remote, regions
+
+
+def _mem_type(dests: list[Destination], obj_id: str) -> str:
+  """NIXL's memory type of every destination of one READ (one per list).
+
+  Raises:
+    ValueError: if the destinations mix host and device memory.
+  """
+  types = {nixl_memory(d.device)[0] for d in dests}
+  if len(types) > 1:
+    raise ValueError(
+        f"jax_nixl reads object {obj_id} into host and device memory at once, which one "
+        "READ cannot do: give every leaf's target (or target device) the same memory kind."
+    )
+  return types.pop()
+
+
+class NixlRead:
+  """The NIXL READ strategy: registers the receive memory, loads the
+  producer's agent (`views`), posts one READ for the object."""
+
+  def __init__(
+      self,
+      agent: Callable[[], Any],
+      registrations: Registrations,
+      views: RemoteViews,
+      inflight: InFlight,
+      freed: FreedObjects,
+      count: Callable[..., None],
+  ):
+    self._agent = agent
+    self._registrations = registrations
+    self._views = views
+    self._inflight = inflight
+    self._freed = freed
+    self._count = count
+
+  def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> PostedRead:
+    self._freed.check(obj_id, meta)
+    agent = self._agent()
+    local_type = _mem_type(dests, obj_id)
+    remote_type = nixl_memory(_dlpack.Device(meta.tensor_device or "cpu"))[0]  # type: ignore[arg-type]
+    remote = self._views.open_read(meta)
+    keys: list[Key] = []
+    try:
+      keys = self._register_destinations(dests, keys)
+      local, remote_descs = coalesce(*read_pairs(dests, meta))
+      self._count(descriptors=len(local))
+      xfer = agent.initialize_xfer(
+          "READ",
+          agent.get_xfer_descs(local, mem_type=local_type),
+          agent.get_xfer_descs(remote_descs, mem_type=remote_type),
+          remote,
+          b"",
+      )
+    except BaseException:
+      self._registrations.unregister(keys)
+      self._views.close_read(remote)
+      raise
+    read = PostedRead(xfer, keys, remote, obj_id, [d.keepalive for d in dests])
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.post")
+      state = agent.transfer(xfer)
+    except BaseException:
+      self._inflight.retire_or_park(read)  # never posted, or posted and failed
+      raise
+    if state == "ERR":
+      self._inflight.retire_or_park(read)
+      raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state on start.")
+    return read
+
+  def _register_destinations(self, dests: list[Destination], keys: list[Key]) -> list[Key]:
+    """Registers the receive memory, each distinct allocation once.
+
+    Pooled buffers stay registered for reuse and need no release; the keys
+    of the others are appended to `keys` (as they are taken, so a failure
+    half way leaves `keys` naming exactly what to undo) and returned.
+    """
+    for (pointer, nbytes), device, pooled in {(d.region, nixl_memory(d.device)[1], d.pooled): None for d in dests}:
+      key = self._registrations.register(pointer, nbytes, device, pooled=pooled)
+      if not pooled:
+        keys.append(key)
+    return keys
+
+
+class NodeLocalRead:
+  """The node-local strategy: `process_vm_readv` of a producer on this host."""
+
+  def __init__(self, freed: FreedObjects, count: Callable[..., None]):
+    self._freed = freed
+    self._count = count
+
+  @staticmethod
+  def applies(meta: NixlTransportMetadata, dests: list[Destination]) -> bool:
+    """True if this strategy may read the object: host memory on both sides,
+    a producer on this host, and node-local reads enabled here."""
+    if meta.tensor_device is None or memory_kind(_dlpack.Device(meta.tensor_device)) != "host":  # type: ignore[arg-type]
+      return False
+    if any(memory_kind(d.device) != "host" for d in dests):
+      return False
+    return node_local.can_read(meta.origin)
+
+  def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> None:
+    self._freed.check(obj_id, meta)
+    local, remote = coalesce(*read_pairs(dests, meta))
+    if _faults.ON:
+      _faults.hit("nixl.post")
+    assert meta.origin is not None
+    try:
+      node_local.read(meta.origin, [(a, r, n) for (a, n, _), (r, _, _) in zip(local, remote)])
+    except PermissionError:
+      raise ReadRefused(f"the kernel refused a node-local read of pid {meta.origin[2]}") from None
+    except OSError as e:
+      raise RuntimeError(f"Node-local read of object {obj_id} from pid {meta.origin[2]} failed: {e}") from None
+    self._count(descriptors=len(local), direct=1)

@@ -1,0 +1,171 @@
+"""Memory registered with this process's NIXL agent.
+
+A region is registered once and shared: objects and READs take references to
+its registration (`register`) and drop them (`unregister`); the last drop
+deregisters it. A pooled buffer's registration (the host buffer pool's
+buffers, the device pool's kept regions) is flagged `pooled` and outlives
+every reference: it stays registered, for reuse, until the pool evicts the
+buffer (the pools' eviction listeners, `on_host_eviction` /
+`on_device_eviction`).
+
+A deregistration that fails keeps the region registered and the memory that
+backs it alive (`stuck`), for the progress thread to try again
+(`retry_stuck`): registered memory is never freed.
+
+`version` counts registrations and `dereg_epoch` deregistrations of
+referenced regions (a pooled buffer leaves only when its pool evicts it, once
+no object uses it): both go in the producer's metadata, so a consumer knows when its view of this agent needs
+extending (new regions) or rebuilding (regions gone).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from rdt_jax import _dlpack, _faults
+from rdt_jax.transports._plan import memory_kind
+
+__all__ = ["Key", "Registrations", "nixl_memory"]
+
+#: A registration's identity: (pointer, nbytes, device kind, device index),
+#: the device as NIXL sees it (`nixl_memory`).
+Key = tuple[int, int, str, int]
+
+
+_HOST: Final = _dlpack.Device("cpu")
+
+
+def nixl_memory(device: _dlpack.Device) -> tuple[str, _dlpack.Device]:
+  """NIXL's memory type and device for buffers on `device`: host memory is
+  one DRAM region space (device index 0), device memory is VRAM of its own
+  device. The host-or-device decision is `_plan.memory_kind`'s."""
+  if memory_kind(device) == "host":
+    return "DRAM", _HOST
+  return "VRAM", device
+
+
+@dataclass
+class _Registration:
+  handle: Any
+  pooled: bool  # a pool's buffer: registered until the pool evicts it
+  count: int = 0  # references taken by `register(..., pooled=False)`
+
+
+class Registrations:
+  """The registration cache of one agent (see the module docstring).
+
+  Args:
+    agent: returns the agent (created on first use).
+    lock: the transport's lock, held while the cache changes.
+    changed: called (lock held) when the set of failed deregistrations
+      changes, so the transport can start or stop its progress thread.
+  """
+
+  def __init__(self, agent: Callable[[], Any], lock: threading.RLock, changed: Callable[[], None]):
+    self._agent = agent
+    self._lock = lock
+    self._changed = changed
+    self._regs: dict[Key, _Registration] = {}
+    self._stuck: list[tuple[Any, Any]] = []  # (handle, memory) whose deregistration failed
+    self.version = 0
+    self.dereg_epoch = 0
+
+  def register(self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False) -> Key:
+    """Registers a region, or takes another reference to its registration.
+
+    A `pooled` region takes no reference: it stays registered until its pool
+    evicts it, and its key need not be passed to `unregister`.
+    """
+    mem_type, nixl_device = nixl_memory(device)
+    key = (pointer, nbytes, nixl_device.kind, nixl_device.index)
+    with self._lock:
+      reg = self._regs.get(key)
+      if reg is None:
+        if _faults.ON:
+          _faults.hit("nixl.register")
+        handle = self._agent().register_memory([(pointer, nbytes, nixl_device.index, "")], mem_type=mem_type)
+        reg = self._regs[key] = _Registration(handle, pooled)
+        self.version += 1
+      if pooled:
+        reg.pooled = True
+      else:
+        reg.count += 1
+      return key
+
+  def unregister(self, keys: list[Key], memory: Any = None) -> None:
+    """Drops a reference to each registration; deregisters a non-pooled
+    region once its last reference is gone.
+
+    A deregistration that fails keeps the region registered, and `memory`
+    (what keeps the region's buffers alive) with it, for `retry_stuck`.
+    """
+    with self._lock:
+      for key in keys:
+        reg = self._regs.get(key)
+        if reg is None or reg.count == 0:
+          continue
+        reg.count -= 1
+        if reg.count == 0 and not reg.pooled:
+          del self._regs[key]
+          self.dereg_epoch += 1  # consumers drop the region from their view
+          self._deregister_or_keep(reg.handle, memory)
+      self._changed()
+
+  def retry_stuck(self) -> None:
+    """Tries again every deregistration that failed (progress thread)."""
+    with self._lock:
+      if not self._stuck:
+        return
+      stuck, self._stuck = self._stuck, []
+    still = [(h, m) for h, m in stuck if not self._deregister(h)]
+    with self._lock:
+      self._stuck.extend(still)
+      self._changed()
+
+  def on_host_eviction(self, pointer: int, nbytes: int) -> None:
+    """The host buffer pool freed a buffer: deregister it."""
+    self._evicted((pointer, nbytes, "cpu", 0))
+
+  def on_device_eviction(self, pointer: int, nbytes: int, device: _dlpack.Device) -> None:
+    """The device region pool freed a region: deregister it."""
+    self._evicted((pointer, nbytes, device.kind, device.index))
+
+  def _evicted(self, key: Key) -> None:
+    with self._lock:
+      reg = self._regs.pop(key, None)
+      if reg is not None:
+        self._deregister_or_keep(reg.handle, None)
+        self._changed()
+
+  def _deregister_or_keep(self, handle: Any, memory: Any) -> None:
+    """Deregisters `handle` (lock held); on failure keeps it, and `memory`,
+    for `retry_stuck`."""
+    if not self._deregister(handle):
+      self._stuck.append((handle, memory))
+
+  def _deregister(self, handle: Any) -> bool:
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.deregister")
+      self._agent().deregister_memory(handle)
+    except Exception:  # kept registered; retried by the progress thread
+      return False
+    return True
+
+  def has_stuck(self) -> bool:
+    """True while a failed deregistration waits for a retry."""
+    return bool(self._stuck)
+
+  def count(self) -> int:
+    """Registered regions outside the pools (0 when idle), including those
+    whose deregistration failed and waits for a retry."""
+    with self._lock:
+      return sum(1 for r in self._regs.values() if not r.pooled) + len(self._stuck)
+
+  def count_pooled(self) -> int:
+    """Registered pooled buffers, kept for reuse (bounded by the pools)."""
+    with self._lock:
+      return sum(1 for r in self._regs.values() if r.pooled)

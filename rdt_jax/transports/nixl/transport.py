@@ -1,0 +1,192 @@
+"""`jax_nixl`: one-sided transfers with NIXL (UCX), for cpu and cuda memory.
+
+The producer makes each leaf's buffer readable through its process's NIXL
+agent and puts the chunk addresses and the agent's metadata in the RDT
+metadata; the consumer takes receive buffers and reads the whole object at
+once. `NixlTransport` composes the package's rooms, each readable alone:
+
+* `agent`: the process's agent (progress thread off) and the `Poller` that
+  progresses it while anything needs it;
+* `registrations`: the registration cache, pooled buffers, retried
+  deregistrations;
+* `export`: the producer's side (packing, in-place registration, serials);
+* `read`: the consumer's two read strategies (NIXL READ, node-local);
+* `staleness`: the check both strategies make before reading;
+* `views`: the consumer's view of each producer's agent;
+* `inflight`: a posted READ's wait, retirement and parking.
+
+docs/performance.md has the measurements behind each choice.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from rdt_jax import _compat, _dlpack
+from rdt_jax.transports._base import Destination, DlpackTransport
+from rdt_jax.transports.nixl import agent as _agent
+from rdt_jax.transports.nixl.export import Exports
+from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
+from rdt_jax.transports.nixl.read import NixlRead, NodeLocalRead, ReadRefused, ReadStrategy
+from rdt_jax.transports.nixl.registrations import Registrations
+from rdt_jax.transports.nixl.staleness import FreedObjects
+from rdt_jax.transports.nixl.views import RemoteViews
+
+__all__ = ["NixlTransport"]
+
+
+class NixlTransport(DlpackTransport):
+  """The `jax_nixl` transport: one-sided NIXL READs of cpu and cuda memory.
+
+  A READ in flight is never released or posted again, and memory it may
+  still write is never reused before NIXL reports it ended
+  (`rdt_jax.transports.nixl.inflight` states the lifecycle; docs/faults.md
+  the bounds). A deregistration that fails keeps the region registered and
+  its memory alive; the progress thread tries again.
+  """
+
+  name = "jax_nixl"
+  devices = ("cpu", "cuda")
+  metadata_class = NixlTransportMetadata
+  reads_parts = True  # a READ descriptor may start anywhere in a chunk
+
+  def __init__(self) -> None:
+    super().__init__()
+    self._lock = threading.RLock()
+    self._agent: Any = None
+    self._poller: _agent.Poller | None = None
+    self._registrations = Registrations(self.agent, self._lock, self._update_poller)
+    self._exports = Exports(self.agent, self._lock, self._registrations, self._update_poller)
+    self._views = RemoteViews(self.agent, self._lock, self._update_poller)
+    self._inflight = InFlight(self.agent, self._lock, self._registrations, self._views, self._update_poller)
+    freed = FreedObjects()
+    self._nixl_read = NixlRead(self.agent, self._registrations, self._views, self._inflight, freed, self._count)
+    self._node_local_read = NodeLocalRead(freed, self._count)
+
+  @staticmethod
+  def is_one_sided() -> bool:
+    return True
+
+  @staticmethod
+  def can_abort_transport() -> bool:
+    return True
+
+  @classmethod
+  def available_in_process(cls) -> bool:
+    return _compat.nixl_available()
+
+  def agent(self) -> Any:
+    """This process's NIXL agent, created on first use (with its progress
+    poller and the pools' eviction listeners).
+
+    Raises:
+      ImportError: if NIXL is not installed here, saying what to install.
+    """
+    with self._lock:
+      if self._agent is None:
+        self._agent = _agent.create_agent()
+        self._poller = _agent.Poller(self._agent, self._tick)
+        _dlpack.host_pool.add_eviction_listener(self._registrations.on_host_eviction)
+        _dlpack.device_pool.add_eviction_listener(self._registrations.on_device_eviction)
+      return self._agent
+
+  def _tick(self) -> None:
+    """Progress-thread work after each poll."""
+    self._inflight.reap()
+    self._registrations.retry_stuck()
+
+  def _update_poller(self) -> None:
+    """Runs the progress thread while anything needs it (lock held): objects
+    exported, parked READs or failed deregistrations to retry, or a
+    connection to another agent (UCX completes a connection's wire-up only
+    while both sides progress; a consumer that progressed only inside its own
+    waits left a producer's reverse wire-up pending)."""
+    if self._poller is not None:
+      self._poller.set_active(
+          bool(len(self._exports) or len(self._inflight) or self._registrations.has_stuck() or self._views)
+      )
+
+  # ---- counters (tests, soak and chaos reports)
+
+  def num_registrations(self) -> int:
+    """Registered regions outside the pools (0 when idle), including those
+    whose deregistration failed and waits for a retry."""
+    return self._registrations.count()
+
+  def num_pooled_registrations(self) -> int:
+    """Registered pooled buffers, kept for reuse (bounded by the pools)."""
+    return self._registrations.count_pooled()
+
+  def num_objects(self) -> int:
+    """How many RDT objects this process currently exports."""
+    with self._lock:
+      return len(self._exports)
+
+  def num_inflight(self) -> int:
+    """READs this process posted that are not yet retired (parked included)."""
+    return self._views.inflight()
+
+  def num_parked(self) -> int:
+    """READs given up while in flight, whose memory waits for NIXL to end them."""
+    with self._lock:
+      return len(self._inflight)
+
+  @property
+  def parked_total(self) -> int:
+    """READs ever parked in this process."""
+    return self._inflight.parked_total
+
+  # ---- producer
+
+  def export_buffers(
+      self,
+      obj_id: str,
+      leaves: list[_dlpack.DescribedLeaf],
+      meta: NixlTransportMetadata,
+  ) -> None:
+    self._exports.export(obj_id, leaves, meta)
+
+  def release(self, obj_id: str) -> None:
+    """Deregisters what `obj_id` registered (`export.Exports.release`)."""
+    self._exports.release(obj_id)
+
+  # ---- consumer
+
+  def _read_strategy(self, meta: NixlTransportMetadata, dests: list[Destination]) -> ReadStrategy:
+    """The one choice of how to read an object: node-local where it applies
+    (`read.NodeLocalRead.applies`), else a NIXL READ."""
+    if NodeLocalRead.applies(meta, dests):
+      return self._node_local_read
+    return self._nixl_read
+
+  def start_receive(
+      self,
+      obj_id: str,
+      meta: NixlTransportMetadata,
+      communicator_metadata: Any,
+      destinations: list[Destination],
+  ) -> PostedRead | None:
+    dests = [d for d in destinations if d.nbytes > 0]
+    if not dests:
+      return None
+    self.agent()  # a consumer's first read creates its agent and progress thread
+    try:
+      return self._read_strategy(meta, dests).start(obj_id, meta, dests)
+    except ReadRefused:  # the kernel refused: node-local reads are off from now on
+      return self._nixl_read.start(obj_id, meta, dests)
+
+  def wait_receive(self, handle: PostedRead | None, obj_id: str, timeout: float) -> None:
+    if handle is not None:
+      self._inflight.wait(handle, obj_id, timeout, self.aborted)
+
+  def finish_receive(self, handle: PostedRead | None) -> None:
+    """Retires a READ `wait_receive` saw DONE (parked instead while an
+    injected delay makes it look in flight)."""
+    self._inflight.retire_or_park(handle)
+
+  def cancel_receive(self, handle: PostedRead | None) -> None:
+    """Gives up a READ (failure, timeout, abort, dropped request): retires it
+    if NIXL reports it ended, parks it otherwise."""
+    self._inflight.retire_or_park(handle)

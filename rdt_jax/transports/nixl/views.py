@@ -1,0 +1,108 @@
+"""This agent's view of each producer's agent, and the READs in flight from each.
+
+A consumer loads a producer's agent metadata (`add_remote_agent`) before its
+first READ from it. The view is extended (metadata loaded again, connection
+kept) when the producer registered new memory (`agent_version` grew), and
+rebuilt (the agent removed and added, which reconnects) when the producer
+deregistered memory (`dereg_epoch` grew), at most every
+`view_rebuild_interval_s()` seconds (`RDT_JAX_NIXL_VIEW_REBUILD_S`) and never while a READ from that producer is in
+flight: removing an agent kills its in-flight transfers, which is how Ray's own
+NIXL transport fails batched gets while the producer frees objects. A rebuild
+reconnects, which costs tens of ms here, so rebuilding on every change would
+slow every weight-sync step; a stale descriptor stops working within the
+interval (the NIXL-side defence `staleness` describes).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rdt_jax import _settings
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
+
+__all__ = ["RemoteViews", "view_rebuild_interval_s"]
+
+
+@functools.cache
+def view_rebuild_interval_s() -> float:
+  """How often at most a view of a producer that deregistered memory is
+  rebuilt: the setting `RDT_JAX_NIXL_VIEW_REBUILD_S`, read once per process."""
+  return float(_settings.value("RDT_JAX_NIXL_VIEW_REBUILD_S"))
+
+
+class RemoteViews:
+  """Remote agents loaded into this agent, and READs in flight per producer.
+
+  Args:
+    agent: returns the agent (created on first use).
+    lock: the transport's lock.
+    changed: called (lock held) when a view is added or removed.
+  """
+
+  def __init__(self, agent: Callable[[], Any], lock: threading.RLock, changed: Callable[[], None]):
+    self._agent = agent
+    self._lock = lock
+    self._changed = changed
+    # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
+    self._views: dict[str, tuple[int, int, float]] = {}
+    self._inflight: dict[str, int] = {}
+
+  def __bool__(self) -> bool:
+    """True while connected to any other agent."""
+    return bool(self._views)
+
+  def open_read(self, meta: NixlTransportMetadata) -> str:
+    """Brings the view of `meta`'s producer up to what `meta` needs (see the
+    module docstring) and counts a READ from it in flight; returns the
+    producer's agent name. Every call is paired with one `close_read`."""
+    remote = meta.agent_name
+    assert remote is not None and meta.agent_meta is not None
+    with self._lock:
+      agent = self._agent()
+      view = self._views.get(remote)
+      now = time.monotonic()
+      if view is None:
+        agent.add_remote_agent(meta.agent_meta)
+        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
+      elif (
+          meta.dereg_epoch > view[1]
+          and now - view[2] >= view_rebuild_interval_s()
+          and not self._inflight.get(remote)
+      ):
+        agent.remove_remote_agent(remote)
+        del self._views[remote]
+        agent.add_remote_agent(meta.agent_meta)
+        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
+      elif meta.agent_version > view[0]:
+        agent.add_remote_agent(meta.agent_meta)
+        self._views[remote] = (meta.agent_version, view[1], view[2])
+      self._inflight[remote] = self._inflight.get(remote, 0) + 1
+      self._changed()
+    return remote
+
+  def close_read(self, remote: str) -> None:
+    """A READ from `remote` counted by `open_read` is retired."""
+    with self._lock:
+      self._inflight[remote] -= 1
+      if not self._inflight[remote]:
+        del self._inflight[remote]
+
+  def inflight(self, remote: str | None = None) -> int:
+    """READs not yet retired, from `remote` or from every producer."""
+    with self._lock:
+      if remote is None:
+        return sum(self._inflight.values())
+      return self._inflight.get(remote, 0)
+
+  def drop(self, remote: str) -> None:
+    """Removes `remote` from this agent's view (lock held by the caller);
+    NIXL fails every transfer from it still in flight."""
+    try:
+      self._agent().remove_remote_agent(remote)
+    except Exception:
+      pass
+    self._views.pop(remote, None)
