@@ -248,3 +248,24 @@ def test_fault_rules_from_the_environment_need_the_enabling_variable():
   assert faults_on({"RDT_JAX_FAULTS": "nixl.post:kill", "RDT_JAX_FAULTS_ENABLE": "1"}).startswith(
       "True {'nixl.post': 0}"
   )
+
+
+def test_a_torch_target_written_by_a_receive_plan_is_marked_written():
+  """The receive plan marks an in-place torch target (and a Slice's torch
+  into) written, so autograd sees what the transfer wrote."""
+  import ctypes
+
+  from rdt_jax._targets import Target
+  from rdt_jax.transports._plan import ReceivePlan
+
+  x = np.arange(6, dtype=np.float32)
+  spec = _dlpack.describe(x, "['w']").spec
+  for target_of in (lambda t: t, lambda t: _dlpack.Slice((slice(0, 6),), into=t)):
+    t = torch.zeros(6)
+    before = t._version
+    plan = ReceivePlan([spec], "source", Target(buffers={"['w']": target_of(t)}))
+    for d in plan.allocate(True):
+      ctypes.memmove(d.pointer, x.ctypes.data + d.source_offset, d.nbytes)
+    (leaf,) = plan.build()
+    assert leaf is t and t._version > before
+    np.testing.assert_array_equal(t.numpy(), x)

@@ -52,7 +52,9 @@ def test_hook_argument_types_have_their_documented_fields():
   assert rdt_jax.LeafSpec._fields == ("path", "shape", "dtype", "framework", "device", "chunks", "sharding")
   assert rdt_jax.DescribedLeaf._fields == ("spec", "pointers", "device_indices", "arrays")
   fields = {f.name for f in dataclasses.fields(rdt_jax.Destination)}
-  assert {"pointer", "nbytes", "device", "array", "region", "source", "source_offset", "part"} <= fields
+  assert {"pointer", "nbytes", "device", "keepalive", "region", "source", "source_offset", "part"} <= fields
+  # `array` is the older, read-only name of `keepalive`.
+  assert isinstance(rdt_jax.Destination.array, property) and rdt_jax.Destination.array.fset is None
 
 
 # Ray's TensorTransportManager methods that Ray calls and DlpackTransport implements.

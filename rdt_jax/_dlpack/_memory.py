@@ -86,7 +86,7 @@ class HostBufferPool:
     a reference to it until the transfer has ended (NIXL reported it DONE or
     ERR), however the fetch that started it ended: given up, timed out,
     aborted or dropped. So no late transfer can land in another object's
-    leaves (`rdt_jax.transports._nixl` parks abandoned READs for this).
+    leaves (the jax_nixl backend parks abandoned READs for this).
     """
     with self._lock:
       best = None

@@ -412,6 +412,7 @@ class ReceivePlan:
         for view, piece in zip(views, layout.pieces):
           _dlpack.cut(view, piece, chunk_view, box)
     if plan.into is not None:
+      _dlpack.mark_written(plan.into)  # raw writes: torch's autograd must see them
       return plan.into
     if layout.sharding is not None:
       return _dlpack.build_sharded(views, layout, spec.path)
@@ -422,6 +423,7 @@ class ReceivePlan:
     if plan.layout is not None:
       return self._build_resharded(plan)
     if plan.in_place:
+      _dlpack.mark_written(plan.target)  # raw writes: torch's autograd must see them
       return plan.target
     if memory_kind(plan.device) == "device":
       region = plan.region
