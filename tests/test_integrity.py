@@ -80,6 +80,10 @@ def test_non_default_jax_layout_is_refused_by_name():
     _dlpack.describe(jitted, "['p']")
   fixed = _dlpack.describe(column_major.copy(), "['p']")
   assert raw_bytes(fixed.pointers[0], 48) == np.asarray(x).tobytes()
+  # A row-major array of the same shape and dtype described first (its layout
+  # remembered) does not let a column-major one through.
+  with pytest.raises(_dlpack.UnsupportedLeafError, match="non-default layout"):
+    _dlpack.describe(column_major, "['p']")
 
 
 @pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
