@@ -148,6 +148,7 @@ class TwoHosts:
         "RAY_AUTH_TOKEN": self.token,
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(REPO / "examples")]),
+        "RDTJ_IFACE": f"rdtj-va-{self.tag}",  # host A's end of the link (drivers run on A)
         **self.env,
     })
     return env

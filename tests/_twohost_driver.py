@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -113,6 +114,16 @@ class Node:
     if target is not None:
       rdt_jax.set_target_for_ref(refs[0], target())
     return self.inspect(ray.get(refs[0], timeout=120), transport)
+
+  def fetch_outcome(self, refs: list, timeout: float) -> dict:
+    """Gets refs[0] with `ray.get(..., timeout)`: its fingerprint, or the
+    error's type and message; and the seconds it took."""
+    t0 = time.monotonic()
+    try:
+      value = ray.get(refs[0], timeout=timeout)
+    except Exception as e:
+      return {"error": type(e).__name__, "message": str(e)[-400:], "seconds": time.monotonic() - t0}
+    return {"fingerprint": tree_fingerprint(value), "seconds": time.monotonic() - t0}
 
   def fetch_error(self, refs: list) -> tuple[str, float]:
     t0 = time.monotonic()
@@ -233,10 +244,39 @@ class Checks:
     return {"error": error, "seconds": round(elapsed, 3)}
 
 
+  def link_flap(self) -> dict:
+    """The link between the hosts goes down mid-read for `LINK_DOWN_S` and
+    comes back: the read ends in an error within `LINK_BOUND_S` or delivers
+    the right bytes, and the next read after the link returns works."""
+    iface = os.environ["RDTJ_IFACE"]
+    ref = self.make(self.b, mixed, 64 << 20, 11)
+    pending = self.a.fetch_outcome.remote([ref], LINK_BOUND_S * 2)
+    time.sleep(0.2)
+    subprocess.run(["ip", "link", "set", iface, "down"], check=True)
+    try:
+      time.sleep(LINK_DOWN_S)
+    finally:
+      subprocess.run(["ip", "link", "set", iface, "up"], check=True)
+    outcome = ray.get(pending, timeout=LINK_BOUND_S * 4)
+    if "error" in outcome:
+      assert outcome["seconds"] < LINK_BOUND_S, outcome
+    else:
+      assert outcome["fingerprint"] == tree_fingerprint(mixed(64 << 20, 11)), "wrong bytes after a link flap"
+    time.sleep(1.0)
+    after = self._across(self.b, self.a, 1 << 20, 12)
+    return {"during": {k: v for k, v in outcome.items() if k != "fingerprint"}, "after": after}
+
+
+#: The link stays down this long in `link_flap`; a read it interrupts ends within `LINK_BOUND_S`.
+LINK_DOWN_S = 3.0
+LINK_BOUND_S = 30.0
+
 CHECKS = {
     "jax_nixl": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "no_node_local_reads", "driver_get",
-                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed"],
+                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed", "link_flap"],
     "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf"],
+    "jax_transfer": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "driver_get", "sharded_leaf",
+                     "resharded_leaf", "sliced_leaf", "producer_killed"],
 }
 
 

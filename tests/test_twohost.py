@@ -7,8 +7,9 @@ pid namespace and a `/dev/shm` boundary, as between two machines (or two
 pods). A driver on the head's host (tests/_twohost_driver.py) runs each
 backend's checks, both directions; each check is a test here.
 
-`jax_transfer` is not listed: its servers bind the loopback address, so it
-works between processes of one host only (docs/backends.md).
+`jax_nixl`'s `link_flap` takes the link down mid-read and brings it back:
+the read ends in an error within a bound (or the right bytes), and the next
+read works.
 """
 
 from __future__ import annotations

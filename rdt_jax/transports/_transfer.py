@@ -34,18 +34,25 @@ How rdt_jax uses it:
   only those bytes cross; replicated target shards are copied on the
   consumer.
 
-Limits: addresses are loopback (`HOST`), so producer and consumer share a
-host. A sharded leaf needs as many devices on the consumer as on the
+Addresses: every server binds, and advertises in the metadata, this node's
+Ray address (`ray.util.get_node_ip_address()`, the address other nodes reach
+it at), so producer and consumer may run on different hosts; a process
+outside Ray binds the loopback address. A consumer tells a producer that
+exited (nothing listens at its address: connection refused) from one it
+cannot reach (no route, or no answer within `CONNECT_TIMEOUT_S`).
+
+Limits: a sharded leaf needs as many devices on the consumer as on the
 producer, whatever type it arrives as (the pull moves shard to shard),
-unless the consumer gives a target sharding or slice of its own.
-Untested here: gpu and tpu transfer servers (no accelerator on the
-development machine).
+unless the consumer gives a target sharding or slice of its own. gpu and
+tpu transfer servers have not run yet.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -56,8 +63,21 @@ from rdt_jax import _compat, _dlpack
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Placement, WholeArrayTransport
 
-#: Every server binds here: rdt_jax's transfer servers are same-host only.
-HOST: Final = "127.0.0.1"
+#: Where a process outside Ray binds its servers.
+LOOPBACK: Final = "127.0.0.1"
+#: A consumer gives up connecting to a producer's offer service after this.
+CONNECT_TIMEOUT_S: Final = 10.0
+
+
+def node_address() -> str:
+  """The address this process's servers bind and advertise: this node's Ray
+  address, which other nodes reach it at, or the loopback outside Ray."""
+  import ray
+
+  if not ray.is_initialized():
+    return LOOPBACK
+  return ray.util.get_node_ip_address()
+
 #: Bulk-data sockets per transfer server. Every rdt_jax server uses the same
 #: number: in jaxlib 0.10 a pull by a peer with fewer than the producer's
 #: aborts the puller ("Check failed: bind(cfd, ...)"). One is as fast as four
@@ -94,7 +114,7 @@ class _OfferService:
   def __init__(self, transport: TransferTransport):
     self.authkey = secrets.token_bytes(32)
     self._transport = transport
-    self._listener = Listener((HOST, 0), authkey=self.authkey)
+    self._listener = Listener((node_address(), 0), authkey=self.authkey)
     self.address: tuple[str, int] = self._listener.address
     threading.Thread(target=self._accept, name="rdt-jax-transfer-offers", daemon=True).start()
 
@@ -155,8 +175,9 @@ class TransferTransport(WholeArrayTransport):
         from jax.experimental import transfer
 
         client = jax.local_devices(backend=platform)[0].client
+        host = node_address()
         self._servers[platform] = transfer.start_transfer_server(
-            client, f"{HOST}:0", [f"{HOST}:0"] * BULK_SOCKETS
+            client, f"{host}:0", [f"{host}:0"] * BULK_SOCKETS
         )
       return self._servers[platform]
 
@@ -236,6 +257,7 @@ class TransferTransport(WholeArrayTransport):
     try:
       with self._lock:
         if address not in self._clients:
+          _probe(address, obj_id)
           self._clients[address] = (Client(address, authkey=meta.authkey), threading.Lock())
         client, lock = self._clients[address]
       with lock:
@@ -347,6 +369,35 @@ class TransferTransport(WholeArrayTransport):
         ]
         out.append(jax.make_array_from_single_device_arrays(layout.shape, layout.sharding, shards))
     return out
+
+
+def _probe(address: tuple[str, int], obj_id: str) -> None:
+  """Connects to `address` once with a timeout, so that an unreachable
+  producer fails within `CONNECT_TIMEOUT_S` (a plain connect waits for the
+  kernel's, minutes) and the error says which it is.
+
+  Raises:
+    RuntimeError: the producer exited (connection refused), or its host
+      cannot be reached.
+  """
+  where = f"{address[0]}:{address[1]}"
+  try:
+    socket.create_connection(address, timeout=CONNECT_TIMEOUT_S).close()
+  except ConnectionRefusedError:
+    raise RuntimeError(
+        f"Nothing listens at {where}, the offer service of object {obj_id}'s producer: the "
+        "producer process has exited (the object died with it)."
+    ) from None
+  except OSError as e:
+    unreachable = isinstance(e, TimeoutError) or e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+    if not unreachable:
+      raise
+    raise RuntimeError(
+        f"Cannot reach {where}, the offer service of object {obj_id}'s producer, from this "
+        f"node within {CONNECT_TIMEOUT_S:g}s ({e.strerror or 'timed out'}): the network between "
+        "the two nodes is down or filters the port. jax_transfer needs the producer's node "
+        "address reachable on any port from the consumer's node."
+    ) from None
 
 
 def _volume(box: Any) -> int:

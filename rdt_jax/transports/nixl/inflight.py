@@ -168,6 +168,8 @@ class InFlight:
     self._registrations.unregister(read.keys, read.memory)
     read.keys, read.memory = [], []
     assert read.remote is not None
+    if state == "ERR" and not read.ended:
+      self._views.mark_broken(read.remote)
     self._views.close_read(read.remote)
     read.remote = None
     return True

@@ -164,6 +164,7 @@ class NixlRead:
       )
     except BaseException:
       self._registrations.unregister(keys)
+      self._views.mark_broken(remote)  # the producer may be unreachable: reconnect next time
       self._views.close_read(remote)
       raise
     read = PostedRead(xfer, keys, remote, obj_id, [d.keepalive for d in dests])

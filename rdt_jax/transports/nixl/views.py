@@ -11,6 +11,11 @@ NIXL transport fails batched gets while the producer frees objects. A rebuild
 reconnects, which costs tens of ms here, so rebuilding on every change would
 slow every weight-sync step; a stale descriptor stops working within the
 interval (the NIXL-side defence `staleness` describes).
+
+A READ that ended in error (a producer's host unreachable, a link down) may
+leave UCX's connection to that producer failed for good; the view is then
+marked broken (`mark_broken`) and rebuilt at the next READ from it once none
+is in flight, so a consumer reconnects when the network comes back.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class RemoteViews:
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
     self._views: dict[str, tuple[int, int, float]] = {}
     self._inflight: dict[str, int] = {}
+    self._broken: set[str] = set()  # views whose last READ ended in error
 
   def __bool__(self) -> bool:
     """True while connected to any other agent."""
@@ -68,13 +74,13 @@ class RemoteViews:
       if view is None:
         agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
-      elif (
-          meta.dereg_epoch > view[1]
-          and now - view[2] >= view_rebuild_interval_s()
-          and not self._inflight.get(remote)
+      elif not self._inflight.get(remote) and (
+          remote in self._broken
+          or (meta.dereg_epoch > view[1] and now - view[2] >= view_rebuild_interval_s())
       ):
         agent.remove_remote_agent(remote)
         del self._views[remote]
+        self._broken.discard(remote)
         agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
       elif meta.agent_version > view[0]:
@@ -83,6 +89,13 @@ class RemoteViews:
       self._inflight[remote] = self._inflight.get(remote, 0) + 1
       self._changed()
     return remote
+
+  def mark_broken(self, remote: str) -> None:
+    """A READ from `remote` ended in error: rebuild its view (reconnect) at
+    the next READ from it that finds none in flight."""
+    with self._lock:
+      if remote in self._views:
+        self._broken.add(remote)
 
   def close_read(self, remote: str) -> None:
     """A READ from `remote` counted by `open_read` is retired."""
@@ -106,3 +119,4 @@ class RemoteViews:
     except Exception:
       pass
     self._views.pop(remote, None)
+    self._broken.discard(remote)
