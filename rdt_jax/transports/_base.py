@@ -48,7 +48,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 from rdt_jax import _dlpack, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband
-from rdt_jax.transports._plan import Destination, Placement, ReceivePlan
+from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
 
 if TYPE_CHECKING:
   import ray
@@ -327,24 +327,47 @@ class DlpackTransport(TensorTransportManager):
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
     if _inband.carried(tensor_transport_metadata):
       return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
+    meta = tensor_transport_metadata
     try:
-      with _dlpack.gc_paused(len(tensor_transport_metadata.leaves)):
-        plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
-        self._prepare(plan)
+      with _dlpack.gc_paused(len(meta.leaves)):
+        plan = ReceivePlan(meta.leaves, _state.receive_mode(), target)
+        self._prepare(plan, stage=not self.receives_synchronously(meta, plan.memory_kinds()))
     except Exception:
       if not self.is_one_sided():
         # The producer is already sending: take its bytes so it does not block.
-        self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
+        self._drain(obj_id, meta, communicator_metadata)
       raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
     try:
       with _dlpack.gc_paused(len(plan.plans)):
-        request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
+        try:
+          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
+        except StageCallerMemory:  # nothing was written: plan again, caller memory staged
+          plan.return_regions()
+          plan = request.plan = ReceivePlan(meta.leaves, _state.receive_mode(), target)
+          plan.allocate(self.reads_parts, stage=True)
+          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
     except BaseException:
       request.done = True  # the backend released (or parked) what it took
       plan.quarantine()
       raise
     return request
+
+  def receives_synchronously(self, meta: DlpackTransportMetadata, kinds: set[MemoryKind]) -> bool:
+    """True if every write into this object's receive memory (of memory
+    `kinds`) ends before `start_receive` / `wait_receive` return or raise, so
+    a fetch that failed or was given up cannot write later. Only then are
+    bytes received straight into caller memory (numpy/torch targets,
+    `Slice(into=...)` buffers); otherwise they are staged in rdt_jax's memory
+    and copied into the caller's after the transfer succeeded
+    (`rdt_jax.transports._plan`).
+
+    The default: True for two-sided backends (their receive blocks until the
+    bytes are in), False for one-sided ones. A one-sided backend that may say
+    True for an object it then cannot read so must raise `StageCallerMemory`
+    from `start_receive` before writing anything.
+    """
+    return not self.is_one_sided()
 
   def _fetch_in_band(
       self, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
@@ -363,8 +386,8 @@ class DlpackTransport(TensorTransportManager):
     self._count(inline=1)
     return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True)
 
-  def _prepare(self, plan: ReceivePlan) -> None:
-    plan.allocate(self.reads_parts)
+  def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
+    plan.allocate(self.reads_parts, stage)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
 
   def _start(
@@ -531,7 +554,7 @@ class DlpackTransport(TensorTransportManager):
 
     try:
       return fn(*args)
-    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError):
+    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError, StageCallerMemory):
       raise
     except Exception:
       raise RayDirectTransportError(
@@ -610,8 +633,8 @@ class WholeArrayTransport(DlpackTransport):
   ) -> None:
     self.export_arrays(obj_id, arrays, leaves, meta)
 
-  def _prepare(self, plan: ReceivePlan) -> None:
-    pass  # the backend allocates the arrays it pulls
+  def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
+    pass  # the backend allocates the arrays it pulls, copied into targets after success
 
   def _start(
       self,

@@ -25,6 +25,7 @@ from typing import Any
 
 from rdt_jax import _compat, _dlpack
 from rdt_jax.transports._base import Destination, DlpackTransport
+from rdt_jax.transports._plan import MemoryKind, memory_kind
 from rdt_jax.transports.nixl import agent as _agent
 from rdt_jax.transports.nixl.export import Exports
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
@@ -157,9 +158,15 @@ class NixlTransport(DlpackTransport):
   def _read_strategy(self, meta: NixlTransportMetadata, dests: list[Destination]) -> ReadStrategy:
     """The one choice of how to read an object: node-local where it applies
     (`read.NodeLocalRead.applies`), else a NIXL READ."""
-    if NodeLocalRead.applies(meta, dests):
+    if NodeLocalRead.applies(meta, {memory_kind(d.device) for d in dests}):
       return self._node_local_read
     return self._nixl_read
+
+  def receives_synchronously(self, meta: NixlTransportMetadata, kinds: set[MemoryKind]) -> bool:
+    """True where the object is read node-locally (the copy ends inside
+    `start_receive`); a NIXL READ may outlive a fetch given up, so caller
+    memory is staged for it."""
+    return NodeLocalRead.applies(meta, kinds)
 
   def start_receive(
       self,
