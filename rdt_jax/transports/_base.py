@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
 #: on both sides; on a producer no fetch ever consumes the mark, so the oldest
 #: are forgotten (and `release` forgets an object's mark when Ray frees it).
 MAX_ABORTED = 4096
+#: Actors whose answer to `actor_has_tensor_transport` a process keeps at most.
+MAX_ACTORS_KNOWN = 4096
+#: Seconds an actor's answer is kept after its last use (a gone actor's goes then).
+ACTOR_ANSWER_IDLE_S = 600.0
 
 __all__ = [
     "Destination",
@@ -146,7 +151,9 @@ class DlpackTransport(TensorTransportManager):
   def __init__(self) -> None:
     self._aborted: OrderedDict[str, None] = OrderedDict()
     self._aborted_lock = threading.Lock()
-    self._actors_with_transport: dict[str, bool] = {}
+    # actor id -> (can run this transport, time.monotonic() of its last use)
+    self._actors_with_transport: OrderedDict[str, tuple[bool, float]] = OrderedDict()
+    self._actors_lock = threading.Lock()
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
 
@@ -203,10 +210,35 @@ class DlpackTransport(TensorTransportManager):
     import ray
 
     actor_id = _seam.actor_id(actor)
-    if actor_id not in self._actors_with_transport:
+    with self._actors_lock:
+      known = self._actors_with_transport.get(actor_id)
+    if known is None:
       ref = _seam.call_on_system_group(actor, _actor_can_run, type(self))
-      self._actors_with_transport[actor_id] = bool(ray.get(ref))
-    return self._actors_with_transport[actor_id]
+      known = (bool(ray.get(ref)), 0.0)
+    with self._actors_lock:
+      self._actors_with_transport[actor_id] = (known[0], time.monotonic())
+      self._actors_with_transport.move_to_end(actor_id)
+      self._forget_actors()
+    return known[0]
+
+  def _forget_actors(self) -> None:
+    """Drops cached answers beyond `MAX_ACTORS_KNOWN`, or unused for
+    `ACTOR_ANSWER_IDLE_S` (lock held): a gone actor's answer does not stay."""
+    expired = time.monotonic() - ACTOR_ANSWER_IDLE_S
+    answers = self._actors_with_transport
+    while answers and (len(answers) > MAX_ACTORS_KNOWN or next(iter(answers.values()))[1] < expired):
+      answers.popitem(last=False)
+
+  def counters(self) -> dict[str, int]:
+    """Everything this process holds for transfers, as counts (backends add
+    theirs): `abort_marks` (bounded by `MAX_ABORTED`) and `actors_known`
+    (cached `actor_has_tensor_transport` answers, bounded by
+    `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
+    process whose peers are gone or idle returns to its baseline."""
+    with self._actors_lock:
+      self._forget_actors()
+      actors = len(self._actors_with_transport)
+    return {"abort_marks": self.num_aborted(), "actors_known": actors}
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
