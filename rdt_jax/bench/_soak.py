@@ -114,6 +114,7 @@ class _Generator:
 CHURN_BASELINE_KEYS = ("objects", "registrations", "stuck", "inflight", "parked", "views", "producers", "polling")
 
 
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _ChurnConsumer:
   def take(self, refs: list) -> int:
     x = ray.get(refs[0])["x"]
@@ -128,16 +129,11 @@ class _ChurnConsumer:
     return get_tensor_transport_manager("JAX_NIXL").counters()  # type: ignore[attr-defined]
 
 
-def _short_lived_class() -> Any:
-  """The short-lived producer actor (defined once jax_nixl is registered:
-  `ray.method` checks the transport's name)."""
-
-  class _ShortLived:
-    @ray.method(tensor_transport="jax_nixl")
-    def make(self, seed: int) -> dict:
-      return {"x": np.full(1 << 18, seed % 251, np.uint8)}  # out of band
-
-  return ray.remote(enable_tensor_transport=True)(_ShortLived)  # type: ignore[call-overload]
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
+class _ShortLived:
+  def make(self, seed: int) -> list:
+    """A ref (owned here) to an out-of-band object, in a list: lent on as is."""
+    return [ray.put({"x": np.full(1 << 18, seed % 251, np.uint8)}, _tensor_transport="jax_nixl")]
 
 
 def run_churn(args: argparse.Namespace) -> int:
@@ -145,17 +141,16 @@ def run_churn(args: argparse.Namespace) -> int:
   rdt_jax.register()
   ray.init(address="local", num_cpus=16, include_dashboard=False, logging_level=logging.ERROR)
   remote = {"env_vars": {"RDT_JAX_FAULTS": "cma.read:fail", "RDT_JAX_FAULTS_ENABLE": "1"}}
-  consumer_class = ray.remote(enable_tensor_transport=True)(_ChurnConsumer)  # type: ignore[call-overload]
-  short_lived = _short_lived_class()
-  consumers = [consumer_class.remote(), consumer_class.options(runtime_env=remote).remote()]
+  consumers = [
+      _ChurnConsumer.remote(), _ChurnConsumer.options(runtime_env=remote).remote()  # type: ignore[attr-defined]
+  ]
   start = time.monotonic()
   wrong, peak = 0, dict.fromkeys(CHURN_BASELINE_KEYS, 0)
   wave = 8
   for first in range(0, args.churn, wave):
-    producers = [short_lived.remote() for _ in range(min(wave, args.churn - first))]
-    refs = [p.make.remote(first + i) for i, p in enumerate(producers)]
-    ray.wait(refs, num_returns=len(refs), fetch_local=False)
-    got = ray.get([c.take.remote([r]) for r in refs for c in consumers], timeout=300)
+    producers = [_ShortLived.remote() for _ in range(min(wave, args.churn - first))]  # type: ignore[attr-defined]
+    refs = ray.get([p.make.remote(first + i) for i, p in enumerate(producers)], timeout=300)
+    got = ray.get([c.take.remote(r) for r in refs for c in consumers], timeout=300)
     wrong += sum(g != (first + i // 2) % 251 for i, g in enumerate(got))
     for c in ray.get([c.counters.remote() for c in consumers]):
       peak = {k: max(peak[k], c[k]) for k in peak}
