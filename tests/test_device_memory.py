@@ -237,7 +237,7 @@ def test_region_pool_keys_on_device_and_source():
 def test_region_pool_evicts_and_tells_listeners():
   pool = RegionPool(max_bytes=8192)
   told = []
-  pool.add_eviction_listener(lambda p, n, d: told.append((p, n, d)))
+  pool.add_eviction_listener(lambda p, n, d, keepalive: told.append((p, n, d)))
   a = pool.acquire(4096, CPU, "torch")
   b = pool.acquire(4096, CPU, "torch")
   a.release()
@@ -297,6 +297,12 @@ def test_stream_helpers_are_noops_for_host_memory():
   src, dst = np.arange(8, dtype=np.uint8), np.zeros(8, np.uint8)
   _dlpack.copy_bytes(dst.ctypes.data, src.ctypes.data, 8, CPU)
   np.testing.assert_array_equal(dst, src)
+
+
+def test_cuda_available_agrees_with_the_framework():
+  assert _dlpack.cuda_available("torch") == torch.cuda.is_available()
+  if not _dlpack.importable("cupy"):
+    assert not _dlpack.cuda_available("cupy")  # never imports what is not there
 
 
 def test_ml_dtypes_float8_e3m4_is_supported():

@@ -17,12 +17,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
   return subprocess.run(
       ["bash", str(REPO / "scripts" / script), *args],
-      capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **(env or {})},
+      capture_output=True, text=True, timeout=300, cwd=REPO,
+      env=None if env is None else {**os.environ, **env},
   )
 
 
 def test_gpu_sh_refuses_a_host_without_cuda_clearly():
-  # No GPU visible, whatever this host has.
+  # Every GPU hidden, so the refusal is checked on any host, GPU hosts included.
   out = run("gpu.sh", "--dry-run", "--python", sys.executable, env={"CUDA_VISIBLE_DEVICES": ""})
   assert out.returncode == 3, out.stderr
   assert "no CUDA GPU found: torch.cuda.is_available() is False" in out.stderr
