@@ -163,13 +163,19 @@ def _is_target_leaf(x: Any) -> bool:
   return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
 
 
+def _key_data_target(x: Any) -> Any:
+  """A typed PRNG key target stands for its raw key data (what crosses the
+  wire, `rdt_jax._seam`): a placement template of the data's shape."""
+  return _dlpack.prng_key_parts(x)[0] if _dlpack.is_prng_key(x) else x
+
+
 def _flatten_target(target: Any) -> dict[str, Any]:
   import jax
 
   if _is_target_leaf(target):
     return {"": target}
   flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)
-  buffers = {jax.tree_util.keystr(p): x for p, x in flat if _is_target_leaf(x)}
+  buffers = {jax.tree_util.keystr(p): _key_data_target(x) for p, x in flat if _is_target_leaf(x)}
   if not buffers:
     raise ValueError(
         "The target holds no jax, torch or numpy arrays, rdt_jax.Slice or "
