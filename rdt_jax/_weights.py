@@ -401,7 +401,9 @@ class WeightSubscriber:
     if not self._flat:
       raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
     self._version: int | None = None
-    self._checked: set[str] = set()
+    self._checked: set[str] = set()  # structures the template was checked against
+    self._fits: set[str] = set()  # structures a pull of which succeeded with this target
+    self._flat_target: dict[str, Any] = {}
     self._staging: Any = None
 
   @property
@@ -441,7 +443,7 @@ class WeightSubscriber:
           "pull a newer handle.",
           handle.version, current,
       )
-    structure = self._ask(handle, deadline, want_structure=handle.structure not in self._checked)
+    structure = self._ask(handle, deadline, want_structure=handle.structure not in self._checked, current=current)
     if handle.structure not in self._checked:
       if structure is None:
         raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
@@ -451,23 +453,30 @@ class WeightSubscriber:
     if not self.atomic:
       self._version = None  # torn from here until the pull succeeds
     try:
-      _targets.set_target_for_ref(handle.ref, target)
+      if handle.structure in self._fits:
+        _targets.set_flat_target_for_ref(handle.ref, self._flat_target)
+      else:
+        _targets.set_target_for_ref(handle.ref, target)
       value = ray.get(handle.ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-      self._ask(handle, deadline, want_structure=False, after_read=True)
+      self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
     except BaseException as e:
       if not self.atomic:
         e.add_note(f"rdt_jax: the pull of version {handle.version} failed after it started: the template may "
                    "hold some of its bytes, and the subscriber's version is None until the next successful pull.")
       raise
+    if handle.structure not in self._fits:
+      self._fits.add(handle.structure)  # later versions of it skip set_target_for_ref's checks
+      self._flat_target = _targets.flatten_target(target)
     if self.atomic:
       value = self._commit(value)
     self._version = handle.version
     return value
 
   def _ask(self, handle: WeightsHandle, deadline: float | None, want_structure: bool,
-           after_read: bool = False) -> Any:
+           current: int | None, after_read: bool = False) -> Any:
     """Asks the publisher whether `handle`'s version is kept (and for its
-    structure); raises `StaleWeightsError` if not."""
+    structure, if `want_structure`); raises `StaleWeightsError`, naming
+    `current` (the version held when the pull began), if not."""
     ref = _seam.call_on_system_group(handle.actor, _query, handle.publisher,
                                      handle.structure if want_structure else None)
     kept, structure = ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -476,9 +485,9 @@ class WeightSubscriber:
           "is no longer kept by its publisher")
       raise StaleWeightsError(
           f"Version {handle.version} {when}; the publisher keeps versions "
-          f"{list(kept) if kept else 'none (closed)'}, this subscriber holds version {self._version}. "
+          f"{list(kept) if kept else 'none (closed)'}, this subscriber held version {current}. "
           "Pull a newer handle (or publish with a larger keep).",
-          handle.version, self._version, tuple(kept or ()),
+          handle.version, current, tuple(kept or ()),
       )
     return structure
 

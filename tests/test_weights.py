@@ -192,6 +192,40 @@ def pulled(result: dict) -> dict:
   return {k: v for k, v in result["shas"].items() if k != "['step']"}
 
 
+# ---- without actors
+
+
+def test_publisher_lives_in_an_actor_and_keeps_at_least_one():
+  with pytest.raises(RuntimeError, match="lives in a Ray actor"):
+    rdt_jax.WeightPublisher()
+  with pytest.raises(ValueError, match="keep=0"):
+    rdt_jax.WeightPublisher(keep=0)
+  with pytest.raises(ValueError, match="two-sided"):
+    rdt_jax.WeightPublisher(transport="jax_gloo")
+
+
+def test_template_check_names_the_leaf():
+  from rdt_jax import _weights
+
+  published = _weights.structure_of(make_params(1) | {"layer": {"w": jnp.zeros((256, 512)), "b": jnp.zeros(512)}})
+  template = _weights._flatten(torch_template())
+  _weights.check_template(template, published)  # matches
+  key_rbg = dict(template) | {"['rng']": jax.random.key(0, impl="rbg")}
+  with pytest.raises(ValueError, match=r"\['rng'\].*impl rbg.*impl threefry2x32"):
+    _weights.check_template(list(key_rbg.items()), published)
+  extra = [*template, ("['extra']", np.zeros(3))]
+  with pytest.raises(ValueError, match=r"leaf at \['extra'\] that the published value lacks"):
+    _weights.check_template(extra, published)
+  sliced = dict(template) | {"['layer']['w']": rdt_jax.Slice[0:300]}
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['layer'\]\['w'\]"):
+    _weights.check_template(list(sliced.items()), published)
+  with pytest.raises(ValueError, match="holds no jax, torch or numpy arrays"):
+    rdt_jax.WeightSubscriber({"step": 3})
+
+
+# ---- between actors
+
+
 def test_versions_reach_torch_in_place_and_jax_on_another_mesh():
   t = trainer()
   gens = [generator("torch"), generator("jax")]
@@ -289,6 +323,15 @@ def test_trainer_killed_mid_pull_is_an_error_within_the_bound():
   r = ray.get(call, timeout=ERROR_BOUND_S * 2)
   assert r["error"] is not None and r["elapsed"] < ERROR_BOUND_S, r
   assert r["version"] is None  # in place: the pull had started
+  ray.kill(g)
+
+
+def test_timeout_mid_pull_is_a_failed_pull():
+  t = trainer(**READ_PATH)
+  g = generator("torch", RDT_JAX_FAULTS="nixl.wait:delay=3", UCX_TLS="tcp", **READ_PATH)
+  r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(1)), 1.0), timeout=ERROR_BOUND_S * 2)
+  assert "GetTimeoutError" in r["error"] and r["elapsed"] < ERROR_BOUND_S and r["version"] is None, r
+  ray.kill(t)
   ray.kill(g)
 
 
