@@ -429,9 +429,9 @@ class WeightSubscriber:
         by the publisher (before anything moves), or freed while it was read.
       ValueError, UnsupportedLeafError: at the first pull of a structure,
         naming the leaf path where template and published value differ.
-      ray.exceptions.RayError, GetTimeoutError: the publisher's actor died or
-        the pull ran out of time; `version` is then as the class docstring
-        says for a failed pull.
+      ray.exceptions.RayError: the publisher's actor died, or the pull ran
+        out of time (`GetTimeoutError`); `version` is then as the class
+        docstring says for a failed pull.
     """
     if not isinstance(handle, WeightsHandle):
       raise TypeError(f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
