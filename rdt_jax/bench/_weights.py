@@ -59,7 +59,7 @@ def _checksum(arrays: list[Any]) -> str:
   return h.hexdigest()
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Trainer:
   def setup(self, case: str, path: str) -> None:
     import jax
@@ -90,7 +90,7 @@ class _Trainer:
     return out, t1 - t0, t2 - t1, _checksum([np.asarray(x) for x in self.params])
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Generator:
   def setup(self, case: str) -> None:
     import torch
