@@ -80,7 +80,7 @@ StaleWeightsError.__module__ = "rdt_jax"
 class WeightsHandle:
   """One published version: what a subscriber needs to pull it.
 
-  Picklable and small (a few hundred bytes, whatever the weights' size):
+  Picklable and small (under 4 KiB pickled, whatever the weights' size):
   passing it through Ray (as an argument or a return value) moves no weight
   bytes. It holds a reference to the version's RDT object; the publisher
   frees the object when the version leaves its `keep` window, whether or not
