@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rdt_jax import _dlpack, _faults
+from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._plan import Destination, memory_kind
 from rdt_jax.transports.nixl import node_local
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
@@ -90,19 +91,38 @@ def coalesce(
 
 
 def read_pairs(
-    dests: list[Destination], meta: NixlTransportMetadata
+    dests: list[Destination], meta: NixlTransportMetadata, obj_id: str = ""
 ) -> tuple[list[Descriptor], list[Descriptor], list[Any]]:
   """The (local, remote, region key) lists `coalesce` takes, one per
   non-empty destination: each reads `nbytes` at its source chunk's address
   plus `source_offset`. A byte run of a resharded leaf (`part`) gets a region
   key of its own: the bytes after it are not padding, so it never merges.
+
+  Every read lies inside its source chunk, so inside memory the producer
+  registered (`NixlTransportMetadata.validate` checked that each chunk lies
+  in its region).
+
+  Raises:
+    MetadataError: for a destination that reads outside its source chunk,
+      or names no non-empty chunk of `meta`.
   """
   # meta.addresses lists only non-empty chunks, in leaf order.
-  nonempty = [i for i, c in enumerate(c for leaf in meta.leaves for c in leaf.chunks) if c.nbytes]
-  slot = {chunk: k for k, chunk in enumerate(nonempty)}
+  sizes = [c.nbytes for leaf in meta.leaves for c in leaf.chunks if c.nbytes]
+  slot: dict[int, int] = {}
+  for i, c in enumerate(c for leaf in meta.leaves for c in leaf.chunks):
+    if c.nbytes:
+      slot[i] = len(slot)
   local, remote, regions = [], [], []
   for n, d in enumerate(dests):
-    k = slot[d.source] if d.source >= 0 else n
+    k = slot.get(d.source, -1) if d.source >= 0 else n
+    if not (
+        0 <= k < min(len(sizes), len(meta.addresses))
+        and 0 <= d.source_offset and d.source_offset + d.nbytes <= sizes[k]
+    ):
+      raise MetadataError(
+          obj_id, f"chunks[{d.source}]",
+          f"is read at offset {d.source_offset} for {d.nbytes} bytes, outside the chunk the producer registered",
+      )
     local.append((d.pointer, d.nbytes, nixl_memory(d.device)[1].index))
     remote.append((meta.addresses[k] + d.source_offset, d.nbytes, meta.device_ids[k]))
     regions.append((d.region, meta.regions[k], n) if d.part else (d.region, meta.regions[k]))
@@ -153,7 +173,7 @@ class NixlRead:
     keys: list[Key] = []
     try:
       keys = self._register_destinations(dests, keys)
-      local, remote_descs = coalesce(*read_pairs(dests, meta))
+      local, remote_descs = coalesce(*read_pairs(dests, meta, obj_id))
       self._count(descriptors=len(local))
       xfer = agent.initialize_xfer(
           "READ",
@@ -213,7 +233,7 @@ class NodeLocalRead:
 
   def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> None:
     self._freed.check(obj_id, meta)
-    local, remote = coalesce(*read_pairs(dests, meta))
+    local, remote = coalesce(*read_pairs(dests, meta, obj_id))
     if _faults.ON:
       _faults.hit("nixl.post")
     assert meta.origin is not None
