@@ -144,14 +144,18 @@ class Exports:
         for chunk, array in zip(leaf.spec.chunks, leaf.arrays)
         if chunk.nbytes
     ]
+    paths = [leaf.spec.path for leaf in leaves for chunk in leaf.spec.chunks if chunk.nbytes]
     export = _Export()
+    purpose = f"for object {obj_id}"
     try:
-      packed = self._pack_host(chunks, export, meta) | self._pack_device(chunks, export, meta)
+      packed = self._pack_host(chunks, export, meta, purpose) | self._pack_device(chunks, export, meta, purpose)
       for i, (pointer, nbytes, device) in enumerate(chunks):
         if i in packed:  # a copy: later changes to the array cannot reach it
           address, region = packed[i]
         else:  # read in place: keep the buffer from being donated meanwhile
-          export.keys.append(self._registrations.register(pointer, nbytes, device))
+          export.keys.append(
+              self._registrations.register(pointer, nbytes, device, purpose=f"{purpose}, leaf {paths[i]}")
+          )
           export.holds.append(_dlpack.hold_buffer(arrays[i]) if i < len(arrays) else None)
           address, region = pointer, -1 - i
         meta.addresses.append(address)
@@ -209,7 +213,7 @@ class Exports:
       return self._agent_meta[1]
 
   def _pack_host(
-      self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata
+      self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata, purpose: str
   ) -> dict[int, tuple[int, int]]:
     """Copies small host chunks into one pooled staging buffer, and lists the
     registered region in `meta.spans`.
@@ -225,10 +229,11 @@ class Exports:
     base = _dlpack.host_pointer(staging)
     region = _dlpack.host_pool.region_of(staging)
     host = _dlpack.Device("cpu")
+    purpose = f"{purpose} (the staging buffer of its small chunks)"
     if region is not None:
-      self._registrations.register(region[0], region[1], host, pooled=True)
+      self._registrations.register(region[0], region[1], host, pooled=True, purpose=purpose)
     else:
-      export.keys.append(self._registrations.register(base, total, host))
+      export.keys.append(self._registrations.register(base, total, host, purpose=purpose))
       region = (base, total)
     meta.spans.append((0, region[0], region[1]))
     packed, offset = {}, 0
@@ -240,7 +245,7 @@ class Exports:
     return packed
 
   def _pack_device(
-      self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata
+      self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata, purpose: str
   ) -> dict[int, tuple[int, int]]:
     """Copies small cuda chunks into one pooled staging region per device
     (a device-to-device copy, waited for once per device), each listed in
@@ -260,7 +265,9 @@ class Exports:
       total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
       region = _dlpack.device_pool.acquire(total, device, "torch")
       export.regions.append(region)
-      key = self._registrations.register(region.pointer, region.nbytes, device, pooled=region.kept)
+      key = self._registrations.register(
+          region.pointer, region.nbytes, device, pooled=region.kept, purpose=f"{purpose} (device staging region)"
+      )
       if not region.kept:
         export.keys.append(key)
       meta.spans.append((1 + device.index, region.pointer, region.nbytes))

@@ -88,7 +88,8 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     """Consumer: refuses metadata that cannot name readable memory, before
     any byte moves (extends `DlpackTransportMetadata.validate`).
 
-    Beyond the leaves: a named agent with metadata, one address, device
+    Beyond the leaves (for an object not sent in band): a named agent with
+    metadata, one address, device
     index and region per non-empty chunk, each chunk inside user space and
     inside the staging region it names (`spans`), in-place chunks naming
     themselves, non-negative counters, and `live` ranges that are sorted,
@@ -98,6 +99,8 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       MetadataError: naming the object and the field.
     """
     super().validate(obj_id)
+    if self.inline is not None:
+      return  # sent in band: nothing was exported, nothing is read from the producer
     if not isinstance(self.agent_name, str) or not self.agent_name:
       raise MetadataError(obj_id, "agent_name", f"is {self.agent_name!r}, not the producer's agent name")
     if type(self.agent_meta) is not bytes or not self.agent_meta:

@@ -25,11 +25,21 @@ from rdt_jax.transports._plan import Destination, memory_kind
 from rdt_jax.transports.nixl import node_local
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
-from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
+from rdt_jax.transports.nixl.registrations import Key, NixlError, Registrations, nixl_error, nixl_memory
 from rdt_jax.transports.nixl.staleness import FreedObjects
 from rdt_jax.transports.nixl.views import RemoteViews
 
 __all__ = ["NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "coalesce", "read_pairs"]
+
+#: What to do after a READ failed to load, prepare or post.
+_READ_FIX = (
+    "The producer may have died, freed the object, or be unreachable from this process; "
+    "fetch again while the ObjectRef is alive, and check the producing actor."
+)
+_LOAD_FIX = (
+    "The producer's agent metadata could not be used: producer and consumer may run different "
+    "NIXL versions, or the producer's host is unreachable; run one NIXL version everywhere."
+)
 
 #: A transfer descriptor: (address, nbytes, device index).
 Descriptor = tuple[int, int, int]
@@ -169,19 +179,28 @@ class NixlRead:
     agent = self._agent()
     local_type = _mem_type(dests, obj_id)
     remote_type = nixl_memory(_dlpack.Device(meta.tensor_device or "cpu"))[0]  # type: ignore[arg-type]
-    remote = self._views.open_read(meta)
+    subject = f"object {obj_id} from producer agent {meta.agent_name}"
+    try:
+      remote = self._views.open_read(meta)
+    except (MetadataError, NixlError):
+      raise
+    except Exception as e:
+      raise nixl_error("load the agent metadata to read", subject, e, _LOAD_FIX, obj_id) from None
     keys: list[Key] = []
     try:
-      keys = self._register_destinations(dests, keys)
+      keys = self._register_destinations(dests, keys, f"as receive memory of {subject}")
       local, remote_descs = coalesce(*read_pairs(dests, meta, obj_id))
       self._count(descriptors=len(local))
-      xfer = agent.initialize_xfer(
-          "READ",
-          agent.get_xfer_descs(local, mem_type=local_type),
-          agent.get_xfer_descs(remote_descs, mem_type=remote_type),
-          remote,
-          b"",
-      )
+      try:
+        xfer = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, mem_type=local_type),
+            agent.get_xfer_descs(remote_descs, mem_type=remote_type),
+            remote,
+            b"",
+        )
+      except Exception as e:
+        raise nixl_error("prepare the READ of", subject, e, _READ_FIX, obj_id) from None
     except BaseException:
       self._registrations.unregister(keys)
       self._views.mark_broken(remote)  # the producer may be unreachable: reconnect next time
@@ -192,15 +211,22 @@ class NixlRead:
       if _faults.ON:
         _faults.hit("nixl.post")
       state = agent.transfer(xfer)
-    except BaseException:
+    except _faults.InjectedFault:
+      self._inflight.retire_or_park(read)
+      raise
+    except BaseException as e:
       self._inflight.retire_or_park(read)  # never posted, or posted and failed
+      if isinstance(e, Exception):
+        raise nixl_error("post the READ of", subject, e, _READ_FIX, obj_id) from None
       raise
     if state == "ERR":
       self._inflight.retire_or_park(read)
-      raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state on start.")
+      raise NixlError(
+          f"jax_nixl's READ of {subject} entered NIXL's error state when posted. {_READ_FIX}", "read", obj_id
+      )
     return read
 
-  def _register_destinations(self, dests: list[Destination], keys: list[Key]) -> list[Key]:
+  def _register_destinations(self, dests: list[Destination], keys: list[Key], purpose: str = "") -> list[Key]:
     """Registers the receive memory, each distinct allocation once.
 
     Pooled buffers stay registered for reuse and need no release; the keys
@@ -208,7 +234,7 @@ class NixlRead:
     half way leaves `keys` naming exactly what to undo) and returned.
     """
     for (pointer, nbytes), device, pooled in {(d.region, nixl_memory(d.device)[1], d.pooled): None for d in dests}:
-      key = self._registrations.register(pointer, nbytes, device, pooled=pooled)
+      key = self._registrations.register(pointer, nbytes, device, pooled=pooled, purpose=purpose)
       if not pooled:
         keys.append(key)
     return keys
