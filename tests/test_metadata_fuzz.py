@@ -361,3 +361,16 @@ def test_live_ranges_pickle_compactly_and_exactly():
   few = [(1, 5), (1_000_000, 1_000_003)]
   meta.live = few
   assert _round_trip(meta).live == few and len(pickle.dumps(meta)) < 1_000
+
+
+def test_node_local_reads_stay_inside_registered_memory(pair):
+  """The node-local read checks each descriptor against the regions the
+  producer registered, whatever produced the descriptor."""
+  from rdt_jax.transports.nixl.read import check_registered
+
+  _, _, tree, meta = pair
+  span = meta.spans[0]
+  check_registered("fuzz", meta, [(span[1], span[2], 0), (meta.addresses[-1], tree[-1].nbytes, 0)])
+  for address, nbytes in ((span[1] - 8, 16), (span[1] + span[2] - 8, 16), (meta.addresses[-1] + 8, tree[-1].nbytes)):
+    with pytest.raises(MetadataError, match="outside every region the producer registered"):
+      check_registered("fuzz", meta, [(address, nbytes, 0)])

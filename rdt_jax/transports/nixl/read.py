@@ -16,6 +16,7 @@ reading, and both read the same descriptor pairs (`read_pairs`, merged by
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -29,10 +30,13 @@ from rdt_jax.transports.nixl.registrations import Key, NixlError, Registrations,
 from rdt_jax.transports.nixl.staleness import FreedObjects
 from rdt_jax.transports.nixl.views import RemoteViews
 
-__all__ = ["NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "coalesce", "read_pairs"]
+__all__ = [
+    "READ_FIX", "NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "check_registered", "coalesce",
+    "read_pairs",
+]
 
 #: What to do after a READ failed to load, prepare or post.
-_READ_FIX = (
+READ_FIX = (
     "The producer may have died, freed the object, or be unreachable from this process; "
     "fetch again while the ObjectRef is alive, and check the producing actor."
 )
@@ -139,6 +143,32 @@ def read_pairs(
   return local, remote, regions
 
 
+def check_registered(obj_id: str, meta: NixlTransportMetadata, remote: list[Descriptor]) -> None:
+  """Refuses a read of the producer's memory outside what it registered for
+  this object: its staging regions (`meta.spans`) and its chunks read in place.
+
+  Raises:
+    MetadataError: naming the object and the first descriptor outside.
+  """
+  extents = sorted(
+      [(start, start + n) for _, start, n in meta.spans]
+      + [
+          (a, a + n)
+          for a, n, r in zip(meta.addresses, (c.nbytes for leaf in meta.leaves for c in leaf.chunks if c.nbytes),
+                             meta.regions)
+          if r < 0
+      ]
+  )
+  starts = [a for a, _ in extents]
+  for k, (address, nbytes, _) in enumerate(remote):
+    i = bisect.bisect_right(starts, address) - 1
+    if i < 0 or address + nbytes > extents[i][1]:
+      raise MetadataError(
+          obj_id, "addresses", f"lead to a read of {nbytes} bytes at {address:#x} (descriptor {k}), outside "
+          "every region the producer registered for the object",
+      )
+
+
 def _mem_type(dests: list[Destination], obj_id: str) -> str:
   """NIXL's memory type of every destination of one READ (one per list).
 
@@ -200,7 +230,7 @@ class NixlRead:
             b"",
         )
       except Exception as e:
-        raise nixl_error("prepare the READ of", subject, e, _READ_FIX, obj_id) from None
+        raise nixl_error("prepare the READ of", subject, e, READ_FIX, obj_id) from None
     except BaseException:
       self._registrations.unregister(keys)
       self._views.mark_broken(remote)  # the producer may be unreachable: reconnect next time
@@ -217,12 +247,12 @@ class NixlRead:
     except BaseException as e:
       self._inflight.retire_or_park(read)  # never posted, or posted and failed
       if isinstance(e, Exception):
-        raise nixl_error("post the READ of", subject, e, _READ_FIX, obj_id) from None
+        raise nixl_error("post the READ of", subject, e, READ_FIX, obj_id) from None
       raise
     if state == "ERR":
       self._inflight.retire_or_park(read)
       raise NixlError(
-          f"jax_nixl's READ of {subject} entered NIXL's error state when posted. {_READ_FIX}", "read", obj_id
+          f"jax_nixl's READ of {subject} entered NIXL's error state when posted. {READ_FIX}", "read", obj_id
       )
     return read
 
@@ -260,6 +290,7 @@ class NodeLocalRead:
   def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> None:
     self._freed.check(obj_id, meta)
     local, remote = coalesce(*read_pairs(dests, meta, obj_id))
+    check_registered(obj_id, meta, remote)  # process_vm_readv itself checks nothing
     if _faults.ON:
       _faults.hit("nixl.post")
     assert meta.origin is not None
