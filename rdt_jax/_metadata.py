@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,11 @@ from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadat
 from rdt_jax._dlpack import ChunkSpec, LeafSpec, UnsupportedLeafError, spec_problem
 
 __all__ = ["DlpackTransportMetadata", "MetadataError", "check_int", "check_ints"]
+
+_PATH = itemgetter(0)
+_SIGNATURE = itemgetter(1, 2, 3, 4, 5, 6)
+_SHAPE_DTYPE = itemgetter(1, 2)
+_DEVICE = itemgetter(4)
 
 #: Integer lists at least this long pickle as packed int64 bytes.
 _PACK_INTS_MIN = 16
@@ -81,16 +87,25 @@ def check_int(obj_id: str, name: str, value: object, lo: int, hi: int) -> int:
 
 
 def check_ints(obj_id: str, name: str, values: object, count: int, lo: int, hi: int) -> list[int]:
-  """`values`, if it is a list of `count` ints each in `[lo, hi)`.
+  """`values`, if it is a list of `count` ints each in `[lo, hi)` (`lo` and
+  `hi` within int64).
 
   Raises:
     MetadataError: naming the object, the field and the first offending entry.
   """
   if type(values) is not list or len(values) != count:
     raise MetadataError(obj_id, name, f"holds {_length(values)} entries, not {count}")
-  for i, v in enumerate(values):
-    if type(v) is not int or not lo <= v < hi:
-      raise MetadataError(obj_id, f"{name}[{i}]", f"is {v!r}, not an int in [{lo}, {hi})")
+  try:
+    # C loops: every entry an int64 (array refuses anything else), none a bool.
+    fine = not values or (
+        bool not in set(map(type, values)) and lo <= min(array("q", values)) and max(values) < hi
+    )
+  except (TypeError, OverflowError):
+    fine = False
+  if not fine:
+    for i, v in enumerate(values):
+      if type(v) is not int or not lo <= v < hi:
+        raise MetadataError(obj_id, f"{name}[{i}]", f"is {v!r}, not an int in [{lo}, {hi})")
   return values
 
 
@@ -301,29 +316,34 @@ class DlpackTransportMetadata(TensorTransportMetadata):
     leaves = self.leaves
     if type(leaves) is not list:
       raise MetadataError(obj_id, "leaves", f"is {leaves!r}, not a list of leaf specs")
-    checked: set[Any] = set()
-    for i, leaf in enumerate(leaves):
-      if type(leaf) is not LeafSpec or tuple.__len__(leaf) != 7:
-        raise MetadataError(obj_id, f"leaves[{i}]", f"is a {type(leaf).__name__}, not a LeafSpec")
-      key: Any = tuple.__getitem__(leaf, slice(1, None))
-      try:
-        if key in checked:
-          continue
-      except TypeError:  # unhashable: a list where a tuple belongs; spec_problem names it
-        key = None
-      problem = spec_problem(leaf)
-      if problem is not None:
-        path = leaf.path if isinstance(leaf.path, str) else ""
-        raise MetadataError(obj_id, f"leaves[{i}].{problem[0]}", problem[1], path)
-      if key is not None:
-        checked.add(key)
+    # The common case in C loops: leaf specs with str paths, few distinct signatures.
+    try:
+      if set(map(type, leaves)) - {LeafSpec} or set(map(type, map(_PATH, leaves))) - {str}:
+        raise TypeError
+      signatures = set(map(_SIGNATURE, leaves))
+    except (TypeError, IndexError):  # an unhashable field, or not a LeafSpec: found below
+      signatures = None
+    if signatures is None:
+      for i, leaf in enumerate(leaves):
+        self._check_leaf(obj_id, i, leaf)
+    elif len(signatures) == 1:
+      self._check_leaf(obj_id, 0, leaves[0])
+    elif signatures:
+      first: dict[Any, int] = {}
+      for i, sig in enumerate(map(_SIGNATURE, leaves)):
+        first.setdefault(sig, i)
+      for i in first.values():
+        self._check_leaf(obj_id, i, leaves[i])
     tensor_meta = self.tensor_meta
     if type(tensor_meta) is not list or len(tensor_meta) != len(leaves):
       raise MetadataError(obj_id, "tensor_meta", f"holds {_length(tensor_meta)} entries for {len(leaves)} leaves")
-    for i, (pair, leaf) in enumerate(zip(tensor_meta, leaves)):
-      if type(pair) is not tuple or len(pair) != 2 or pair[0] != leaf.shape or pair[1] != leaf.dtype:
-        raise MetadataError(obj_id, f"tensor_meta[{i}]", f"is {pair!r}, not the leaf's (shape, dtype)", leaf.path)
-    kinds = sorted({leaf.device for leaf in leaves})
+    if list(map(_SHAPE_DTYPE, leaves)) != tensor_meta:
+      for i, (pair, leaf) in enumerate(zip(tensor_meta, leaves)):
+        if type(pair) is not tuple or len(pair) != 2 or pair[0] != leaf.shape or pair[1] != leaf.dtype:
+          raise MetadataError(
+              obj_id, f"tensor_meta[{i}]", f"is {pair!r}, not the leaf's (shape, dtype)", leaf.path
+          )
+    kinds = sorted(set(map(_DEVICE, leaves)))
     if kinds != ([self.tensor_device] if leaves else []) or (not leaves and self.tensor_device is not None):
       raise MetadataError(obj_id, "tensor_device", f"is {self.tensor_device!r} for leaves on {kinds}")
     inline = self.inline
@@ -331,6 +351,18 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       want = sum(leaf.nbytes for leaf in leaves)
       if type(inline) is not bytes or len(inline) != want:
         raise MetadataError(obj_id, "inline", f"holds {_length(inline)} bytes but the leaves describe {want}")
+    self._check_origin(obj_id)
+
+  @staticmethod
+  def _check_leaf(obj_id: str, i: int, leaf: Any) -> None:
+    if type(leaf) is not LeafSpec or tuple.__len__(leaf) != 7:
+      raise MetadataError(obj_id, f"leaves[{i}]", f"is a {type(leaf).__name__}, not a LeafSpec")
+    problem = spec_problem(leaf)
+    if problem is not None:
+      path = leaf.path if isinstance(leaf.path, str) else ""
+      raise MetadataError(obj_id, f"leaves[{i}].{problem[0]}", problem[1], path)
+
+  def _check_origin(self, obj_id: str) -> None:
     origin = self.origin
     if origin is not None and not (
         type(origin) is tuple and len(origin) == 4 and isinstance(origin[0], str)
