@@ -374,3 +374,16 @@ def test_node_local_reads_stay_inside_registered_memory(pair):
   for address, nbytes in ((span[1] - 8, 16), (span[1] + span[2] - 8, 16), (meta.addresses[-1] + 8, tree[-1].nbytes)):
     with pytest.raises(MetadataError, match="outside every region the producer registered"):
       check_registered("fuzz", meta, [(address, nbytes, 0)])
+
+
+def test_plan_never_writes_past_an_in_place_target_of_unchecked_metadata():
+  """An in-place destination takes the target's own size: a chunk the
+  (unchecked) metadata says is larger than the target is refused."""
+  from rdt_jax._targets import Target
+
+  spec = LeafSpec("['w']", (4,), F32, "numpy", "cpu", (ChunkSpec((4,), 32),))
+  target = np.full(4, 7.0, np.float32)
+  plan = ReceivePlan([spec], "numpy", Target(buffers={"['w']": target}), "w")
+  with pytest.raises(MetadataError, match=r"plans 32 bytes into its target, which holds 16"):
+    plan.allocate()
+  assert (target == 7.0).all()
