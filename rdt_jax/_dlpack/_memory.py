@@ -17,6 +17,7 @@ from typing import Final
 import numpy as np
 
 from rdt_jax import _settings
+from rdt_jax._dlpack._gc import release_deferred
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 
 logger = logging.getLogger(__name__)
@@ -118,12 +119,10 @@ class HostBufferPool:
     leaves (the jax_nixl backend parks abandoned READs for this).
     """
     with self._lock:
-      best = None
-      for i in range(len(self._buffers)):
-        size = self._buffers[i].nbytes
-        if nbytes <= size <= 2 * nbytes and self._free_at(i):
-          if best is None or size < self._buffers[best].nbytes:
-            best = i
+      best = self._best_free(nbytes)
+      if best is None and any(nbytes <= b.nbytes <= 2 * nbytes for b in self._buffers):
+        release_deferred()  # a buffer whose jax arrays are gone may be waiting for the collector
+        best = self._best_free(nbytes)
       if best is not None:
         buf = self._buffers.pop(best)
         self._buffers.append(buf)  # most recently used last
@@ -136,6 +135,16 @@ class HostBufferPool:
       listeners = list(self._listeners)
     self._notify(evicted, listeners)
     return buf[:nbytes]
+
+  def _best_free(self, nbytes: int) -> int | None:
+    """The index of the smallest free buffer of `nbytes` to 2x `nbytes`, if any."""
+    best = None
+    for i in range(len(self._buffers)):
+      size = self._buffers[i].nbytes
+      if nbytes <= size <= 2 * nbytes and self._free_at(i):
+        if best is None or size < self._buffers[best].nbytes:
+          best = i
+    return best
 
   def _evict(self, limit: int) -> list[np.ndarray]:
     """Takes free buffers out, oldest first, until at most `limit` bytes are

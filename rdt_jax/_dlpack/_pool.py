@@ -58,6 +58,7 @@ from typing import Any, Final, Literal, Protocol
 from rdt_jax import _settings
 from rdt_jax._dlpack import _cuda, _jax, _torch
 from rdt_jax._dlpack._devices import Device
+from rdt_jax._dlpack._gc import release_deferred
 from rdt_jax._dlpack._memory import tell_listeners
 from rdt_jax._dlpack._specs import LeafSpec
 
@@ -237,13 +238,10 @@ class RegionPool:
     (`Region.release`) once no transfer can write it any more.
     """
     with self._lock:
-      best = None
-      for r in self._regions:
-        if (
-            r.device == device and r.source == source and nbytes <= r.nbytes <= 2 * nbytes
-            and self._free(r) and (best is None or r.nbytes < best.nbytes)
-        ):
-          best = r
+      best = self._best_free(nbytes, device, source)
+      if best is None and any(r.device == device and nbytes <= r.nbytes <= 2 * nbytes for r in self._regions):
+        release_deferred()  # a region whose jax leaves are gone may be waiting for the collector
+        best = self._best_free(nbytes, device, source)
       if best is not None:
         self._regions.remove(best)
         self._regions.append(best)
@@ -264,6 +262,17 @@ class RegionPool:
       listeners = list(self._listeners)
     self._notify(evicted, listeners)
     return region
+
+  def _best_free(self, nbytes: int, device: Device, source: Source) -> Region | None:
+    """The smallest free region of `nbytes` to 2x `nbytes` on `device` from `source`."""
+    best = None
+    for r in self._regions:
+      if (
+          r.device == device and r.source == source and nbytes <= r.nbytes <= 2 * nbytes
+          and self._free(r) and (best is None or r.nbytes < best.nbytes)
+      ):
+        best = r
+    return best
 
   def _release(self, region: Region) -> None:
     with self._lock:
