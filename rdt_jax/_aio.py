@@ -1,0 +1,141 @@
+"""Asyncio and rdt_jax refs: the awaitable that fetches them, and the errors
+for what Ray's own `await ref` and nested refs cannot do.
+
+Ray runs the deserialization of an awaited ref (`await ref`,
+`asyncio.wrap_future(ref.future())`) in a callback on its core worker's io
+thread. For an rdt_jax object that callback would have to move the bytes,
+and it cannot: that thread also delivers the object's transport metadata to
+its owner (which arrives after the object itself is ready) and every reply
+to this process, so a fetch there waits for itself, and Ray's own wait ends
+in a callback error that leaves the awaiting coroutine waiting forever. The
+seam (`rdt_jax._seam`) makes that callback return `AwaitNotSupportedError`
+instead, which Ray's future raises at once; `get_async` is the awaitable that
+works, in the driver and in async actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray.exceptions import RayError
+
+from rdt_jax import _seam
+
+__all__ = ["AwaitNotSupportedError", "RefNotReadyError", "get_async"]
+
+
+class AwaitNotSupportedError(RayError):
+  """`await ref` of an object of an rdt_jax transport: use `rdt_jax.get_async`.
+
+  Raised by `await ref` (and by `asyncio.wrap_future(ref.future())`) of any
+  rdt_jax object as soon as the object is ready, in the driver and in actors
+  alike, whichever process holds the object: Ray runs an awaited ref's deserialization on its core
+  worker's io thread, where a transfer cannot run. A `RayError`, so Ray's
+  future raises it instead of returning it. Use
+  ``await rdt_jax.get_async(ref)`` instead (a list of refs too).
+
+  Attributes:
+    object_id: the object's hex id.
+    transport: the object's transport name (lower case).
+  """
+
+  def __init__(self, message: str, object_id: str = "", transport: str = ""):
+    super().__init__(message)
+    self.object_id = object_id
+    self.transport = transport
+
+  def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+    return type(self), (str(self), self.object_id, self.transport)
+
+
+class RefNotReadyError(NotImplementedError):
+  """An rdt_jax ref put inside a value before its object exists.
+
+  A ref nested in a task argument, a return value or a `ray.put` value
+  carries its object's transport metadata to the receiving process, and that
+  metadata exists only once the producer's method has returned. Raised at
+  once, where the value is serialized, instead of Ray's `NotImplementedError`
+  (hence the base class). Wait for the object first (``ray.wait([ref])``), or
+  pass the ref itself as a top-level argument: Ray delivers that once the
+  object exists.
+
+  Attributes:
+    object_id: the object's hex id.
+    transport: the object's transport name (lower case).
+  """
+
+  def __init__(self, message: str, object_id: str = "", transport: str = ""):
+    super().__init__(message)
+    self.object_id = object_id
+    self.transport = transport
+
+  def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+    return type(self), (str(self), self.object_id, self.transport)
+
+
+for _cls in (AwaitNotSupportedError, RefNotReadyError):
+  _cls.__module__ = "rdt_jax"
+
+
+def await_error(object_id: str, transport: str) -> AwaitNotSupportedError:
+  """The error `await ref` of rdt_jax object `object_id` raises."""
+  name = transport.lower()
+  return AwaitNotSupportedError(
+      f"await cannot fetch RDT object {object_id} of the rdt_jax transport {name}: Ray runs an "
+      "awaited ref's deserialization on its core worker's io thread, which also delivers the "
+      "object's transport metadata and every reply to this process, so no transfer can run "
+      "there. Use `await rdt_jax.get_async(ref)` (or `get_async([ref, ...])`) instead: it runs "
+      "ray.get in a worker thread, with ray.get's errors, receive targets and timeout.",
+      object_id,
+      name,
+  )
+
+
+def not_ready_error(object_id: str, transport: str) -> RefNotReadyError:
+  """The error for rdt_jax ref `object_id` nested in a value before its object exists."""
+  name = transport.lower()
+  return RefNotReadyError(
+      f"RDT object {object_id} of the rdt_jax transport {name} does not exist yet (its "
+      "producer's method has not returned), so its ref cannot be sent inside a container "
+      "(a list, dict or other value passed as an argument, returned or put): the process "
+      "that receives it would have no transport metadata to fetch it with. Wait for the "
+      "object first (ray.wait([ref]), or await rdt_jax.get_async(ref)), or pass the ref "
+      "itself as a top-level argument, which Ray delivers once the object exists.",
+      object_id,
+      name,
+  )
+
+
+def _get(refs: Any, timeout: float | None) -> Any:
+  import ray
+
+  with _seam.quiet_blocking_get_warning():
+    return ray.get(refs, timeout=timeout)
+
+
+async def get_async(refs: Any, *, timeout: float | None = None) -> Any:
+  """Awaitable `ray.get`: fetches one ref or a list of refs without blocking the event loop.
+
+  Use it where ``await ref`` would be written: ``await ref`` of an rdt_jax
+  ref raises `AwaitNotSupportedError` (Ray cannot run a transfer where it
+  runs an awaited ref's deserialization). Works in the driver and in async
+  actors, for refs of any transport and for ordinary refs.
+
+  It runs ``ray.get(refs, timeout=timeout)`` in a worker thread of the
+  running event loop (`asyncio.to_thread`), so it returns what `ray.get`
+  returns and raises what `ray.get` raises (`GetTimeoutError` after
+  `timeout` seconds, the producer's error, `ActorDiedError`, ...), honours
+  receive targets (`rdt_jax.set_target_for_ref`, Ray's `set_target_for_ref`)
+  and `receive_as`, and overlaps the transfers of a list of refs as one
+  `ray.get` does. Cancelling the awaiting task does not stop the `ray.get`
+  already running; its result is dropped.
+
+  Args:
+    refs: an `ObjectRef` or a list of them, as for `ray.get`.
+    timeout: seconds to wait at most, as for `ray.get` (None: no limit).
+
+  Returns:
+    The value, or the list of values, that `ray.get(refs)` returns.
+  """
+  return await asyncio.to_thread(_get, refs, timeout)
