@@ -54,8 +54,8 @@ class RefNotReadyError(NotImplementedError):
 
   A ref nested in a task argument, a return value or a `ray.put` value
   carries its object's transport metadata to the receiving process, and that
-  metadata exists only once the producer's method has returned. Raised at
-  once, where the value is serialized, instead of Ray's `NotImplementedError`
+  metadata exists only once the producer's method has returned (and never
+  where it raised). Raised at once, where the value is serialized, instead of Ray's `NotImplementedError`
   (hence the base class). Wait for the object first (``ray.wait([ref])``), or
   pass the ref itself as a top-level argument: Ray delivers that once the
   object exists.
@@ -102,6 +102,20 @@ def not_ready_error(object_id: str, transport: str) -> RefNotReadyError:
       "that receives it would have no transport metadata to fetch it with. Wait for the "
       "object first (ray.wait([ref]), or await rdt_jax.get_async(ref)), or pass the ref "
       "itself as a top-level argument, which Ray delivers once the object exists.",
+      object_id,
+      name,
+  )
+
+
+def failed_object_error(object_id: str, transport: str) -> RefNotReadyError:
+  """The error for rdt_jax ref `object_id`, whose method raised, nested in a value."""
+  name = transport.lower()
+  return RefNotReadyError(
+      f"RDT object {object_id} of the rdt_jax transport {name} is an error: its producer's "
+      "method raised (ray.get(ref) raises that error), so there is no object whose ref could "
+      "be sent inside a container. Check the method's result with ray.get before passing "
+      "its ref on, or pass the ref itself as a top-level argument, whose task then fails "
+      "with the method's error.",
       object_id,
       name,
   )

@@ -844,8 +844,8 @@ def _nested_ref_ready(ref: Any) -> None:
   """Before Ray's reducer pickles rdt_jax ref `ref` inside a value: waits
   for its transport metadata where its object is ready (the metadata reaches
   the owner just after the object), and raises `RefNotReadyError` where the
-  object does not exist yet (Ray's `NotImplementedError` would say to use
-  `ray.put`)."""
+  object does not exist yet or is the producer's error (Ray's
+  `NotImplementedError` would say to use `ray.put`)."""
   import ray
   from ray._private import ray_constants
 
@@ -857,9 +857,13 @@ def _nested_ref_ready(ref: Any) -> None:
   transport = str(meta.tensor_transport_backend or "")
   if not is_rdt_jax_transport(transport) or not worker.get_serialization_context().is_in_band_serialization():
     return
+  aio = importlib.import_module("rdt_jax._aio")
   ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
   if not ready:
-    raise importlib.import_module("rdt_jax._aio").not_ready_error(ref.hex(), transport)
+    raise aio.not_ready_error(ref.hex(), transport)
+  [(_, metadata, _)] = worker.core_worker.get_objects([ref], 0)  # type: ignore[attr-defined]  # ready: no wait
+  if metadata and metadata.split(b",")[0] != ray_constants.OBJECT_METADATA_TYPE_PYTHON:
+    raise aio.failed_object_error(ref.hex(), transport)  # an error: no metadata will come
   manager.wait_for_tensor_transport_metadata(ref.hex(), ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
 
 

@@ -39,6 +39,10 @@ class Producer:
     time.sleep(delay)
     return {"x": np.full(n, seed, np.float32), "step": seed}
 
+  @ray.method(tensor_transport="jax_nixl")
+  def fail(self):
+    raise ValueError("no weights today")
+
   def plain(self, seed: int):
     return np.full(4, seed, np.float32)
 
@@ -97,6 +101,7 @@ def run(coro):
 @pytest.fixture(scope="module")
 def producer():
   p = Producer.remote()
+  ray.get(p.__ray_ready__.remote())
   yield p
   ray.kill(p)
 
@@ -104,6 +109,15 @@ def producer():
 @pytest.fixture(scope="module")
 def consumer():
   c = AsyncConsumer.remote()
+  ray.get(c.__ray_ready__.remote())
+  yield c
+  ray.kill(c)
+
+
+@pytest.fixture(scope="module")
+def sync_consumer():
+  c = SyncConsumer.remote()
+  ray.get(c.__ray_ready__.remote())
   yield c
   ray.kill(c)
 
@@ -269,7 +283,7 @@ def _ready(ref):
 # Refs nested in arguments.
 
 
-def test_a_nested_ref_not_ready_is_refused_at_once(producer, consumer):
+def test_a_nested_ref_not_ready_is_refused_at_once(producer, consumer, sync_consumer):
   ref = producer.make.remote(BIG, delay=2.0)
   start = time.monotonic()
   with pytest.raises(rdt_jax.RefNotReadyError, match=r"does not exist yet.*ray\.wait\(\[ref\]\).*top-level") as info:
@@ -280,20 +294,26 @@ def test_a_nested_ref_not_ready_is_refused_at_once(producer, consumer):
   # In a dict too, and as a top-level argument the same ref is delivered once ready.
   with pytest.raises(rdt_jax.RefNotReadyError):
     ray.put({"inner": ref})
-  assert ray.get(SyncConsumer.remote().get_first.remote([_ready(ref)]), timeout=2 * BOUND_S) == BIG
+  assert ray.get(sync_consumer.get_first.remote([_ready(ref)]), timeout=2 * BOUND_S) == BIG
 
 
-def test_a_nested_ref_is_fetched_once_ready_right_after_ray_wait(producer, consumer):
+def test_a_nested_ref_is_fetched_once_ready_right_after_ray_wait(producer, consumer, sync_consumer):
   # Without a wait for the transport metadata (which reaches the owner just
   # after the object), a ref sent right after ray.wait would arrive unusable.
-  sync_consumer = SyncConsumer.remote()
-  try:
-    for seed in range(4):
-      ref = producer.make.remote(BIG, seed, delay=0.2)
-      ray.wait([ref])
-      assert ray.get(sync_consumer.get_first.remote([ref]), timeout=2 * BOUND_S) == seed * BIG
-      ref = producer.make.remote(BIG, seed, delay=0.2)
-      ray.wait([ref])
-      assert ray.get(consumer.get_async_first.remote([ref]), timeout=2 * BOUND_S) == (seed * BIG, seed)
-  finally:
-    ray.kill(sync_consumer)
+  for seed in range(4):
+    ref = producer.make.remote(BIG, seed, delay=0.2)
+    ray.wait([ref])
+    assert ray.get(sync_consumer.get_first.remote([ref]), timeout=2 * BOUND_S) == seed * BIG
+    ref = producer.make.remote(BIG, seed, delay=0.2)
+    ray.wait([ref])
+    assert ray.get(consumer.get_async_first.remote([ref]), timeout=2 * BOUND_S) == (seed * BIG, seed)
+
+
+def test_a_nested_ref_of_a_failed_method_is_refused_at_once(producer, consumer):
+  ref = _ready(producer.fail.remote())
+  start = time.monotonic()
+  with pytest.raises(rdt_jax.RefNotReadyError, match=r"is an error: its producer's method raised"):
+    consumer.get_async_first.remote([ref])
+  assert time.monotonic() - start < AT_ONCE_S
+  with pytest.raises(ValueError, match="no weights today"):
+    ray.get(ref)
