@@ -723,8 +723,8 @@ def _wrap_fetch_and_get() -> None:
 
 
 # --------------------------------------------------------------------------
-# `await ref` and refs nested in values (rdt_jax._aio has the errors and the
-# awaitable that works).
+# `await ref` and refs nested in values (rdt_jax._aio_errors has the errors,
+# rdt_jax._aio the awaitable that works).
 
 #: The name Ray gives its core worker's io thread, where it runs the
 #: deserialization of an awaited ref.
@@ -802,7 +802,7 @@ def _wrap_deserialize_objects() -> None:
     refused = _awaited_rdt_jax_objects(self, serialized_objects, object_refs)
     if not refused:
       return original(self, serialized_objects, object_refs, rdt_objects)
-    aio = importlib.import_module("rdt_jax._aio")
+    aio = importlib.import_module("rdt_jax._aio_errors")
     rest = [i for i in range(len(object_refs)) if i not in refused]
     values = dict(zip(rest, original(self, [serialized_objects[i] for i in rest], [object_refs[i] for i in rest])))
     values.update({i: aio.await_error(object_refs[i].hex(), t) for i, t in refused.items()})
@@ -857,7 +857,7 @@ def _nested_ref_ready(ref: Any) -> None:
   transport = str(meta.tensor_transport_backend or "")
   if not is_rdt_jax_transport(transport) or not worker.get_serialization_context().is_in_band_serialization():
     return
-  aio = importlib.import_module("rdt_jax._aio")
+  aio = importlib.import_module("rdt_jax._aio_errors")
   ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
   if not ready:
     raise aio.not_ready_error(ref.hex(), transport)
