@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 from rdt_jax import _hooks
 
 if TYPE_CHECKING:
+  from rdt_jax._aio import get_async as get_async
+  from rdt_jax._aio_errors import AwaitNotSupportedError as AwaitNotSupportedError
+  from rdt_jax._aio_errors import RefNotReadyError as RefNotReadyError
   from rdt_jax._convert import to_jax as to_jax
   from rdt_jax._convert import to_numpy as to_numpy
   from rdt_jax._convert import to_torch as to_torch
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
   from rdt_jax._errors import UnknownObjectError as UnknownObjectError
   from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
   from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
+  from rdt_jax._metadata import MetadataError as MetadataError
   from rdt_jax._registry import receive_as as receive_as
   from rdt_jax._registry import receive_stats as receive_stats
   from rdt_jax._registry import register as register
@@ -36,6 +40,10 @@ if TYPE_CHECKING:
   from rdt_jax._settings import SettingError as SettingError
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
+  from rdt_jax._weights import StaleWeightsError as StaleWeightsError
+  from rdt_jax._weights import WeightPublisher as WeightPublisher
+  from rdt_jax._weights import WeightsHandle as WeightsHandle
+  from rdt_jax._weights import WeightSubscriber as WeightSubscriber
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
   from rdt_jax.transports._base import WholeArrayTransport as WholeArrayTransport
   from rdt_jax.transports._plan import Destination as Destination
@@ -45,19 +53,27 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "AwaitNotSupportedError": "rdt_jax._aio_errors",
     "DescribedLeaf": "rdt_jax._dlpack",
     "Destination": "rdt_jax.transports._plan",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
     "LeafSpec": "rdt_jax._dlpack",
+    "MetadataError": "rdt_jax._metadata",
     "Placement": "rdt_jax.transports._plan",
+    "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
+    "StaleWeightsError": "rdt_jax._weights",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",
     "UnsupportedLeafError": "rdt_jax._dlpack",
     "UnsupportedRayError": "rdt_jax._errors",
+    "WeightPublisher": "rdt_jax._weights",
+    "WeightSubscriber": "rdt_jax._weights",
+    "WeightsHandle": "rdt_jax._weights",
     "WholeArrayTransport": "rdt_jax.transports._base",
+    "get_async": "rdt_jax._aio",
     "receive_as": "rdt_jax._registry",
     "receive_stats": "rdt_jax._registry",
     "register": "rdt_jax._registry",
