@@ -134,10 +134,11 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       all); the backend then exported nothing and moves nothing. None
       otherwise.
     origin: the producer process (host boot id, pid namespace, pid, start
-      time), or None where it cannot be told: a consumer on the producer's
-      host refuses an in-band object once the producer exited, as it would
-      an object read out of band, and jax_nixl reads a producer's host memory
-      directly on its host.
+      time), or None where it cannot be told: jax_nixl reads a producer's
+      host memory directly on its host.
+    producer: the Ray actor id (hex) of the producer, None for an object the
+      driver stored: a consumer refuses the object once that actor is dead
+      (`rdt_jax.transports._lifetime`).
   """
 
   # Narrows Ray's annotation (torch or numpy pairs) to the numpy pairs rdt_jax writes.
@@ -146,6 +147,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   leaves: list[LeafSpec] = field(default_factory=list)
   inline: bytes | None = None
   origin: tuple[str, int, int, int] | None = None
+  producer: str | None = None
 
   # Ray compares metadata by identity (its NIXL metadata does the same).
   __eq__ = object.__eq__
