@@ -115,9 +115,12 @@ class Node:
       rdt_jax.set_target_for_ref(refs[0], target())
     return self.inspect(ray.get(refs[0], timeout=120), transport)
 
-  def fetch_outcome(self, refs: list, timeout: float) -> dict:
+  def fetch_outcome(self, refs: list, timeout: float, started: str | None = None) -> dict:
     """Gets refs[0] with `ray.get(..., timeout)`: its fingerprint, or the
-    error's type and message; and the seconds it took."""
+    error's type and message; and the seconds it took. Creates the file
+    `/dev/shm/<started>` first, if named (the driver on this host sees it)."""
+    if started:
+      open(f"/dev/shm/{started}", "w").close()
     t0 = time.monotonic()
     try:
       value = ray.get(refs[0], timeout=timeout)
@@ -171,6 +174,7 @@ class Checks:
     self.a = on("a", transport).remote()
     self.b = on("b", transport).remote()
     self.group = None
+    self.freed_after_consumer_killed: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
     if not self.one_sided:
       from ray.experimental.collective import create_collective_group
 
@@ -295,12 +299,18 @@ class Checks:
                  timeout: float = 60.0) -> tuple[dict, Any, Any]:
     """Starts a read of a `nbytes` mixed value made on a fresh producer on
     host B by `consumer` (default: host A's actor), runs `act(producer,
-    consumer)` once the read is under way (`READ_START_S`), and returns the
+    consumer)` `READ_START_S` after the consumer's fetch began, and returns the
     fetch's outcome (see `Node.fetch_outcome`), the producer and the ref."""
     producer = on("b", self.transport).remote()
     consumer = consumer or self.a
     ref = self.make(producer, mixed, nbytes, seed)
-    pending = consumer.fetch_outcome.remote([ref], timeout)
+    marker = f"/dev/shm/rdtj-read-{os.getpid()}-{seed}"
+    pending = consumer.fetch_outcome.remote([ref], timeout, os.path.basename(marker))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker):
+      assert time.monotonic() < deadline, "the consumer's fetch did not begin within 120 s"
+      time.sleep(0.01)
+    os.unlink(marker)
     time.sleep(READ_START_S)
     t0 = time.monotonic()
     act(producer, consumer)
@@ -329,10 +339,11 @@ class Checks:
     return detail
 
   def consumer_killed_mid_read(self) -> dict:
-    """A consumer is killed while its `FAULT_BYTES` read runs: its caller gets the
-    actor's death within `DEATH_BOUND_S`; the producer is unaffected (another
-    consumer reads the same object exactly, the next transfer works) and,
-    once the ref is dropped, holds no object or registration (no leak)."""
+    """A consumer is killed while its `FAULT_BYTES` read runs: its caller gets
+    the actor's death within `DEATH_BOUND_S`; the producer is unaffected
+    (another consumer reads the same object exactly, the next transfer works).
+    Whether the producer then frees the object once the ref is dropped is
+    `producer_frees_after_consumer_killed`'s check (the detail has it)."""
     consumer = on("a", self.transport).remote()
     ray.get(consumer.identity.remote())
     outcome, producer, ref = self._read_then(FAULT_BYTES, 23, lambda p, c: ray.kill(c), consumer=consumer)
@@ -343,11 +354,21 @@ class Checks:
     t0 = time.monotonic()
     while (counts := ray.get(producer.counts.remote())) != (0, 0) and time.monotonic() < t0 + FREE_BOUND_S:
       time.sleep(0.5)
-    assert counts == (0, 0), f"the producer holds (registrations, objects) {counts} {FREE_BOUND_S}s after the free"
-    freed_s = time.monotonic() - t0
+    self.freed_after_consumer_killed = (counts, time.monotonic() - t0)
     ray.kill(producer)
-    return {"error": outcome["error"], "seconds": round(outcome["seconds"], 3), "freed_s": round(freed_s, 3),
+    return {"error": outcome["error"], "seconds": round(outcome["seconds"], 3),
+            "after_act_s": outcome["after_act_s"],
+            "freed_s": round(time.monotonic() - t0, 3) if counts == (0, 0) else None,
             "next": self._across(self.b, self.a, 1 << 20, 24)}
+
+  def producer_frees_after_consumer_killed(self) -> dict:
+    """After `consumer_killed_mid_read`, the producer held no object or
+    registration within `FREE_BOUND_S` of the driver dropping the ref."""
+    counts, seconds = self.freed_after_consumer_killed
+    assert counts == (0, 0), (
+        f"the producer still held (registrations, objects) {counts} {seconds:.0f} s after the ref was dropped"
+    )
+    return {"freed_s": round(seconds, 3)}
 
   def link_down_held(self) -> dict:
     """The link goes down mid-read and stays down past the read's timeout
@@ -415,16 +436,17 @@ LINK_TIMEOUT_S = 4.0
 LINK_HELD_S = 7.0
 LINK_SLACK_S = 6.0
 #: A producer frees an object within this after its last ref is dropped.
-FREE_BOUND_S = 60.0
+FREE_BOUND_S = 20.0
 #: Bytes of the mid-read fault checks' objects (over TCP, a read of about a second).
 FAULT_BYTES = 128 << 20
-#: Fault checks act this long after the read was asked for.
+#: Fault checks act this long after the consumer's fetch began.
 READ_START_S = 0.3
 
 CHECKS = {
     "jax_nixl": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "no_node_local_reads", "driver_get",
                  "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed", "producer_killed_mid_read",
-                 "consumer_killed_mid_read", "link_flap", "link_down_held", "raylet_killed"],
+                 "consumer_killed_mid_read", "producer_frees_after_consumer_killed", "link_flap", "link_down_held",
+                 "raylet_killed"],
     "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf", "driver_get_refused",
                  "target_refused"],
     "jax_transfer": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "driver_get", "sharded_leaf",
@@ -450,6 +472,14 @@ FAULT_CHECKS = ["producer_killed", "producer_killed_mid_read", "consumer_killed_
                 "link_down_held", "raylet_killed"]
 
 
+def _freed(detail: dict) -> str:
+  if "freed_s" not in detail:
+    return ""
+  if detail["freed_s"] is None:
+    return f"; the producer still held the object {FREE_BOUND_S:.0f} s after the ref was dropped"
+  return f"; the producer freed it {detail['freed_s']:.3f} s after the ref was dropped"
+
+
 def fault_summary(paths: list[str]) -> str:
   """The fault checks' outcomes in the check lines (JSON per line) that
   tests/test_twohost.py writes beside its cluster (`checks-TRANSPORT.jsonl`),
@@ -460,12 +490,17 @@ def fault_summary(paths: list[str]) -> str:
     for line in map(json.loads, open(path)):
       if line["check"] not in FAULT_CHECKS:
         continue
-      d = line["detail"] if line["ok"] else {"failed": True}
-      d = d.get("during", d)
-      ended = d.get("error") or ("failed" if d.get("failed") else "the right value")
-      seconds = d.get("after_act_s", d.get("seconds"))
-      out.append(f"{transport:<13} {line['check']:<26} ok={line['ok']!s:<5} ended by: {ended:<24} "
-                 f"after {seconds} s" + (f", freed after {d['freed_s']} s" if "freed_s" in d else ""))
+      if not line["ok"]:
+        out.append(f"{transport:<13} {line['check']:<26} FAILED")
+        continue
+      d = line["detail"].get("during", line["detail"])
+      ended = d.get("error") or "the right value"
+      if "after_act_s" in d:
+        when = f"{d['after_act_s']:.3f} s after the fault"
+      else:  # no fault mid-read: the whole fetch
+        when = f"the fetch took {d['seconds']:.3f} s"
+      out.append(f"{transport:<13} {line['check']:<26} ended by {ended}, {when}"
+                 + _freed(d))
   return "\n".join(out) + "\n"
 
 

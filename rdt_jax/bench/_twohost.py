@@ -569,7 +569,9 @@ def markdown(doc: dict) -> str:
       "has read every byte; median [min-max] in ms of the measured repetitions, after one warm-up.",
       "",
       f"{env['date']}, {env['platform']}, {env['cpus']} CPUs, load average {env['loadavg_start']} at the start "
-      f"and {env['loadavg_end']} at the end ({env['note']}). rdt_jax {str(env.get('commit'))[:12]}.",
+      f"and {env['loadavg_end']} at the end ({env['note']}). rdt_jax {str(env.get('commit'))[:12]}"
+      + (f" with uncommitted changes to {', '.join(f.split()[-1] for f in env['uncommitted_rdt_jax_files'])}."
+         if env.get("uncommitted_rdt_jax_files") else "."),
       "",
       "## Paths",
       "",
