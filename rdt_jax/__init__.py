@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 from rdt_jax import _hooks
 
 if TYPE_CHECKING:
+  from rdt_jax._aio import get_async as get_async
+  from rdt_jax._aio_errors import AwaitNotSupportedError as AwaitNotSupportedError
+  from rdt_jax._aio_errors import RefNotReadyError as RefNotReadyError
   from rdt_jax._convert import to_jax as to_jax
   from rdt_jax._convert import to_numpy as to_numpy
   from rdt_jax._convert import to_torch as to_torch
@@ -45,12 +48,14 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "AwaitNotSupportedError": "rdt_jax._aio_errors",
     "DescribedLeaf": "rdt_jax._dlpack",
     "Destination": "rdt_jax.transports._plan",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
     "LeafSpec": "rdt_jax._dlpack",
     "Placement": "rdt_jax.transports._plan",
+    "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
     "TransportNotRegisteredError": "rdt_jax._errors",
@@ -58,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedLeafError": "rdt_jax._dlpack",
     "UnsupportedRayError": "rdt_jax._errors",
     "WholeArrayTransport": "rdt_jax.transports._base",
+    "get_async": "rdt_jax._aio",
     "receive_as": "rdt_jax._registry",
     "receive_stats": "rdt_jax._registry",
     "register": "rdt_jax._registry",

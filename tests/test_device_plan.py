@@ -29,6 +29,7 @@ class HostStandIn:
 
   def __init__(self):
     self.allocated: list[tuple[int, Device, str]] = []
+    self.reused: list[tuple[int, Device]] = []
 
   def allocate(self, nbytes, device, source):
     t = torch.empty(nbytes, dtype=torch.uint8)
@@ -40,6 +41,9 @@ class HostStandIn:
 
   def view(self, root, offset, nbytes):
     return root[offset : offset + nbytes]
+
+  def reuse(self, root, device):
+    self.reused.append((int(root.data_ptr()), device))
 
 
 @pytest.fixture
@@ -87,9 +91,11 @@ def test_device_chunks_share_one_region_per_device(pool):
   assert again.regions[0] is not region  # its leaves are alive
   del leaves, leaf  # the loop variable holds the last leaf
   gc.collect()
+  assert pool.stand_in.reused == []
   third = ReceivePlan(specs, "source")
   third.allocate()
   assert third.regions[0] is region
+  assert pool.stand_in.reused == [(region.pointer, Device("cuda"))]  # streams drained first
 
 
 def test_one_region_per_device(pool):
@@ -104,16 +110,34 @@ def test_one_region_per_device(pool):
   np.testing.assert_array_equal(out[1].numpy(), b)
 
 
-def test_a_failed_transfer_leaves_its_region_quarantined(pool):
+def test_a_failed_transfer_region_returns_only_after_the_backend_lets_go(pool):
   x = np.ones(8, np.float32)
   plan = ReceivePlan([spec("['w']", x)], "jax")
-  plan.allocate()
+  dests = plan.allocate()
   failed = plan.regions[0]
-  del plan  # the transfer timed out or failed: the plan is dropped unbuilt
+  backend_holds = [d.keepalive for d in dests]  # a READ given up in flight keeps these
+  plan.quarantine()
+  del plan, dests
   gc.collect()
   other = ReceivePlan([spec("['w']", x)], "jax")
   other.allocate()
-  assert other.regions[0] is not failed and failed.held
+  assert other.regions[0] is not failed  # the late READ could still write it
+  assert pool.quarantined() == 1  # `other`'s, held for its transfer
+  del backend_holds  # NIXL reported the READ ended: the backend drops its memory
+  gc.collect()
+  third = ReceivePlan([spec("['w']", x)], "jax")
+  third.allocate()
+  assert third.regions[0] is failed  # reused, not leaked
+
+
+def test_a_failed_jax_copy_region_stays_quarantined(pool):
+  x = np.ones(8, np.float32)
+  region = pool.acquire(64, Device("cuda"), "jax-copy")
+  assert not region.counts_users and region.lease(0, 32) is region.root
+  plan = ReceivePlan([spec("['w']", x)], "jax")
+  plan.regions.append(region)
+  plan.quarantine()
+  assert region.held  # nothing counts its users: never reused
 
 
 def test_build_error_after_landing_releases(pool):

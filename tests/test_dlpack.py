@@ -291,7 +291,7 @@ def test_receive_as_rejects_unknown_mode():
 def test_host_pool_reuses_only_free_buffers():
   pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
   evicted = []
-  pool.add_eviction_listener(lambda p, n: evicted.append(n))
+  pool.add_eviction_listener(lambda p, n, keepalive: evicted.append(n))
   a = pool.acquire(4096)
   first = a.ctypes.data
   assert pool.acquire(4096).ctypes.data != first  # `a` is still in use

@@ -6,6 +6,7 @@ dry-run plan, and the clear refusal on a host without CUDA.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -13,15 +14,17 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
+def run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
   return subprocess.run(
       ["bash", str(REPO / "scripts" / script), *args],
       capture_output=True, text=True, timeout=300, cwd=REPO,
+      env=None if env is None else {**os.environ, **env},
   )
 
 
 def test_gpu_sh_refuses_a_host_without_cuda_clearly():
-  out = run("gpu.sh", "--dry-run", "--python", sys.executable)
+  # Every GPU hidden, so the refusal is checked on any host, GPU hosts included.
+  out = run("gpu.sh", "--dry-run", "--python", sys.executable, env={"CUDA_VISIBLE_DEVICES": ""})
   assert out.returncode == 3, out.stderr
   assert "no CUDA GPU found: torch.cuda.is_available() is False" in out.stderr
   assert "+ " not in out.stdout  # nothing planned, nothing run

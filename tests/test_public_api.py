@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 
 import pytest
+from ray.exceptions import RayError
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 
 import rdt_jax
@@ -41,6 +42,14 @@ def test_error_types_subclass_what_ray_raises():
   assert issubclass(rdt_jax.UnsupportedRayError, RuntimeError)
   assert issubclass(rdt_jax.UnsupportedLeafError, ValueError)
   assert issubclass(rdt_jax.SettingError, ValueError)
+  # Ray's future raises a RayError its callback receives (and returns anything else).
+  assert issubclass(rdt_jax.AwaitNotSupportedError, RayError)
+  assert issubclass(rdt_jax.RefNotReadyError, NotImplementedError)
+
+
+def test_get_async_is_awaitable():
+  assert inspect.iscoroutinefunction(rdt_jax.get_async)
+  assert list(inspect.signature(rdt_jax.get_async).parameters) == ["refs", "timeout"]
 
 
 def test_transport_base_classes():

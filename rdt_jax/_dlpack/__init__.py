@@ -16,6 +16,7 @@ and the design rules.
 from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
 from rdt_jax._dlpack._cuda import copy_from_host as copy_from_host
 from rdt_jax._dlpack._cuda import cuda_available as cuda_available
+from rdt_jax._dlpack._cuda import settle_targets as settle_targets
 from rdt_jax._dlpack._cuda import wait_for_copies as wait_for_copies
 from rdt_jax._dlpack._cuda import wait_for_producers as wait_for_producers
 from rdt_jax._dlpack._cuda import wait_received as wait_received
@@ -153,6 +154,7 @@ __all__ = [  # noqa: RUF022
     "copy_from_host",
     "cuda_available",
     "torch_bytes",
+    "settle_targets",
     "wait_for_copies",
     "wait_for_producers",
     "wait_received",

@@ -17,6 +17,16 @@ Rules (docs/gpu.md states them for users):
   still be the target of kernels queued on its stream (the allocator reuses
   blocks in stream order; a DMA engine does not wait for that order):
   `settle_fresh` waits for the allocating stream once per region.
+* Consumer, reused region: a pooled region is reused once no array built on
+  it is alive, but kernels queued against those arrays (on any stream: jax's,
+  torch's, a user's) may still be running when the last Python reference
+  goes. `settle_reuse` waits for every stream of the device before the region
+  is handed to a new transfer.
+* Consumer, caller memory: a transfer into a caller's cuda target (a weight
+  sync into live parameters) writes outside stream order, so kernels still
+  queued against the target (the previous step reading or writing it) would
+  race the DMA. `settle_targets` waits for every stream of each device that
+  holds an in-place target, once per object, before the transfer is posted.
 * Consumer of a two-sided backend: Ray's NCCL receive runs on Ray's own
   stream, which it does not expose; `wait_received` synchronizes each
   receiving device once per object (not per leaf).
@@ -89,6 +99,25 @@ def settle_fresh(device: Device) -> None:
   import torch
 
   torch.cuda.current_stream(device.index).synchronize()
+
+
+def settle_reuse(device: Device) -> None:
+  """Waits for every stream of `device` (no-op for host memory): called
+  before a pooled region whose arrays are gone is written again, so no kernel
+  still queued against one of them reads the new bytes."""
+  if device.kind == "cpu":
+    return
+  import torch
+
+  torch.cuda.synchronize(device.index)
+
+
+def settle_targets(devices: Iterable[Device]) -> None:
+  """Waits for every stream of each cuda device in `devices`, once each
+  (no-op for host memory): called before a transfer writes caller-owned
+  memory there, so work queued against the target runs before the write."""
+  for device in sorted({d for d in devices if d.kind != "cpu"}, key=str):
+    settle_reuse(device)
 
 
 def wait_received(devices: Iterable[Device]) -> None:

@@ -6,12 +6,19 @@ arrays, Ray's state) the collections those allocations trigger traverse the
 whole heap, and on this project's host they cost more than the work itself
 (docs/performance.md). Reference counting still frees everything at once;
 only cycle detection waits until the object is done.
+
+One framework ties more than cycles to the collector: jax releases the
+Python objects behind arrays made zero-copy from outside memory (a pooled
+host buffer, a DLPack capsule) only when the collector next runs (its
+`gc.callbacks` entry). `release_deferred` runs those releases at once; the
+memory pools call it before they decide memory is still in use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -48,3 +55,15 @@ def gc_paused(leaves: int) -> Iterator[None]:
 
 def _min_leaves() -> int:
   return GC_PAUSE_MIN_LEAVES  # read at call time, so tests and benchmarks can change it
+
+
+def release_deferred() -> None:
+  """Runs the releases jax defers to the next garbage collection (no-op
+  where jax is not loaded): a jax array made zero-copy from a host buffer or
+  DLPack capsule keeps that memory referenced after the array is gone, until
+  the collector runs. Without this a pool sees the previous object's buffer
+  as in use and allocates (and registers) another one."""
+  lib = sys.modules.get("jax._src.lib")
+  collect = getattr(getattr(lib, "_jax", None), "collect_garbage", None)
+  if collect is not None:
+    collect()

@@ -8,6 +8,7 @@ buffers are made by the framework modules.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -16,7 +17,10 @@ from typing import Final
 import numpy as np
 
 from rdt_jax import _settings
+from rdt_jax._dlpack._gc import release_deferred
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
+
+logger = logging.getLogger(__name__)
 
 #: Host receive buffers start on this boundary: `jnp.from_dlpack` and
 #: `jax.device_put` alias (do not copy) host memory aligned to 64 bytes.
@@ -40,6 +44,22 @@ def host_pointer(buffer: np.ndarray) -> int:
   return int(buffer.ctypes.data)
 
 
+def tell_listeners(listeners: list[Callable[..., None]], *args: object) -> bool:
+  """Calls each eviction listener with `args` (the last one as `keepalive`);
+  True if any raised (logged, not raised: the caller that triggered the
+  eviction is not the one to handle a backend's deregistration failure)."""
+  *head, keepalive = args
+  failed = False
+  for fn in listeners:
+    try:
+      fn(*head, keepalive=keepalive)
+    except Exception:
+      logger.warning("rdt_jax: an eviction listener failed; the memory is kept, never freed or reused",
+                     exc_info=True)
+      failed = True
+  return failed
+
+
 class HostBufferPool:
   """Reuses host buffers whose pages are already faulted in (and registered).
 
@@ -53,6 +73,13 @@ class HostBufferPool:
   `RDT_JAX_HOST_POOL_BYTES`, default 1 GiB; 0 disables reuse); the least
   recently used are dropped first, after telling every eviction listener (a
   backend deregisters the memory).
+
+  Eviction order: a listener is called with the buffer still alive and given
+  it (`keepalive`), so a backend whose deregistration fails keeps the memory
+  until a retry succeeds; registered memory is never freed. A listener that
+  raises is logged, never raised into the caller that happened to trigger the
+  eviction, and the buffer it was told about is kept for the life of the
+  process (`stranded`), never freed and never reused.
   """
 
   def __init__(self, max_bytes: int | None = None):
@@ -60,11 +87,14 @@ class HostBufferPool:
       max_bytes = _settings.value("RDT_JAX_HOST_POOL_BYTES")
     self.max_bytes = max_bytes
     self._buffers: list[np.ndarray] = []  # aligned uint8 views, oldest first
-    self._listeners: list[Callable[[int, int], None]] = []
+    self._listeners: list[Callable[..., None]] = []
+    self._stranded: list[np.ndarray] = []  # evicted buffers a listener failed on
     self._lock = threading.Lock()
 
-  def add_eviction_listener(self, fn: Callable[[int, int], None]) -> None:
-    """Calls `fn(pointer, nbytes)` for each buffer the pool stops keeping."""
+  def add_eviction_listener(self, fn: Callable[..., None]) -> None:
+    """Calls `fn(pointer, nbytes, keepalive=buffer)` for each buffer the pool
+    stops keeping, before the buffer can be freed; a listener that must keep
+    the memory past its return (a failed deregistration) keeps `keepalive`."""
     with self._lock:
       self._listeners.append(fn)
 
@@ -89,12 +119,10 @@ class HostBufferPool:
     leaves (the jax_nixl backend parks abandoned READs for this).
     """
     with self._lock:
-      best = None
-      for i in range(len(self._buffers)):
-        size = self._buffers[i].nbytes
-        if nbytes <= size <= 2 * nbytes and self._free_at(i):
-          if best is None or size < self._buffers[best].nbytes:
-            best = i
+      best = self._best_free(nbytes)
+      if best is None and any(nbytes <= b.nbytes <= 2 * nbytes for b in self._buffers):
+        release_deferred()  # a buffer whose jax arrays are gone may be waiting for the collector
+        best = self._best_free(nbytes)
       if best is not None:
         buf = self._buffers.pop(best)
         self._buffers.append(buf)  # most recently used last
@@ -108,8 +136,19 @@ class HostBufferPool:
     self._notify(evicted, listeners)
     return buf[:nbytes]
 
-  def _evict(self, limit: int) -> list[tuple[int, int]]:
-    """Drops free buffers, oldest first, until at most `limit` bytes are kept."""
+  def _best_free(self, nbytes: int) -> int | None:
+    """The index of the smallest free buffer of `nbytes` to 2x `nbytes`, if any."""
+    best = None
+    for i in range(len(self._buffers)):
+      size = self._buffers[i].nbytes
+      if nbytes <= size <= 2 * nbytes and self._free_at(i):
+        if best is None or size < self._buffers[best].nbytes:
+          best = i
+    return best
+
+  def _evict(self, limit: int) -> list[np.ndarray]:
+    """Takes free buffers out, oldest first, until at most `limit` bytes are
+    kept; the caller tells the listeners (`_notify`) before they are freed."""
     evicted = []
     total = sum(b.nbytes for b in self._buffers)
     i = 0
@@ -117,17 +156,26 @@ class HostBufferPool:
       if self._free_at(i):
         buf = self._buffers.pop(i)
         total -= buf.nbytes
-        evicted.append((host_pointer(buf), buf.nbytes))
-        del buf
+        evicted.append(buf)
       else:
         i += 1
     return evicted
 
-  @staticmethod
-  def _notify(evicted: list[tuple[int, int]], listeners: list[Callable[[int, int], None]]) -> None:
-    for pointer, nbytes in evicted:
-      for fn in listeners:
-        fn(pointer, nbytes)
+  def _notify(self, evicted: list[np.ndarray], listeners: list[Callable[..., None]]) -> None:
+    """Tells every listener of each evicted buffer, which stays alive until
+    they all returned; one a listener raised on is kept (`stranded`)."""
+    while evicted:
+      buf = evicted.pop()
+      failed = tell_listeners(listeners, host_pointer(buf), buf.nbytes, buf)
+      if failed:
+        with self._lock:
+          self._stranded.append(buf)
+      del buf
+
+  def stranded(self) -> int:
+    """Evicted buffers kept because an eviction listener failed on them."""
+    with self._lock:
+      return len(self._stranded)
 
   def region_of(self, view: np.ndarray) -> tuple[int, int] | None:
     """`(pointer, nbytes)` of the pooled buffer `view` lies in, if any."""

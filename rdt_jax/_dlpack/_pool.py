@@ -21,7 +21,23 @@ region is handed out again only when
    the memory to a new tensor that a late write would then corrupt); and
 2. no array built on it is alive (`Allocator.in_use`: for a torch-viewed
    region, the reference count of its storage, which counts every view, and
-   every DLPack export of a view, jax arrays made from it included).
+   every DLPack export of a view, jax arrays made from it included; where
+   this torch's count cannot be trusted, `_torch.storage_use_count_works`,
+   a region is never reused); and
+3. before it is written again, every stream of its device has drained
+   (`Allocator.reuse`: kernels queued against the arrays that were built on
+   it may outlive their last Python reference).
+
+A failed transfer's region (`ReceivePlan.quarantine`) is released at once
+when its memory is torch's: the backend whose transfer may still write holds
+a view of it (`Destination.keepalive`), which keeps it in use by rule 2
+until the transfer ended. A "jax-copy" region (no torch: nothing counts its
+users) stays quarantined.
+
+Eviction tells the listeners (a backend deregisters) while the region is
+still alive and hands them its root (`keepalive`); a listener that raises is
+logged, not raised into the unrelated caller whose release or acquire evicted,
+and the region is kept (`stranded`), never freed or reused.
 
 Where the memory comes from (`source`): "torch" allocates through torch's
 caching allocator; "jax" through XLA's allocator (a `jnp.zeros` buffer, viewed
@@ -42,6 +58,8 @@ from typing import Any, Final, Literal, Protocol
 from rdt_jax import _settings
 from rdt_jax._dlpack import _cuda, _jax, _torch
 from rdt_jax._dlpack._devices import Device
+from rdt_jax._dlpack._gc import release_deferred
+from rdt_jax._dlpack._memory import tell_listeners
 from rdt_jax._dlpack._specs import LeafSpec
 
 #: Device chunks start on this boundary (cudaMalloc's alignment; jax and torch
@@ -99,6 +117,11 @@ class Allocator(Protocol):
     torch roots; a copy for "jax-copy" roots)."""
     ...
 
+  def reuse(self, root: Any, device: Device) -> None:
+    """Called before a free region is handed out again: returns once no work
+    queued against arrays that were built on it can still run."""
+    ...
+
 
 class FrameworkAllocator:
   """The allocator of every pool in rdt_jax: torch or jax memory, torch views."""
@@ -116,10 +139,15 @@ class FrameworkAllocator:
   def in_use(self, root: Any) -> bool:
     if not _torch.is_tensor(root):
       return False  # a "jax-copy" root: leaves are copies, waited for before release
+    if not _torch.storage_use_count_works():
+      return True  # cannot tell: never reuse
     return _torch.storage_use_count(root) > 1
 
   def view(self, root: Any, offset: int, nbytes: int) -> Any:
     return root[offset : offset + nbytes]
+
+  def reuse(self, root: Any, device: Device) -> None:
+    _cuda.settle_reuse(device)
 
 
 @dataclass(eq=False)
@@ -151,6 +179,19 @@ class Region:
     assert self._pool is not None
     return self._pool.allocator.view(self.root, offset, nbytes)
 
+  @property
+  def counts_users(self) -> bool:
+    """True if the pool sees every array or view using this region (torch
+    memory): then a holder may `release` it while a transfer still holds a
+    `lease`, which keeps it out of reuse until dropped."""
+    return self.source != "jax-copy"
+
+  def lease(self, offset: int, nbytes: int) -> Any:
+    """An object whose life keeps this region in use: a zero-copy view of
+    `nbytes` at `offset` where the pool counts users (`counts_users`), else
+    the root itself. A backend whose transfer may still write keeps it."""
+    return self.view(offset, nbytes) if self.counts_users else self.root
+
   def release(self) -> None:
     """The holder is done writing and reading the region itself: the transfer
     into it reported DONE and the leaves on it exist. Only then can it be
@@ -175,11 +216,14 @@ class RegionPool:
     self.allocator: Allocator = allocator or FrameworkAllocator()
     self.max_bytes = max_bytes
     self._regions: list[Region] = []  # every live region, least recently used first
-    self._listeners: list[Callable[[int, int, Device], None]] = []
+    self._listeners: list[Callable[..., None]] = []
+    self._stranded: list[Region] = []  # evicted regions a listener failed on
     self._lock = threading.Lock()
 
-  def add_eviction_listener(self, fn: Callable[[int, int, Device], None]) -> None:
-    """Calls `fn(pointer, nbytes, device)` for each region the pool stops keeping."""
+  def add_eviction_listener(self, fn: Callable[..., None]) -> None:
+    """Calls `fn(pointer, nbytes, device, keepalive=root)` for each region the
+    pool stops keeping, before its memory can be freed; a listener that must
+    keep the memory past its return (a failed deregistration) keeps `keepalive`."""
     with self._lock:
       self._listeners.append(fn)
 
@@ -194,18 +238,21 @@ class RegionPool:
     (`Region.release`) once no transfer can write it any more.
     """
     with self._lock:
-      best = None
-      for r in self._regions:
-        if (
-            r.device == device and r.source == source and nbytes <= r.nbytes <= 2 * nbytes
-            and self._free(r) and (best is None or r.nbytes < best.nbytes)
-        ):
-          best = r
+      best = self._best_free(nbytes, device, source)
+      if best is None and any(r.device == device and nbytes <= r.nbytes <= 2 * nbytes for r in self._regions):
+        release_deferred()  # a region whose jax leaves are gone may be waiting for the collector
+        best = self._best_free(nbytes, device, source)
       if best is not None:
         self._regions.remove(best)
         self._regions.append(best)
         best.held = True
-        return best
+    if best is not None:
+      try:
+        self.allocator.reuse(best.root, device)
+      except BaseException:
+        best.release()
+        raise
+      return best
     root, pointer = self.allocator.allocate(nbytes, device, source)
     region = Region(root, pointer, nbytes, device, source, _pool=self)
     with self._lock:
@@ -215,6 +262,17 @@ class RegionPool:
       listeners = list(self._listeners)
     self._notify(evicted, listeners)
     return region
+
+  def _best_free(self, nbytes: int, device: Device, source: Source) -> Region | None:
+    """The smallest free region of `nbytes` to 2x `nbytes` on `device` from `source`."""
+    best = None
+    for r in self._regions:
+      if (
+          r.device == device and r.source == source and nbytes <= r.nbytes <= 2 * nbytes
+          and self._free(r) and (best is None or r.nbytes < best.nbytes)
+      ):
+        best = r
+    return best
 
   def _release(self, region: Region) -> None:
     with self._lock:
@@ -238,11 +296,13 @@ class RegionPool:
           evicted.append(r)
     return evicted
 
-  @staticmethod
-  def _notify(evicted: list[Region], listeners: list[Callable[[int, int, Device], None]]) -> None:
+  def _notify(self, evicted: list[Region], listeners: list[Callable[..., None]]) -> None:
+    """Tells every listener of each evicted region (alive until they all
+    returned); one a listener raised on is kept (`stranded`)."""
     for r in evicted:
-      for fn in listeners:
-        fn(r.pointer, r.nbytes, r.device)
+      if tell_listeners(listeners, r.pointer, r.nbytes, r.device, r.root):
+        with self._lock:
+          self._stranded.append(r)
 
   def clear(self) -> None:
     """Drops every free region (telling the listeners)."""
@@ -255,6 +315,11 @@ class RegionPool:
     """Bytes of kept regions, in use or free."""
     with self._lock:
       return sum(r.nbytes for r in self._regions if r.kept)
+
+  def stranded(self) -> int:
+    """Evicted regions kept because an eviction listener failed on them."""
+    with self._lock:
+      return len(self._stranded)
 
   def quarantined(self) -> int:
     """Regions still held (a transfer into them in flight, failed or dropped)."""

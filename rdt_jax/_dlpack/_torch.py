@@ -252,6 +252,35 @@ def storage_use_count(t: Any) -> int:
   return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
 
 
+_USE_COUNT_WORKS: bool | None = None
+
+
+def storage_use_count_works() -> bool:
+  """True if `storage_use_count` counts views and DLPack exports in this
+  torch (checked once per process on a small cpu tensor): a region pool
+  reuses memory only when it does, since a wrong count could hand out memory
+  a live array still uses."""
+  global _USE_COUNT_WORKS
+  if _USE_COUNT_WORKS is None:
+    _USE_COUNT_WORKS = _probe_use_count()
+  return _USE_COUNT_WORKS
+
+
+def _probe_use_count() -> bool:
+  try:
+    import torch
+
+    root = torch.zeros(4, dtype=torch.uint8)
+    alone = storage_use_count(root)
+    view = root[1:3]
+    exported = torch.from_dlpack(root[:2])
+    counted = storage_use_count(root)
+    del view, exported
+    return alone == 1 and counted == 3 and storage_use_count(root) == 1
+  except Exception:  # the private call is gone or changed
+    return False
+
+
 def from_dlpack(x: Any) -> Any:
   """`torch.from_dlpack(x)`: a tensor aliasing any DLPack producer's memory."""
   import torch

@@ -427,6 +427,7 @@ class DlpackTransport(TensorTransportManager):
         raise
       request.done = True
       self.finish_receive(request.handle)
+      request.handle = None  # what the backend held for the move is no longer needed
     return _build(request)
 
   def _abandon(self, handle: Any) -> None:

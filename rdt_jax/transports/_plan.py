@@ -253,6 +253,7 @@ class ReceivePlan:
           d.source = source + i
           self.destinations.append(d)
       source += len(plan.spec.chunks)
+    _dlpack.settle_targets(p.device for p in self.plans if p.in_place or p.into is not None)
     return self.destinations
 
   def _allocate_regions(self) -> None:
@@ -327,35 +328,48 @@ class ReceivePlan:
       return Destination(base + offset, nbytes, plan.device, view, (base, self.host.nbytes))
     region = plan.region
     assert region is not None
-    pointer = region.pointer + plan.device_offsets[i]
+    offset = plan.device_offsets[i]
     return Destination(
-        pointer, nbytes, plan.device, region.root, (region.pointer, region.nbytes), region.kept
+        region.pointer + offset, nbytes, plan.device, region.lease(offset, nbytes),
+        (region.pointer, region.nbytes), region.kept,
     )
 
   def quarantine(self) -> None:
     """After a failed fetch: drops this plan's references to its receive
     memory without returning any of it to a pool.
 
-    A transfer given up in flight may still write there, so the device
-    regions are never returned (they stay out of reuse for good), and the
-    host buffer is reused only once nothing references it: the backend keeps
-    its own references (`Destination.keepalive`) for as long as a transfer
-    may still write, and the plan's must not outlive the failure in a
-    traceback that Ray keeps."""
+    A transfer given up in flight may still write there, so its memory is
+    reused only once nothing references it: the backend keeps its own
+    references (`Destination.keepalive`: for a device region, a view of it)
+    for as long as a transfer may still write, and the plan's must not
+    outlive the failure in a traceback that Ray keeps. The host buffer pool
+    and the device region pool both count those references, so device regions
+    are released to their pool here and reused only after the backend let go;
+    a "jax-copy" region (no torch to count views) is never released: it stays
+    out of reuse for good."""
     for d in self.destinations:
       d.keepalive = None
     self.destinations = []
     self.host = None
     self._host_region = None
     for plan in self.plans:
-      plan.region = None  # never released to its pool: it stays quarantined
+      plan.region = None
+    for region in self.regions:
+      if region.counts_users:
+        region.release()
+    self.regions = []
 
   def build(self) -> list[Any]:
     """The received leaves, as each plan's framework (after the bytes moved).
 
     Returns the device regions to their pool afterwards (`return_regions`); a region
     whose leaves are device copies ("jax-copy") only once those copies ran.
+    The destinations are dropped first: the bytes have moved, and their
+    `keepalive` views would keep a region in use for as long as this plan lives.
     """
+    for d in self.destinations:
+      d.keepalive = None
+    self.destinations = []
     try:
       leaves = self._build_all()
     except BaseException:

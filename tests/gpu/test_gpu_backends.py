@@ -173,6 +173,41 @@ class GpuActor:
       return str(e)
     return ""
 
+  @ray.method(tensor_transport="jax_nixl")
+  def weights(self, seed: int):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {"w": torch.randn((1024, 1024), device="cuda", generator=g), "b": torch.randn(64, device="cuda")}
+
+  def into_busy_cuda_target(self, refs: list) -> tuple[float, bool]:
+    """Receives into a cuda parameter while a kernel queued on a side stream
+    still reads it: the read must see the old values (the transfer waits for
+    queued work before writing caller memory), the target the new ones."""
+    import torch
+
+    target = {"w": torch.zeros((1024, 1024), device="cuda"), "b": torch.zeros(64, device="cuda")}
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+      torch.cuda._sleep(200_000_000)  # about 0.1 s of queued work first
+      seen = target["w"].sum()
+    rdt_jax.set_target_for_ref(refs[0], target)
+    out = ray.get(refs[0])
+    side.synchronize()
+    return float(seen), out["w"] is target["w"] and bool(out["w"].abs().sum() > 0)
+
+  def mixed_memory_targets(self, refs: list) -> str:
+    """A cuda object with a host target for one leaf: one READ cannot mix
+    host and device memory, so it is refused by name (never a wrong read)."""
+    import torch
+
+    rdt_jax.set_target_for_ref(refs[0], {"w": torch.zeros((1024, 1024)), "b": torch.zeros(64, device="cuda")})
+    try:
+      ray.get(refs[0])
+    except Exception as e:
+      return str(e)
+    return ""
+
   def pool_state(self) -> tuple[int, int]:
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
@@ -288,6 +323,40 @@ def test_producer_queued_work_completes_before_the_read(pair):
   producer, consumer = pair
   value = ray.get(consumer.take_value.remote(producer.after_queued_work.remote()))
   assert value == pytest.approx(2048.0 * 2048.0, rel=1e-3)
+
+
+def test_transfer_into_a_cuda_target_waits_for_queued_work(pair):
+  producer, consumer = pair
+  seen, landed = ray.get(consumer.into_busy_cuda_target.remote([producer.weights.remote(1)]))
+  assert seen == 0.0 and landed
+
+
+def test_one_read_into_host_and_device_memory_is_refused(pair):
+  producer, consumer = pair
+  message = ray.get(consumer.mixed_memory_targets.remote([producer.weights.remote(2)]))
+  assert "host and device memory at once" in message
+
+
+def test_region_reuse_waits_for_kernels_queued_on_its_last_leaf():
+  import torch
+
+  from rdt_jax._dlpack._devices import Device
+  from rdt_jax._dlpack._pool import FrameworkAllocator, RegionPool
+
+  pool = RegionPool(FrameworkAllocator(), max_bytes=1 << 30)
+  cuda = Device("cuda", 0)
+  region = pool.acquire(1 << 20, cuda, "torch")
+  leaf = region.view(0, 1 << 20).view(torch.float32)
+  region.release()
+  side = torch.cuda.Stream()
+  with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)
+    _ = leaf.sum()
+    done = torch.cuda.Event()
+    done.record(side)
+  del leaf, _  # the last Python reference goes while the kernel is queued
+  again = pool.acquire(1 << 20, cuda, "torch")
+  assert again is region and done.query()  # handed out only after the queued work ran
 
 
 # --------------------------------------------------------------------------

@@ -125,19 +125,23 @@ class Registrations:
       self._stuck.extend(still)
       self._changed()
 
-  def on_host_eviction(self, pointer: int, nbytes: int) -> None:
-    """The host buffer pool freed a buffer: deregister it."""
-    self._evicted((pointer, nbytes, "cpu", 0))
+  def on_host_eviction(self, pointer: int, nbytes: int, keepalive: Any = None) -> None:
+    """The host buffer pool stops keeping a buffer: deregister it (a failed
+    deregistration keeps `keepalive`, the buffer, until a retry succeeds)."""
+    self._evicted((pointer, nbytes, "cpu", 0), keepalive)
 
-  def on_device_eviction(self, pointer: int, nbytes: int, device: _dlpack.Device) -> None:
-    """The device region pool freed a region: deregister it."""
-    self._evicted((pointer, nbytes, device.kind, device.index))
+  def on_device_eviction(
+      self, pointer: int, nbytes: int, device: _dlpack.Device, keepalive: Any = None
+  ) -> None:
+    """The device region pool stops keeping a region: deregister it (a failed
+    deregistration keeps `keepalive`, the region's memory, until a retry succeeds)."""
+    self._evicted((pointer, nbytes, device.kind, device.index), keepalive)
 
-  def _evicted(self, key: Key) -> None:
+  def _evicted(self, key: Key, keepalive: Any) -> None:
     with self._lock:
       reg = self._regs.pop(key, None)
       if reg is not None:
-        self._deregister_or_keep(reg.handle, None)
+        self._deregister_or_keep(reg.handle, keepalive)
         self._changed()
 
   def _deregister_or_keep(self, handle: Any, memory: Any) -> None:
