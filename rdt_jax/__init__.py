@@ -32,6 +32,7 @@ if TYPE_CHECKING:
   from rdt_jax._errors import UnknownObjectError as UnknownObjectError
   from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
   from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
+  from rdt_jax._metadata import MetadataError as MetadataError
   from rdt_jax._registry import receive_as as receive_as
   from rdt_jax._registry import receive_stats as receive_stats
   from rdt_jax._registry import register as register
@@ -54,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
     "LeafSpec": "rdt_jax._dlpack",
+    "MetadataError": "rdt_jax._metadata",
     "Placement": "rdt_jax.transports._plan",
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",

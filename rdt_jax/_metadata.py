@@ -17,16 +17,114 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
-from rdt_jax._dlpack import ChunkSpec, LeafSpec
+from rdt_jax._dlpack import ChunkSpec, LeafSpec, UnsupportedLeafError, spec_problem
+
+__all__ = ["DlpackTransportMetadata", "MetadataError", "check_int", "check_ints"]
+
+_PATH = itemgetter(0)
+_SIGNATURE = itemgetter(1, 2, 3, 4, 5, 6)
+_SHAPE_DTYPE = itemgetter(1, 2)
+_DEVICE = itemgetter(4)
 
 #: Integer lists at least this long pickle as packed int64 bytes.
 _PACK_INTS_MIN = 16
 _SEP = "\x00"
+
+
+class MetadataError(UnsupportedLeafError):
+  """Transport metadata that does not describe a readable object: a field
+  of the wrong type, sizes or boxes that disagree, an address outside what
+  the producer registered, a list cut short.
+
+  Raised on the consumer before any byte moves (`DlpackTransportMetadata
+  .validate`, and the checks of each receive plan and read), so nothing is
+  written anywhere. The metadata was corrupted between producer and consumer,
+  or the two run different rdt_jax versions: run one version everywhere; if
+  they match, report the message.
+
+  Attributes:
+    object_id: the object whose metadata it is.
+    field: the offending field (`leaves[3].chunks[0].nbytes`, `addresses`).
+    path: the leaf's pytree path when the field belongs to a leaf, else "".
+  """
+
+  def __init__(self, object_id: str, field: str, problem: str, path: str = ""):
+    self.object_id, self.field, self.path = object_id, field, path
+    leaf = f" (leaf {path})" if path else ""
+    ValueError.__init__(
+        self,
+        f"Transport metadata of object {object_id} is invalid: field {field}{leaf} {problem}. "
+        "Nothing was read. The metadata was corrupted on its way, or the producer and this "
+        "process run different rdt_jax versions: run one version everywhere.",
+    )
+
+  def __reduce__(self) -> tuple[Any, ...]:
+    return _restore_metadata_error, (self.object_id, self.field, self.path, self.args[0])
+
+
+def _restore_metadata_error(object_id: str, field: str, path: str, message: str) -> MetadataError:
+  err = MetadataError.__new__(MetadataError)
+  ValueError.__init__(err, message)
+  err.object_id, err.field, err.path = object_id, field, path
+  return err
+
+
+def check_int(obj_id: str, name: str, value: object, lo: int, hi: int) -> int:
+  """`value`, if it is an int (not a bool) with `lo <= value < hi`.
+
+  Raises:
+    MetadataError: naming the object and field `name` otherwise.
+  """
+  if type(value) is not int or not lo <= value < hi:
+    raise MetadataError(obj_id, name, f"is {value!r}, not an int in [{lo}, {hi})")
+  return value
+
+
+def check_ints(obj_id: str, name: str, values: object, count: int, lo: int, hi: int) -> list[int]:
+  """`values`, if it is a list of `count` ints each in `[lo, hi)` (`lo` and
+  `hi` within int64).
+
+  Raises:
+    MetadataError: naming the object, the field and the first offending entry.
+  """
+  if type(values) is not list or len(values) != count:
+    raise MetadataError(obj_id, name, f"holds {_length(values)} entries, not {count}")
+  try:
+    # C loops: every entry an int64 (array refuses anything else), none a bool.
+    fine = not values or (
+        bool not in set(map(type, values)) and lo <= min(array("q", values)) and max(values) < hi
+    )
+  except (TypeError, OverflowError):
+    fine = False
+  if not fine:
+    for i, v in enumerate(values):
+      if type(v) is not int or not lo <= v < hi:
+        raise MetadataError(obj_id, f"{name}[{i}]", f"is {v!r}, not an int in [{lo}, {hi})")
+  return values
+
+
+def _length(x: object) -> str:
+  try:
+    return str(len(x))  # type: ignore[arg-type]
+  except TypeError:
+    return f"no ({type(x).__name__})"
+
+
+class _Undecodable:
+  """A field whose packed form could not be decoded: `validate` refuses it
+  (unpickling cannot raise an error naming the object)."""
+
+  def __init__(self, problem: str):
+    self.problem = problem
+
+  def __repr__(self) -> str:
+    return f"<undecodable: {self.problem}>"
 
 
 class _Leaves:
@@ -53,11 +151,20 @@ class _Leaves:
     table: dict[tuple, int] = {}
     index = array("I")
     for leaf in leaves:
+      if type(leaf) is not LeafSpec:
+        return None  # pickled as it is (and refused on arrival)
       chunks = leaf.chunks
-      if leaf.sharding is not None or len(chunks) != 1 or chunks[0].shape != leaf.shape:
+      if (
+          leaf.sharding is not None or type(chunks) is not tuple or len(chunks) != 1
+          or type(chunks[0]) is not ChunkSpec or chunks[0].shape != leaf.shape
+          or type(leaf.path) is not str
+      ):
         return None
       key = (leaf.shape, leaf.dtype, leaf.framework, leaf.device, chunks[0].nbytes)
-      i = table.get(key)
+      try:
+        i = table.get(key)
+      except TypeError:  # an unhashable field
+        return None
       if i is None:
         i = table[key] = len(table)
       index.append(i)
@@ -177,10 +284,88 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   def __setstate__(self, state: dict[str, Any]) -> None:
     for key, value in state.items():
       if type(value) is _Ints:
-        state[key] = value.decode()
+        try:
+          state[key] = value.decode()
+        except (ValueError, TypeError) as e:
+          state[key] = _Undecodable(str(e))
     leaves = state.get("leaves")
     if type(leaves) is _Leaves:
-      state["leaves"], tensor_meta = leaves.decode()
+      try:
+        state["leaves"], tensor_meta = leaves.decode()
+      except (ValueError, TypeError, IndexError) as e:
+        state["leaves"], tensor_meta = _Undecodable(str(e)), []
       if state.get("tensor_meta") is None:
         state["tensor_meta"] = tensor_meta
     self.__dict__.update(state)
+
+  def validate(self, obj_id: str) -> None:
+    """Consumer: refuses metadata that does not describe a readable object,
+    before any memory is taken or any byte moves.
+
+    Checks every field this class defines: one consistent `LeafSpec` per leaf
+    (`rdt_jax._dlpack.spec_problem`: shapes, dtype, chunk sizes, shard boxes),
+    `tensor_meta` and `tensor_device` agreeing with the leaves, in-band bytes
+    of exactly the leaves' size, a well-formed origin. Backends extend it for
+    their own fields (addresses, ...). Leaves that share a signature are
+    checked once.
+
+    Raises:
+      MetadataError: naming the object, the field and, for a leaf's field,
+        the leaf.
+    """
+    leaves = self.leaves
+    if type(leaves) is not list:
+      raise MetadataError(obj_id, "leaves", f"is {leaves!r}, not a list of leaf specs")
+    # The common case in C loops: leaf specs with str paths, few distinct signatures.
+    try:
+      if set(map(type, leaves)) - {LeafSpec} or set(map(type, map(_PATH, leaves))) - {str}:
+        raise TypeError
+      signatures = set(map(_SIGNATURE, leaves))
+    except (TypeError, IndexError):  # an unhashable field, or not a LeafSpec: found below
+      signatures = None
+    if signatures is None:
+      for i, leaf in enumerate(leaves):
+        self._check_leaf(obj_id, i, leaf)
+    elif len(signatures) == 1:
+      self._check_leaf(obj_id, 0, leaves[0])
+    elif signatures:
+      first: dict[Any, int] = {}
+      for i, sig in enumerate(map(_SIGNATURE, leaves)):
+        first.setdefault(sig, i)
+      for i in first.values():
+        self._check_leaf(obj_id, i, leaves[i])
+    tensor_meta = self.tensor_meta
+    if type(tensor_meta) is not list or len(tensor_meta) != len(leaves):
+      raise MetadataError(obj_id, "tensor_meta", f"holds {_length(tensor_meta)} entries for {len(leaves)} leaves")
+    if list(map(_SHAPE_DTYPE, leaves)) != tensor_meta:
+      for i, (pair, leaf) in enumerate(zip(tensor_meta, leaves)):
+        if type(pair) is not tuple or len(pair) != 2 or pair[0] != leaf.shape or pair[1] != leaf.dtype:
+          raise MetadataError(
+              obj_id, f"tensor_meta[{i}]", f"is {pair!r}, not the leaf's (shape, dtype)", leaf.path
+          )
+    kinds = sorted(set(map(_DEVICE, leaves)))
+    if kinds != ([self.tensor_device] if leaves else []) or (not leaves and self.tensor_device is not None):
+      raise MetadataError(obj_id, "tensor_device", f"is {self.tensor_device!r} for leaves on {kinds}")
+    inline = self.inline
+    if inline is not None:
+      want = sum(leaf.nbytes for leaf in leaves)
+      if type(inline) is not bytes or len(inline) != want:
+        raise MetadataError(obj_id, "inline", f"holds {_length(inline)} bytes but the leaves describe {want}")
+    self._check_origin(obj_id)
+
+  @staticmethod
+  def _check_leaf(obj_id: str, i: int, leaf: Any) -> None:
+    if type(leaf) is not LeafSpec or tuple.__len__(leaf) != 7:
+      raise MetadataError(obj_id, f"leaves[{i}]", f"is a {type(leaf).__name__}, not a LeafSpec")
+    problem = spec_problem(leaf)
+    if problem is not None:
+      path = leaf.path if isinstance(leaf.path, str) else ""
+      raise MetadataError(obj_id, f"leaves[{i}].{problem[0]}", problem[1], path)
+
+  def _check_origin(self, obj_id: str) -> None:
+    origin = self.origin
+    if origin is not None and not (
+        type(origin) is tuple and len(origin) == 4 and isinstance(origin[0], str)
+        and all(type(v) is int and v >= 0 for v in origin[1:])
+    ):
+      raise MetadataError(obj_id, "origin", f"is {origin!r}, not (boot id, pid namespace, pid, start time)")

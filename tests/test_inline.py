@@ -26,6 +26,7 @@ import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
 from rdt_jax import _dlpack, _process, _state
+from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _inband
 from rdt_jax.transports.nixl import NixlTransport
 
@@ -182,7 +183,7 @@ def test_wrong_inline_length_is_an_error_not_a_guess(agents):
   x = jnp.asarray(sample((4,), "int32", 7))
   meta = _export(prod, "inline-short", [x])
   meta.inline = meta.inline[:-1]
-  with pytest.raises(RuntimeError, match="different rdt_jax versions"):
+  with pytest.raises(MetadataError, match=r"field inline holds 15 bytes but the leaves describe 16.*different rdt_jax"):
     _fetch(cons, "inline-short", meta)
 
 

@@ -73,6 +73,7 @@ from rdt_jax._dlpack._sharding import intersect as intersect
 from rdt_jax._dlpack._sharding import is_sharding as is_sharding
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
 from rdt_jax._dlpack._sharding import source_boxes as source_boxes
+from rdt_jax._dlpack._sharding import spec_problem as spec_problem
 from rdt_jax._dlpack._sharding import target_layout as target_layout
 from rdt_jax._dlpack._specs import RECEIVE_MODES as RECEIVE_MODES
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
@@ -148,6 +149,7 @@ __all__ = [  # noqa: RUF022
     "intersect",
     "is_sharding",
     "source_boxes",
+    "spec_problem",
     "target_layout",
     # CUDA: stream ordering, copies on a device, torch tensors over raw memory.
     "copy_bytes",

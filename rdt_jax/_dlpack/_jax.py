@@ -196,6 +196,8 @@ def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
   device_indices: list[int] = []
   arrays: list[Any] = []
   device_chunks: list[int] = []
+  boxes: list[tuple[tuple[int, int], ...]] = []
+  global_shape = tuple(int(n) for n in x.shape)
   for d in mesh.devices.flat:
     shard = by_device[d]
     key = tuple((s.start, s.stop, s.step) for s in shard.index)
@@ -204,6 +206,7 @@ def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
       data = shard.data
       shape = tuple(int(n) for n in data.shape)
       chunks.append(ChunkSpec(shape, math.prod(shape) * dtype.itemsize))
+      boxes.append(tuple(s.indices(n)[:2] for s, n in zip(shard.index, global_shape)))
       pointers.append(pointer(data))
       arrays.append(data)
       device_indices.append(parse_device(d).index)
@@ -213,10 +216,11 @@ def _describe_sharded(x: Any, path: str, dtype: np.dtype) -> DescribedLeaf:
       axis_names=tuple(mesh.axis_names),
       spec=tuple(sharding.spec),
       device_chunks=tuple(device_chunks),
+      boxes=tuple(boxes),
   )
   spec = LeafSpec(
       path=path,
-      shape=tuple(int(n) for n in x.shape),
+      shape=global_shape,
       dtype=dtype,
       framework="jax",
       device=PLATFORM_KIND[mesh.devices.flat[0].platform],

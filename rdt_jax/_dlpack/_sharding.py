@@ -1,5 +1,6 @@
-"""Sharded `jax.Array`s: rebuild the producer's layout, and the geometry of
-resharding on receive (`Slice`, target layouts, byte runs between boxes).
+"""Sharded `jax.Array`s: rebuild the producer's layout, the geometry of
+resharding on receive (`Slice`, target layouts, byte runs between boxes), and
+the consistency checks of leaf specs from another process (`spec_problem`).
 
 Describing a sharded array (one chunk per distinct shard) is `_jax`'s.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -16,41 +17,199 @@ from rdt_jax._dlpack import _jax
 from rdt_jax._dlpack._devices import Device, jax_device, jax_platform
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
-from rdt_jax._dlpack._specs import LeafSpec
+from rdt_jax._dlpack._specs import ChunkSpec, LeafSpec, ShardingLayout
+
+#: Bounds on what a leaf spec from another process may hold: axes per leaf,
+#: and elements per leaf (no buffer of that many bytes exists).
+MAX_NDIM: Final = 64
+MAX_ELEMENTS: Final = 1 << 56
 
 
-def chunk_indices(spec: LeafSpec) -> list[tuple[slice, ...]]:
-  """The global index each chunk of a sharded leaf covers."""
-  from jax.sharding import PartitionSpec
+def spec_problem(spec: object) -> tuple[str, str] | None:
+  """What is wrong with a `LeafSpec` that came from another process, as
+  `(field, problem)`, or None if it is consistent.
 
+  Checks types and internal consistency only (no framework imported): every
+  shape a tuple of non-negative ints, a known framework and device kind, a
+  numeric dtype, each chunk's `nbytes` equal to its shape's size, one chunk
+  of the leaf's shape for an unsharded leaf, and for a sharded one a layout
+  whose chunk boxes lie in the leaf, match their chunk's shape, do not
+  overlap, cover the leaf, and agree with the mesh and partition spec
+  (`layout_problem`).
+  """
+  if type(spec) is not LeafSpec:
+    return "leaf", f"is a {type(spec).__name__}, not a LeafSpec"
+  if not isinstance(spec.path, str):
+    return "path", f"is a {type(spec.path).__name__}, not a str"
+  problem = _shape_problem(spec.shape)
+  if problem:
+    return "shape", problem
+  dtype = spec.dtype
+  if not isinstance(dtype, np.dtype) or dtype.hasobject or dtype.itemsize == 0:
+    return "dtype", f"is {dtype!r}, not a numeric numpy dtype"
+  if spec.framework not in ("jax", "torch", "numpy", "cupy"):
+    return "framework", f"is {spec.framework!r}"
+  if spec.device not in ("cpu", "cuda"):
+    return "device", f"is {spec.device!r}, not 'cpu' or 'cuda'"
+  chunks = spec.chunks
+  if type(chunks) is not tuple or not chunks:
+    return "chunks", f"is {type(chunks).__name__} of {_length(chunks)}, not a non-empty tuple"
+  for i, chunk in enumerate(chunks):
+    if type(chunk) is not ChunkSpec:
+      return f"chunks[{i}]", f"is a {type(chunk).__name__}, not a ChunkSpec"
+    problem = _shape_problem(chunk.shape)
+    if problem:
+      return f"chunks[{i}].shape", problem
+    want = math.prod(chunk.shape) * dtype.itemsize
+    if type(chunk.nbytes) is not int or chunk.nbytes != want:
+      return f"chunks[{i}].nbytes", (
+          f"is {chunk.nbytes!r} but shape {chunk.shape} of {dtype.name} holds {want} bytes"
+      )
+  if spec.sharding is None:
+    if len(chunks) != 1 or chunks[0].shape != spec.shape:
+      return "chunks", (
+          f"are {[c.shape for c in chunks]} for an unsharded leaf of shape {spec.shape} "
+          "(one chunk of the leaf's shape expected)"
+      )
+    return None
+  if type(spec.sharding) is not ShardingLayout:
+    return "sharding", f"is a {type(spec.sharding).__name__}, not a ShardingLayout"
+  return layout_problem(spec)
+
+
+def _shape_problem(shape: object) -> str | None:
+  if type(shape) is not tuple:
+    return f"is a {type(shape).__name__}, not a tuple"
+  if len(shape) > MAX_NDIM:
+    return f"has {len(shape)} axes (at most {MAX_NDIM})"
+  if not all(type(n) is int and n >= 0 for n in shape):
+    return f"is {shape!r}, not non-negative ints"
+  if math.prod(shape) >= MAX_ELEMENTS:
+    return f"is {shape!r}, more elements than any buffer holds"
+  return None
+
+
+def _length(x: object) -> str:
+  try:
+    return f"length {len(x)}"  # type: ignore[arg-type]
+  except TypeError:
+    return "no length"
+
+
+def derived_boxes(spec: LeafSpec) -> list[Box] | None:
+  """The box each chunk of a sharded leaf covers as its mesh and partition
+  spec imply it, for a spec whose partitioned axes divide the shape evenly
+  (what jax's `NamedSharding` requires), or None where that does not hold:
+  a spec naming an axis the mesh lacks, more entries than axes, or a size
+  its parts do not divide.
+
+  Pure Python (imports no jax): the consumer checks the boxes the producer
+  sent against it, and uses it for layouts built without boxes (tests).
+  """
   layout = spec.sharding
   assert layout is not None
   mesh_axes = dict(zip(layout.axis_names, layout.mesh_shape))
-  seen: dict[int, tuple[slice, ...]] = {}
+  entries = tuple(layout.spec)
+  if len(entries) > len(spec.shape):
+    return None
+  seen: dict[int, Box] = {}
   for flat, chunk_id in enumerate(layout.device_chunks):
-    if chunk_id in seen:
-      continue
     coords = dict(zip(layout.axis_names, np.unravel_index(flat, layout.mesh_shape)))
-    index = []
-    for dim, entry in enumerate(PartitionSpec(*layout.spec)):
-      size = spec.shape[dim]
+    box = []
+    for dim, size in enumerate(spec.shape):
+      entry = entries[dim] if dim < len(entries) else None
       names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
       parts, pos = 1, 0
       for name in names:
+        if name not in mesh_axes:
+          return None
         pos = pos * mesh_axes[name] + int(coords[name])
         parts *= mesh_axes[name]
+      if size % parts:
+        return None
       step = size // parts
-      index.append(slice(pos * step, (pos + 1) * step))
-    index += [slice(None)] * (len(spec.shape) - len(index))
-    seen[chunk_id] = tuple(index)
+      box.append((pos * step, (pos + 1) * step))
+    if seen.setdefault(chunk_id, tuple(box)) != tuple(box):
+      return None  # one chunk for two different parts of the leaf
+  if sorted(seen) != list(range(len(spec.chunks))):
+    return None
   return [seen[i] for i in range(len(spec.chunks))]
+
+
+def layout_problem(spec: LeafSpec) -> tuple[str, str] | None:
+  """What is wrong with a sharded leaf's layout (`ShardingLayout`), as
+  `(field, problem)`, or None. `spec`'s shape, dtype and chunks are already
+  checked (`spec_problem`).
+
+  The layout must name a mesh of positive sizes with one axis name each,
+  map every mesh position to an existing chunk (every chunk used), and send
+  one box per chunk that lies in the leaf, has its chunk's shape, overlaps
+  no other box, and together with the others covers the leaf; the boxes must
+  be those the mesh and partition spec imply (`derived_boxes`), since the
+  consumer rebuilds the leaf with that mesh and spec.
+  """
+  layout = spec.sharding
+  assert layout is not None
+  mesh, names = layout.mesh_shape, layout.axis_names
+  if type(mesh) is not tuple or not mesh or not all(type(n) is int and 0 < n <= 1 << 20 for n in mesh):
+    return "sharding.mesh_shape", f"is {mesh!r}, not a tuple of positive ints"
+  if type(names) is not tuple or len(names) != len(mesh) or not all(isinstance(n, str) for n in names):
+    return "sharding.axis_names", f"is {names!r}, not one name per mesh axis {mesh}"
+  if type(layout.spec) is not tuple or not all(
+      e is None or isinstance(e, str) or (type(e) is tuple and all(isinstance(n, str) for n in e))
+      for e in layout.spec
+  ):
+    return "sharding.spec", f"is {layout.spec!r}, not a tuple of None, axis names or tuples of them"
+  chunks = layout.device_chunks
+  if type(chunks) is not tuple or len(chunks) != math.prod(mesh):
+    return "sharding.device_chunks", f"has {_count(chunks)} entries for a mesh of {math.prod(mesh)} devices"
+  if not all(type(c) is int for c in chunks) or set(chunks) != set(range(len(spec.chunks))):
+    return "sharding.device_chunks", (
+        f"is {chunks!r}: every entry must index one of the {len(spec.chunks)} chunks, each chunk used"
+    )
+  boxes = layout.boxes
+  if boxes == ():
+    return None if derived_boxes(spec) is not None else ("sharding.spec", f"{layout.spec!r} does not fit mesh "
+                                                         f"{dict(zip(names, mesh))} and shape {spec.shape}")
+  if type(boxes) is not tuple or len(boxes) != len(spec.chunks):
+    return "sharding.boxes", f"has {_count(boxes)} boxes for {len(spec.chunks)} chunks"
+  full = full_box(spec.shape)
+  for i, (box, chunk) in enumerate(zip(boxes, spec.chunks)):
+    if (
+        type(box) is not tuple or len(box) != len(full)
+        or not all(type(b) is tuple and len(b) == 2 and all(type(v) is int for v in b) for b in box)
+    ):
+      return f"sharding.boxes[{i}]", f"is {box!r}, not one (start, stop) pair of ints per axis of {spec.shape}"
+    if any(not 0 <= a <= b <= n for (a, b), (_, n) in zip(box, full)):
+      return f"sharding.boxes[{i}]", f"{box!r} does not lie in the leaf's shape {spec.shape}"
+    if box_shape(box) != chunk.shape:
+      return f"sharding.boxes[{i}]", f"{box!r} has shape {box_shape(box)} but its chunk has shape {chunk.shape}"
+  for i in range(len(boxes)):
+    for j in range(i):
+      if intersect(boxes[i], boxes[j]) is not None:
+        return f"sharding.boxes[{i}]", f"{boxes[i]!r} overlaps boxes[{j}] {boxes[j]!r}"
+  if sum(math.prod(box_shape(b)) for b in boxes) != math.prod(spec.shape):
+    return "sharding.boxes", f"do not cover the leaf's shape {spec.shape}"
+  if derived_boxes(spec) != list(boxes):
+    return "sharding.boxes", (
+        f"{list(boxes)!r} are not the parts mesh {dict(zip(names, mesh))} with spec "
+        f"{layout.spec!r} gives each device"
+    )
+  return None
+
+
+def _count(x: object) -> str:
+  try:
+    return str(len(x))  # type: ignore[arg-type]
+  except TypeError:
+    return "no"
 
 
 def assemble_host(chunk_views: list[np.ndarray], spec: LeafSpec) -> np.ndarray:
   """Gathers a sharded leaf's chunks into one host array (one copy)."""
   out = np.empty(spec.shape, spec.dtype)
-  for index, view in zip(chunk_indices(spec), chunk_views):
-    out[index] = view
+  for box, view in zip(source_boxes(spec), chunk_views):
+    out[tuple(slice(a, b) for a, b in box)] = view
   return out
 
 
@@ -253,13 +412,20 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def source_boxes(spec: LeafSpec) -> list[Box]:
-  """The global box each chunk of a leaf covers (one chunk: the whole leaf)."""
+  """The global box each chunk of a leaf covers (one chunk: the whole leaf):
+  the boxes the producer sent (`ShardingLayout.boxes`), checked on arrival;
+  derived from the mesh and spec only for a layout built without them."""
   if spec.sharding is None:
     return [full_box(spec.shape)]
-  return [
-      tuple(_bounds(s, n) for s, n in zip(index, spec.shape))
-      for index in chunk_indices(spec)
-  ]
+  if spec.sharding.boxes:
+    return list(spec.sharding.boxes)
+  boxes = derived_boxes(spec)
+  if boxes is None:
+    raise UnsupportedLeafError(
+        spec.path, f"has a sharding layout {spec.sharding} that does not fit its shape {spec.shape}",
+        "Send the leaf from a producer running this rdt_jax version.",
+    )
+  return boxes
 
 
 def _bounds(s: slice, n: int) -> tuple[int, int]:

@@ -34,12 +34,17 @@ class ShardingLayout:
     device_chunks: for each mesh position (in `mesh.devices.flat` order), the
       index of the chunk that device holds. Replicated shards share a chunk, so
       each distinct shard crosses the wire once.
+    boxes: for each chunk, the part of the global shape it holds, one
+      half-open `(start, stop)` per axis, as the producer's jax reported it
+      (`addressable_shards[i].index`). Empty only for layouts built by hand
+      (tests); the consumer then derives them from the mesh and spec.
   """
 
   mesh_shape: tuple[int, ...]
   axis_names: tuple[str, ...]
   spec: tuple
   device_chunks: tuple[int, ...]
+  boxes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
   @property
   def num_devices(self) -> int:

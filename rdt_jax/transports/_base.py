@@ -317,11 +317,15 @@ class DlpackTransport(TensorTransportManager):
       UnsupportedLeafError: if a leaf cannot arrive as asked (a 64-bit leaf
         as jax with x64 off, a sharding this process cannot hold, a target
         that does not fit), naming the leaf and what to do.
+      rdt_jax.MetadataError: (an `UnsupportedLeafError`) if the metadata
+        does not describe a readable object, naming the object and the
+        field; nothing was read.
       RuntimeError: if Ray aborted this transfer, or the producer of an
         in-band object has exited.
       ray.exceptions.RayDirectTransportError: if the backend failed to start.
     """
     self._raise_if_aborted(obj_id)
+    tensor_transport_metadata.validate(obj_id)  # MetadataError before any memory is taken
     target = _targets.pop_target(obj_id)
     if target is None and target_buffers:
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
@@ -329,7 +333,7 @@ class DlpackTransport(TensorTransportManager):
       return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
     try:
       with _dlpack.gc_paused(len(tensor_transport_metadata.leaves)):
-        plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target)
+        plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target, obj_id)
         self._prepare(plan)
     except Exception:
       if not self.is_one_sided():
@@ -351,7 +355,7 @@ class DlpackTransport(TensorTransportManager):
   ) -> DlpackFetchRequest:
     """Receives an in-band object from its metadata; no backend hook runs."""
     with _dlpack.gc_paused(len(meta.leaves)):
-      plan = ReceivePlan(meta.leaves, _state.receive_mode(), target)
+      plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
       plan.allocate(reads_parts=True)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
     try:

@@ -29,6 +29,7 @@ import numpy as np
 
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Device, Framework, LeafSpec
+from rdt_jax._metadata import MetadataError
 from rdt_jax._targets import Target, align_targets, leaf_layout
 
 #: What memory a buffer is: host memory (any cpu device: one address space)
@@ -143,9 +144,14 @@ class ReceivePlan:
     UnsupportedLeafError: for a 64-bit leaf that would arrive as jax while
       x64 is off, naming the leaf.
     ValueError: for a target that does not fit the object.
+
+  Raises (`allocate`):
+    MetadataError: for a copy planned past the end of a target, a piece or a
+      source chunk (metadata that skipped `validate`), naming `obj_id`.
   """
 
-  def __init__(self, leaves: list[LeafSpec], mode: str, target: Target | None = None):
+  def __init__(self, leaves: list[LeafSpec], mode: str, target: Target | None = None, obj_id: str = ""):
+    self.obj_id = obj_id
     targets: list[Any] = (
         align_targets(target.buffers, leaves)
         if target is not None and target.buffers is not None
@@ -306,17 +312,35 @@ class ReceivePlan:
         part = _dlpack.intersect(box, piece)
         if part is None:
           continue
+        piece_nbytes = _piece_nbytes(piece, plan.spec)
         for src_off, dst_off, n in _dlpack.copy_runs(box, piece, part, itemsize):
+          self._check_fits(plan.spec, c, src_off + n, plan.spec.chunks[c].nbytes, "its source chunk")
+          self._check_fits(plan.spec, c, dst_off + n, piece_nbytes, f"piece {p}")
           out.append(Destination(
               pointer + dst_off, n, plan.device, view[dst_off : dst_off + n], region,
               pooled, source + c, src_off, True,
           ))
     return out
 
+  def _check_fits(self, spec: LeafSpec, chunk: int, end: int, room: int, what: str) -> None:
+    """Refuses a copy planned past the end of the memory it lands in or is
+    read from (`end` bytes into `room`): only metadata that `validate` did
+    not check can plan one.
+
+    Raises:
+      MetadataError: naming the object, the leaf and the chunk.
+    """
+    if not 0 <= end <= room:
+      raise MetadataError(
+          self.obj_id, f"chunks[{chunk}]", f"plans {end} bytes into {what}, which holds {room}", spec.path
+      )
+
   def _destination(self, plan: _LeafPlan, i: int, nbytes: int) -> Destination:
     if plan.in_place:
       t = plan.target
       pointer = _dlpack.buffer_pointer(t)
+      room = math.prod(int(n) for n in t.shape) * _dlpack.dtype_of(t).itemsize
+      self._check_fits(plan.spec, i, nbytes, room, "its target")
       return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes))
     if memory_kind(plan.device) == "host":
       assert self.host is not None

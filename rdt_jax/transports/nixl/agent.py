@@ -95,6 +95,8 @@ def create_agent() -> Any:
 
   Raises:
     ImportError: if NIXL is not installed here, saying what to install.
+    RuntimeError: if NIXL cannot create the agent (UCX finds no usable
+      transport), with NIXL's error and what to check.
   """
   api = _compat.nixl_api()
   import ray
@@ -106,7 +108,14 @@ def create_agent() -> Any:
       backends=["UCX"],
       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
   )
-  return api.nixl_agent(name, config)
+  try:
+    return api.nixl_agent(name, config)
+  except Exception as e:
+    raise RuntimeError(
+        f"jax_nixl could not create this process's NIXL agent {name} (UCX backend): NIXL reported "
+        f"{type(e).__name__}: {e}. Check that UCX finds a transport here (UCX_TLS, UCX_NET_DEVICES; "
+        "`ucx_info -d` lists them)."
+    ) from None
 
 
 class Poller:

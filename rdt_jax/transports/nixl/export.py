@@ -15,12 +15,15 @@ registered region it lies in:
   the object lives.
 
 Each export gets a serial, and the metadata lists the serials live at that
-moment (`staleness` explains what a consumer does with them). `release` undoes
-an export when Ray frees the object.
+moment (`staleness` explains what a consumer does with them), kept as ranges
+that each export and release update in place (`LiveSerials`): an export
+copies them, never sorts. `release` undoes an export when Ray frees the
+object.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import threading
 from collections.abc import Callable
@@ -29,17 +32,64 @@ from typing import Any, Final
 
 from rdt_jax import _dlpack, _faults, _process
 from rdt_jax.transports._plan import memory_kind
-from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
-from rdt_jax.transports.nixl.staleness import live_ranges
 
-__all__ = ["PACK_MAX_CHUNK", "Exports"]
+__all__ = ["PACK_MAX_CHUNK", "Exports", "LiveSerials"]
 
 #: Chunks up to this size are packed into one staging buffer (per device).
 PACK_MAX_CHUNK: Final = 256 << 10
 
 #: A non-empty chunk to export: (pointer, nbytes, device as NIXL sees it).
 _Chunk = tuple[int, int, _dlpack.Device]
+
+
+class LiveSerials:
+  """The export serials live now, as sorted, disjoint inclusive ranges.
+
+  Serials are handed out in increasing order, so `add` extends or appends
+  the last range (O(1)); `remove` shrinks or splits one range (a binary
+  search). There are never more ranges than live serials, so the list is
+  bounded by the objects exported now, however they were freed; the
+  metadata's pickled form is bounded further (`NixlTransportMetadata.live`).
+  """
+
+  def __init__(self) -> None:
+    self._starts: list[int] = []
+    self._ends: list[int] = []
+
+  def __len__(self) -> int:
+    """The number of ranges."""
+    return len(self._starts)
+
+  def add(self, serial: int) -> None:
+    """Adds `serial`, larger than every serial added before."""
+    if self._ends and self._ends[-1] + 1 == serial:
+      self._ends[-1] = serial
+    else:
+      self._starts.append(serial)
+      self._ends.append(serial)
+
+  def remove(self, serial: int) -> None:
+    """Removes `serial` (nothing if it is not live)."""
+    i = bisect.bisect_right(self._starts, serial) - 1
+    if i < 0 or serial > self._ends[i]:
+      return
+    start, end = self._starts[i], self._ends[i]
+    if start == end:
+      del self._starts[i], self._ends[i]
+    elif serial == start:
+      self._starts[i] = serial + 1
+    elif serial == end:
+      self._ends[i] = serial - 1
+    else:
+      self._ends[i] = serial - 1
+      self._starts.insert(i + 1, serial + 1)
+      self._ends.insert(i + 1, end)
+
+  def ranges(self) -> list[tuple[int, int]]:
+    """The ranges, as `NixlTransportMetadata.live` holds them."""
+    return list(zip(self._starts, self._ends))
 
 
 @dataclass
@@ -76,6 +126,7 @@ class Exports:
     self._changed = changed
     self._exports: dict[str, _Export] = {}
     self._serial = 0  # the last export serial handed out
+    self._live = LiveSerials()
     self._agent_meta: tuple[tuple[int, int], bytes] | None = None
 
   def __len__(self) -> int:
@@ -93,14 +144,18 @@ class Exports:
         for chunk, array in zip(leaf.spec.chunks, leaf.arrays)
         if chunk.nbytes
     ]
+    paths = [leaf.spec.path for leaf in leaves for chunk in leaf.spec.chunks if chunk.nbytes]
     export = _Export()
+    purpose = f"for object {obj_id}"
     try:
-      packed = self._pack_host(chunks, export) | self._pack_device(chunks, export)
+      packed = self._pack_host(chunks, export, meta, purpose) | self._pack_device(chunks, export, meta, purpose)
       for i, (pointer, nbytes, device) in enumerate(chunks):
         if i in packed:  # a copy: later changes to the array cannot reach it
           address, region = packed[i]
         else:  # read in place: keep the buffer from being donated meanwhile
-          export.keys.append(self._registrations.register(pointer, nbytes, device))
+          export.keys.append(
+              self._registrations.register(pointer, nbytes, device, purpose=f"{purpose}, leaf {paths[i]}")
+          )
           export.holds.append(_dlpack.hold_buffer(arrays[i]) if i < len(arrays) else None)
           address, region = pointer, -1 - i
         meta.addresses.append(address)
@@ -116,13 +171,15 @@ class Exports:
       self._serial += 1
       export.serial = meta.serial = self._serial
       self._exports[obj_id] = export
-      meta.live = live_ranges([e.serial for e in self._exports.values()])
+      self._live.add(export.serial)
+      meta.live = self._live.ranges()
       meta.agent_version = self._registrations.version
       meta.dereg_epoch = self._registrations.dereg_epoch
       self._changed()
     meta.agent_name = agent.name
     meta.agent_meta = agent_meta
     meta.origin = _process.identity()
+    meta.digest = where_digest(meta, [n for _, n, _ in chunks])
 
   def release(self, obj_id: str) -> None:
     """Deregisters what `obj_id` registered; its memory may then be reused.
@@ -136,6 +193,8 @@ class Exports:
     """
     with self._lock:
       export = self._exports.pop(obj_id, None)
+      if export is not None:
+        self._live.remove(export.serial)
       self._changed()
     if export is not None:
       self._undo(export)
@@ -153,8 +212,11 @@ class Exports:
         self._agent_meta = (key, self._agent().get_agent_metadata())
       return self._agent_meta[1]
 
-  def _pack_host(self, chunks: list[_Chunk], export: _Export) -> dict[int, tuple[int, int]]:
-    """Copies small host chunks into one pooled staging buffer.
+  def _pack_host(
+      self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata, purpose: str
+  ) -> dict[int, tuple[int, int]]:
+    """Copies small host chunks into one pooled staging buffer, and lists the
+    registered region in `meta.spans`.
 
     Returns, per packed chunk index, its address in the staging buffer and
     the staging buffer's region id (0).
@@ -167,10 +229,13 @@ class Exports:
     base = _dlpack.host_pointer(staging)
     region = _dlpack.host_pool.region_of(staging)
     host = _dlpack.Device("cpu")
+    purpose = f"{purpose} (the staging buffer of its small chunks)"
     if region is not None:
-      self._registrations.register(region[0], region[1], host, pooled=True)
+      self._registrations.register(region[0], region[1], host, pooled=True, purpose=purpose)
     else:
-      export.keys.append(self._registrations.register(base, total, host))
+      export.keys.append(self._registrations.register(base, total, host, purpose=purpose))
+      region = (base, total)
+    meta.spans.append((0, region[0], region[1]))
     packed, offset = {}, 0
     for i in small:
       pointer, nbytes, _ = chunks[i]
@@ -179,9 +244,12 @@ class Exports:
       offset += _dlpack.aligned(nbytes)
     return packed
 
-  def _pack_device(self, chunks: list[_Chunk], export: _Export) -> dict[int, tuple[int, int]]:
+  def _pack_device(
+      self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata, purpose: str
+  ) -> dict[int, tuple[int, int]]:
     """Copies small cuda chunks into one pooled staging region per device
-    (a device-to-device copy, waited for once per device).
+    (a device-to-device copy, waited for once per device), each listed in
+    `meta.spans`.
 
     Needs torch here (the copies are torch byte copies); without it every
     chunk is read in place. Region ids are `1 + device index`.
@@ -197,9 +265,12 @@ class Exports:
       total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
       region = _dlpack.device_pool.acquire(total, device, "torch")
       export.regions.append(region)
-      key = self._registrations.register(region.pointer, region.nbytes, device, pooled=region.kept)
+      key = self._registrations.register(
+          region.pointer, region.nbytes, device, pooled=region.kept, purpose=f"{purpose} (device staging region)"
+      )
       if not region.kept:
         export.keys.append(key)
+      meta.spans.append((1 + device.index, region.pointer, region.nbytes))
       offset = 0
       for i in small:
         pointer, nbytes, _ = chunks[i]

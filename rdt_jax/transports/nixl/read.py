@@ -16,20 +16,35 @@ reading, and both read the same descriptor pairs (`read_pairs`, merged by
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from rdt_jax import _dlpack, _faults
+from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._plan import Destination, memory_kind
 from rdt_jax.transports.nixl import node_local
 from rdt_jax.transports.nixl.agent import READ_NOTIF
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
-from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
+from rdt_jax.transports.nixl.registrations import Key, NixlError, Registrations, nixl_error, nixl_memory
 from rdt_jax.transports.nixl.staleness import FreedObjects
 from rdt_jax.transports.nixl.views import RemoteViews
 
-__all__ = ["NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "coalesce", "read_pairs"]
+__all__ = [
+    "READ_FIX", "NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "check_registered", "coalesce",
+    "read_pairs",
+]
+
+#: What to do after a READ failed to load, prepare or post.
+READ_FIX = (
+    "The producer may have died, freed the object, or be unreachable from this process; "
+    "fetch again while the ObjectRef is alive, and check the producing actor."
+)
+_LOAD_FIX = (
+    "The producer's agent metadata could not be used: producer and consumer may run different "
+    "NIXL versions, or the producer's host is unreachable; run one NIXL version everywhere."
+)
 
 #: A transfer descriptor: (address, nbytes, device index).
 Descriptor = tuple[int, int, int]
@@ -91,23 +106,68 @@ def coalesce(
 
 
 def read_pairs(
-    dests: list[Destination], meta: NixlTransportMetadata
+    dests: list[Destination], meta: NixlTransportMetadata, obj_id: str = ""
 ) -> tuple[list[Descriptor], list[Descriptor], list[Any]]:
   """The (local, remote, region key) lists `coalesce` takes, one per
   non-empty destination: each reads `nbytes` at its source chunk's address
   plus `source_offset`. A byte run of a resharded leaf (`part`) gets a region
   key of its own: the bytes after it are not padding, so it never merges.
+
+  Every read lies inside its source chunk, so inside memory the producer
+  registered (`NixlTransportMetadata.validate` checked that each chunk lies
+  in its region).
+
+  Raises:
+    MetadataError: for a destination that reads outside its source chunk,
+      or names no non-empty chunk of `meta`.
   """
   # meta.addresses lists only non-empty chunks, in leaf order.
-  nonempty = [i for i, c in enumerate(c for leaf in meta.leaves for c in leaf.chunks) if c.nbytes]
-  slot = {chunk: k for k, chunk in enumerate(nonempty)}
+  sizes = [c.nbytes for leaf in meta.leaves for c in leaf.chunks if c.nbytes]
+  slot: dict[int, int] = {}
+  for i, c in enumerate(c for leaf in meta.leaves for c in leaf.chunks):
+    if c.nbytes:
+      slot[i] = len(slot)
   local, remote, regions = [], [], []
   for n, d in enumerate(dests):
-    k = slot[d.source] if d.source >= 0 else n
+    k = slot.get(d.source, -1) if d.source >= 0 else n
+    if not (
+        0 <= k < min(len(sizes), len(meta.addresses))
+        and 0 <= d.source_offset and d.source_offset + d.nbytes <= sizes[k]
+    ):
+      raise MetadataError(
+          obj_id, f"chunks[{d.source}]",
+          f"is read at offset {d.source_offset} for {d.nbytes} bytes, outside the chunk the producer registered",
+      )
     local.append((d.pointer, d.nbytes, nixl_memory(d.device)[1].index))
     remote.append((meta.addresses[k] + d.source_offset, d.nbytes, meta.device_ids[k]))
     regions.append((d.region, meta.regions[k], n) if d.part else (d.region, meta.regions[k]))
   return local, remote, regions
+
+
+def check_registered(obj_id: str, meta: NixlTransportMetadata, remote: list[Descriptor]) -> None:
+  """Refuses a read of the producer's memory outside what it registered for
+  this object: its staging regions (`meta.spans`) and its chunks read in place.
+
+  Raises:
+    MetadataError: naming the object and the first descriptor outside.
+  """
+  extents = sorted(
+      [(start, start + n) for _, start, n in meta.spans]
+      + [
+          (a, a + n)
+          for a, n, r in zip(meta.addresses, (c.nbytes for leaf in meta.leaves for c in leaf.chunks if c.nbytes),
+                             meta.regions)
+          if r < 0
+      ]
+  )
+  starts = [a for a, _ in extents]
+  for k, (address, nbytes, _) in enumerate(remote):
+    i = bisect.bisect_right(starts, address) - 1
+    if i < 0 or address + nbytes > extents[i][1]:
+      raise MetadataError(
+          obj_id, "addresses", f"lead to a read of {nbytes} bytes at {address:#x} (descriptor {k}), outside "
+          "every region the producer registered for the object",
+      )
 
 
 def _mem_type(dests: list[Destination], obj_id: str) -> str:
@@ -150,19 +210,28 @@ class NixlRead:
     agent = self._agent()
     local_type = _mem_type(dests, obj_id)
     remote_type = nixl_memory(_dlpack.Device(meta.tensor_device or "cpu"))[0]  # type: ignore[arg-type]
-    remote = self._views.open_read(meta)
+    subject = f"object {obj_id} from producer agent {meta.agent_name}"
+    try:
+      remote = self._views.open_read(meta)
+    except (MetadataError, NixlError):
+      raise
+    except Exception as e:
+      raise nixl_error("load the agent metadata to read", subject, e, _LOAD_FIX, obj_id) from None
     keys: list[Key] = []
     try:
-      keys = self._register_destinations(dests, keys)
-      local, remote_descs = coalesce(*read_pairs(dests, meta))
+      keys = self._register_destinations(dests, keys, f"as receive memory of {subject}")
+      local, remote_descs = coalesce(*read_pairs(dests, meta, obj_id))
       self._count(descriptors=len(local))
-      xfer = agent.initialize_xfer(
-          "READ",
-          agent.get_xfer_descs(local, mem_type=local_type),
-          agent.get_xfer_descs(remote_descs, mem_type=remote_type),
-          remote,
-          READ_NOTIF,  # wakes the producer's poll to its busy period (agent.py)
-      )
+      try:
+        xfer = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, mem_type=local_type),
+            agent.get_xfer_descs(remote_descs, mem_type=remote_type),
+            remote,
+            READ_NOTIF,  # wakes the producer's poll to its busy period (agent.py)
+        )
+      except Exception as e:
+        raise nixl_error("prepare the READ of", subject, e, READ_FIX, obj_id) from None
     except BaseException:
       self._registrations.unregister(keys)
       self._views.mark_broken(remote)  # the producer may be unreachable: reconnect next time
@@ -173,15 +242,22 @@ class NixlRead:
       if _faults.ON:
         _faults.hit("nixl.post")
       state = agent.transfer(xfer)
-    except BaseException:
+    except _faults.InjectedFault:
+      self._inflight.retire_or_park(read)
+      raise
+    except BaseException as e:
       self._inflight.retire_or_park(read)  # never posted, or posted and failed
+      if isinstance(e, Exception):
+        raise nixl_error("post the READ of", subject, e, READ_FIX, obj_id) from None
       raise
     if state == "ERR":
       self._inflight.retire_or_park(read)
-      raise RuntimeError(f"NIXL READ of object {obj_id} entered the error state on start.")
+      raise NixlError(
+          f"jax_nixl's READ of {subject} entered NIXL's error state when posted. {READ_FIX}", "read", obj_id
+      )
     return read
 
-  def _register_destinations(self, dests: list[Destination], keys: list[Key]) -> list[Key]:
+  def _register_destinations(self, dests: list[Destination], keys: list[Key], purpose: str = "") -> list[Key]:
     """Registers the receive memory, each distinct allocation once.
 
     Pooled buffers stay registered for reuse and need no release; the keys
@@ -189,7 +265,7 @@ class NixlRead:
     half way leaves `keys` naming exactly what to undo) and returned.
     """
     for (pointer, nbytes), device, pooled in {(d.region, nixl_memory(d.device)[1], d.pooled): None for d in dests}:
-      key = self._registrations.register(pointer, nbytes, device, pooled=pooled)
+      key = self._registrations.register(pointer, nbytes, device, pooled=pooled, purpose=purpose)
       if not pooled:
         keys.append(key)
     return keys
@@ -214,7 +290,8 @@ class NodeLocalRead:
 
   def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> None:
     self._freed.check(obj_id, meta)
-    local, remote = coalesce(*read_pairs(dests, meta))
+    local, remote = coalesce(*read_pairs(dests, meta, obj_id))
+    check_registered(obj_id, meta, remote)  # process_vm_readv itself checks nothing
     if _faults.ON:
       _faults.hit("nixl.post")
     assert meta.origin is not None

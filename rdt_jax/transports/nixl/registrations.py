@@ -28,7 +28,7 @@ from typing import Any, Final
 from rdt_jax import _dlpack, _faults
 from rdt_jax.transports._plan import memory_kind
 
-__all__ = ["Key", "Registrations", "nixl_memory"]
+__all__ = ["Key", "NixlError", "Registrations", "nixl_error", "nixl_memory"]
 
 #: A registration's identity: (pointer, nbytes, device kind, device index),
 #: the device as NIXL sees it (`nixl_memory`).
@@ -36,6 +36,44 @@ Key = tuple[int, int, str, int]
 
 
 _HOST: Final = _dlpack.Device("cpu")
+
+
+class NixlError(RuntimeError):
+  """A NIXL (UCX) call failed. The message names the operation (create the
+  agent, register, load a producer's agent, read), the object and producer
+  it was for, NIXL's own error, and what to do; never a bare
+  `nixlBackendError`.
+
+  Attributes:
+    operation: what failed ("register", "read", ...).
+    object_id: the object it was for, or "".
+  """
+
+  def __init__(self, message: str, operation: str = "", object_id: str = ""):
+    super().__init__(message)
+    self.operation, self.object_id = operation, object_id
+
+  def __reduce__(self) -> tuple[Any, ...]:
+    return type(self), (str(self), self.operation, self.object_id)
+
+
+def nixl_error(operation: str, subject: str, error: BaseException, fix: str, object_id: str = "") -> NixlError:
+  """The `NixlError` for `operation` on `subject` ("object X from producer
+  agent Y") that failed with NIXL's `error`; `fix` says what to do."""
+  return NixlError(
+      f"jax_nixl could not {operation} {subject}: NIXL reported {type(error).__name__}: "
+      f"{str(error).strip() or 'no detail'}. {fix}",
+      operation,
+      object_id,
+  )
+
+
+#: What to do after a failed registration.
+REGISTER_FIX: Final = (
+    "Registration pins the memory: check the locked-memory limit (ulimit -l) and free memory "
+    "on this host, and that UCX supports the memory type (CUDA memory needs a CUDA-enabled UCX); "
+    "then retry."
+)
 
 
 def nixl_memory(device: _dlpack.Device) -> tuple[str, _dlpack.Device]:
@@ -73,11 +111,17 @@ class Registrations:
     self.version = 0
     self.dereg_epoch = 0
 
-  def register(self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False) -> Key:
+  def register(
+      self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False, purpose: str = ""
+  ) -> Key:
     """Registers a region, or takes another reference to its registration.
 
     A `pooled` region takes no reference: it stays registered until its pool
     evicts it, and its key need not be passed to `unregister`.
+
+    Raises:
+      NixlError: NIXL refused the registration; the message names the
+        region, `purpose` (e.g. "for object X") and what to do.
     """
     mem_type, nixl_device = nixl_memory(device)
     key = (pointer, nbytes, nixl_device.kind, nixl_device.index)
@@ -86,7 +130,11 @@ class Registrations:
       if reg is None:
         if _faults.ON:
           _faults.hit("nixl.register")
-        handle = self._agent().register_memory([(pointer, nbytes, nixl_device.index, "")], mem_type=mem_type)
+        try:
+          handle = self._agent().register_memory([(pointer, nbytes, nixl_device.index, "")], mem_type=mem_type)
+        except Exception as e:
+          where = f"{nbytes} bytes of {mem_type} at {pointer:#x} ({device.kind}:{device.index})"
+          raise nixl_error("register", f"{where} {purpose}".strip(), e, REGISTER_FIX) from None
         reg = self._regs[key] = _Registration(handle, pooled)
         self.version += 1
       if pooled:

@@ -29,8 +29,8 @@ from rdt_jax.transports.nixl import agent as _agent
 from rdt_jax.transports.nixl.export import Exports
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
-from rdt_jax.transports.nixl.read import NixlRead, NodeLocalRead, ReadRefused, ReadStrategy
-from rdt_jax.transports.nixl.registrations import Registrations
+from rdt_jax.transports.nixl.read import READ_FIX, NixlRead, NodeLocalRead, ReadRefused, ReadStrategy
+from rdt_jax.transports.nixl.registrations import Registrations, nixl_error
 from rdt_jax.transports.nixl.staleness import FreedObjects
 from rdt_jax.transports.nixl.views import RemoteViews
 
@@ -178,8 +178,17 @@ class NixlTransport(DlpackTransport):
       return self._nixl_read.start(obj_id, meta, dests)
 
   def wait_receive(self, handle: PostedRead | None, obj_id: str, timeout: float) -> None:
-    if handle is not None:
+    if handle is None:
+      return
+    producer = handle.remote
+    try:
       self._inflight.wait(handle, obj_id, timeout, self.aborted)
+    except Exception as e:
+      if not type(e).__module__.startswith("nixl"):
+        raise
+      raise nixl_error(  # NIXL's own exception, raised while the READ ran
+          "complete the READ of", f"object {obj_id} from producer agent {producer}", e, READ_FIX, obj_id
+      ) from None
 
   def finish_receive(self, handle: PostedRead | None) -> None:
     """Retires a READ `wait_receive` saw DONE (parked instead while an
