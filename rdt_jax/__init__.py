@@ -40,6 +40,10 @@ if TYPE_CHECKING:
   from rdt_jax._settings import SettingError as SettingError
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
+  from rdt_jax._weights import StaleWeightsError as StaleWeightsError
+  from rdt_jax._weights import WeightPublisher as WeightPublisher
+  from rdt_jax._weights import WeightsHandle as WeightsHandle
+  from rdt_jax._weights import WeightSubscriber as WeightSubscriber
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
   from rdt_jax.transports._base import WholeArrayTransport as WholeArrayTransport
   from rdt_jax.transports._plan import Destination as Destination
@@ -60,10 +64,14 @@ _EXPORTS: dict[str, str] = {
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
+    "StaleWeightsError": "rdt_jax._weights",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",
     "UnsupportedLeafError": "rdt_jax._dlpack",
     "UnsupportedRayError": "rdt_jax._errors",
+    "WeightPublisher": "rdt_jax._weights",
+    "WeightSubscriber": "rdt_jax._weights",
+    "WeightsHandle": "rdt_jax._weights",
     "WholeArrayTransport": "rdt_jax.transports._base",
     "get_async": "rdt_jax._aio",
     "receive_as": "rdt_jax._registry",

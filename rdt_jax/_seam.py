@@ -321,6 +321,22 @@ def is_two_sided_object(obj_id: str) -> bool:
   return info is not None and not info.transport_manager_class.is_one_sided()
 
 
+def free_now(obj_id: str) -> None:
+  """Frees RDT object `obj_id`, produced in this process, at once, whatever
+  references to it remain elsewhere: the store drops it and its transport's
+  `garbage_collect` releases its memory, as when Ray frees it after its last
+  reference goes (Ray's later free of it then finds nothing and does nothing).
+  A consumer reading it afterwards gets the freed-object error where its
+  transport detects it (`docs/faults.md`). Does nothing for an object this
+  process does not hold."""
+  from ray.experimental.rdt.rdt_store import __ray_free__
+
+  meta = _rdt_manager().get_rdt_metadata(obj_id)
+  if meta is None or meta.tensor_transport_meta is None:
+    return
+  __ray_free__(None, obj_id, meta.tensor_transport_backend, meta.tensor_transport_meta)
+
+
 def actor_id(actor: Any) -> str:
   """The hex id of an actor handle."""
   return str(actor._actor_id.hex())
@@ -375,20 +391,30 @@ def _default_reduce(leaf: Any) -> Any:
   return leaf.__reduce__()
 
 
-def _check_only(leaf: Any) -> None:
-  _dlpack.describe(leaf, _state.leaf_path(leaf))  # raises, naming the leaf
+def _take_prng_key(key: Any) -> tuple[Callable[[Any, str], Any], tuple[Any, str]]:
+  """Moves a typed PRNG key array out of band as its raw key data (itself a
+  jax leaf, taken by `_take_leaf` under the key's pytree path) and its
+  implementation's name; `_key_from_transfer` rebuilds the same typed key."""
+  data, impl = _dlpack.prng_key_parts(key)
+  _state.set_leaf_path(data, _state.leaf_path(key))
+  return _key_from_transfer, (data, impl)
+
+
+def _key_from_transfer(data: Any, impl: str) -> Any:
+  """Deserializer: a typed key of implementation `impl` over the received key
+  data, which arrives as jax whatever this process's receive mode."""
+  return _dlpack.wrap_prng_key(_dlpack.convert_leaf(data, "jax"), impl)
 
 
 def _chained(previous: Callable[[Any], Any] | None, default: Callable[[Any], Any],
-             take: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
-  """Our reducer in front of `previous` (the one that was there, or None)."""
+             take: Callable[[Any], Any] = _take_leaf) -> Callable[[Any], Any]:
+  """Our reducer in front of `previous` (the one that was there, or None):
+  `take` while rdt_jax extracts, else `previous` or `default`."""
   fallback = previous if previous is not None else default
 
   def reduce(leaf: Any) -> Any:
     if _extracting():
-      if take is None:
-        return _take_leaf(leaf)
-      take(leaf)
+      return take(leaf)
     return fallback(leaf)
 
   reduce._rdt_jax_reducer = True  # type: ignore[attr-defined]
@@ -396,7 +422,7 @@ def _chained(previous: Callable[[Any], Any] | None, default: Callable[[Any], Any
   return reduce
 
 
-def _chain(cls: type, default: Callable[[Any], Any], take: Callable[[Any], Any] | None = None) -> None:
+def _chain(cls: type, default: Callable[[Any], Any], take: Callable[[Any], Any] = _take_leaf) -> None:
   from ray import cloudpickle
 
   dispatch = cloudpickle.CloudPickler.dispatch
@@ -422,7 +448,7 @@ def install_reducers() -> None:
     _chain(_compat.array_impl_type(), _default_reduce)
     key_type = _compat.prng_key_array_type()
     if key_type is not None:
-      _chain(key_type, _default_reduce, take=_check_only)
+      _chain(key_type, _default_reduce, take=_take_prng_key)
   if "torch" in sys.modules:
     torch = sys.modules["torch"]
     _chain(torch.Tensor, _default_reduce_ex)

@@ -106,6 +106,15 @@ def leaf_path(leaf: Any) -> str:
   return serializing.paths.get(id(leaf), "")
 
 
+def set_leaf_path(leaf: Any, path: str) -> None:
+  """Names `leaf`, an array made during the serialization in progress (a
+  typed key's raw data), by `path` for `leaf_path`. The caller keeps `leaf`
+  alive until the serialization ends (its id stays unique)."""
+  leaf_path(leaf)  # the value's paths, computed once
+  assert serializing.paths is not None
+  serializing.paths[id(leaf)] = path
+
+
 def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
   """Keeps `leaf`'s description for the serialization in progress.
 

@@ -96,11 +96,28 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
         "tensor_transport='jax_nixl' (or 'jax_transfer') to receive it into "
         "targets, with a sharding of your own, or as a slice."
     )
-  buffers = _flatten_target(target)
+  buffers = flatten_target(target)
   check_disjoint(buffers)
   meta = _seam.transport_metadata(obj_id)
   if meta is not None:
     align_targets(buffers, getattr(meta, "leaves", []))
+  with _lock:
+    _prune()
+    _targets[obj_id] = Target(buffers=buffers)
+
+
+def set_flat_target_for_ref(ref: ray.ObjectRef, buffers: dict[str, Any]) -> None:
+  """`set_target_for_ref` with a target already flattened (`flatten_target`)
+  and found to fit an object of the same structure: stores it without the
+  checks `set_target_for_ref` makes when it is set (the fetch still checks
+  every leaf against the object's metadata before any byte moves). For
+  callers that set the same target for every version of a stream
+  (`rdt_jax.WeightSubscriber`).
+
+  Raises:
+    TypeError, ValueError: as `set_target_for_ref`, for the ref.
+  """
+  obj_id = _check_rdt_ref(ref)
   with _lock:
     _prune()
     _targets[obj_id] = Target(buffers=buffers)
@@ -163,13 +180,20 @@ def _is_target_leaf(x: Any) -> bool:
   return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
 
 
-def _flatten_target(target: Any) -> dict[str, Any]:
+def _key_data_target(x: Any) -> Any:
+  """A typed PRNG key target stands for its raw key data (what crosses the
+  wire, `rdt_jax._seam`): a placement template of the data's shape."""
+  return _dlpack.prng_key_parts(x)[0] if _dlpack.is_prng_key(x) else x
+
+
+def flatten_target(target: Any) -> dict[str, Any]:
+  """A target's leaves by pytree path (typed keys stand for their key data)."""
   import jax
 
   if _is_target_leaf(target):
     return {"": target}
   flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)
-  buffers = {jax.tree_util.keystr(p): x for p, x in flat if _is_target_leaf(x)}
+  buffers = {jax.tree_util.keystr(p): _key_data_target(x) for p, x in flat if _is_target_leaf(x)}
   if not buffers:
     raise ValueError(
         "The target holds no jax, torch or numpy arrays, rdt_jax.Slice or "

@@ -150,8 +150,16 @@ def test_sub_byte(dtype):
 
 
 def test_prng_key():
-  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"PRNG key.*key_data"):
-    _dlpack.describe(jax.random.key(0), "['k']")
+  # A typed key is described through its raw data, and rebuilt as the same key.
+  key = jax.random.key(5, impl="rbg")
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"PRNG key.*prng_key_parts"):
+    _dlpack.describe(key, "['k']")
+  assert _dlpack.is_prng_key(key) and not _dlpack.is_prng_key(jnp.zeros(2, jnp.uint32))
+  data, impl = _dlpack.prng_key_parts(key)
+  assert impl == "rbg" and data.shape == (4,)
+  back = _dlpack.wrap_prng_key(data, impl)
+  assert jax.random.key_impl(back) == jax.random.key_impl(key)
+  np.testing.assert_array_equal(jax.random.key_data(back), data)
 
 
 def test_object_dtype():

@@ -43,7 +43,7 @@ EXAMPLES = [
     Example("quickstart.py", copy=True),
     Example("demo.py", ("--mb", "16", "--leaves", "8", "--rounds", "1")),
     Example("pipeline.py"),
-    Example("weight_sync.py", ("--generators", "2", "--steps", "3", "--mb", "4")),
+    Example("weight_sync.py", ("--steps", "4", "--mb", "4"), timeout_s=300),
     Example("shm_transport.py"),
     Example("reshard.py"),
 ]

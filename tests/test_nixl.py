@@ -298,9 +298,10 @@ def test_sub_byte_dtype_names_leaf_and_dtype(producer):
     ray.get(producer.make.remote(int4_leaf))
 
 
-def test_prng_key_is_refused(producer):
-  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['key'\].*key_data"):
-    ray.get(producer.make.remote(prng_leaf))
+def test_prng_key_crosses_as_a_typed_key(producer):
+  key = ray.get(producer.make.remote(prng_leaf))["key"]
+  assert jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0))
+  np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(0)))
 
 
 def test_object_dtype_is_refused(producer):

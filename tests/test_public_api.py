@@ -11,7 +11,7 @@ from ray.exceptions import RayError
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 
 import rdt_jax
-from rdt_jax import _dlpack, _seam
+from rdt_jax import _dlpack, _seam, _weights
 from rdt_jax.transports import _base, _plan
 
 
@@ -34,6 +34,8 @@ def test_public_names_are_the_objects_rdt_jax_uses():
   assert rdt_jax.LeafSpec is _dlpack.LeafSpec
   assert rdt_jax.Destination is _plan.Destination
   assert rdt_jax.Placement is _plan.Placement
+  assert rdt_jax.WeightPublisher is _weights.WeightPublisher
+  assert rdt_jax.StaleWeightsError is _weights.StaleWeightsError
 
 
 def test_error_types_subclass_what_ray_raises():
@@ -42,6 +44,7 @@ def test_error_types_subclass_what_ray_raises():
   assert issubclass(rdt_jax.UnsupportedRayError, RuntimeError)
   assert issubclass(rdt_jax.UnsupportedLeafError, ValueError)
   assert issubclass(rdt_jax.SettingError, ValueError)
+  assert issubclass(rdt_jax.StaleWeightsError, RuntimeError)
   # Ray's future raises a RayError its callback receives (and returns anything else).
   assert issubclass(rdt_jax.AwaitNotSupportedError, RayError)
   assert issubclass(rdt_jax.RefNotReadyError, NotImplementedError)

@@ -47,6 +47,9 @@ from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
 from rdt_jax._dlpack._gc import GC_PAUSE_MIN_LEAVES as GC_PAUSE_MIN_LEAVES
 from rdt_jax._dlpack._gc import gc_paused as gc_paused
+from rdt_jax._dlpack._jax import is_prng_key as is_prng_key
+from rdt_jax._dlpack._jax import prng_key_parts as prng_key_parts
+from rdt_jax._dlpack._jax import wrap_prng_key as wrap_prng_key
 from rdt_jax._dlpack._lazy import importable as importable
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
 from rdt_jax._dlpack._memory import aligned as aligned
@@ -116,6 +119,10 @@ __all__ = [  # noqa: RUF022
     "convert_leaf",
     "copy_into",
     "to_jax_exact",
+    # Typed PRNG keys: raw key data and implementation name, and back.
+    "is_prng_key",
+    "prng_key_parts",
+    "wrap_prng_key",
     # Rebuilding received leaves from host views or device byte views.
     "build_sharded",
     "host_to_jax_many",

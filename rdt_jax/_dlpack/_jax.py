@@ -35,6 +35,29 @@ def check_alive(x: Any, path: str) -> None:
     )
 
 
+def is_prng_key(x: Any) -> bool:
+  """True if `x` is a typed PRNG key array (`jax.random.key`, `nnx.Rngs` state)."""
+  key_type = _compat.prng_key_array_type()
+  return key_type is not None and isinstance(x, key_type)
+
+
+def prng_key_parts(key: Any) -> tuple[Any, str]:
+  """A typed key array as (its raw `jax.random.key_data`, its implementation's
+  name), which `wrap_prng_key` turns back into the same key. The data has
+  the key's sharding and shape plus the implementation's trailing axes."""
+  import jax
+
+  return jax.random.key_data(key), str(jax.random.key_impl(key))
+
+
+def wrap_prng_key(data: Any, impl: str) -> Any:
+  """The typed key array of implementation `impl` over raw key `data` (a
+  `jax.Array` of `uint32`, as `prng_key_parts` gives), zero-copy."""
+  import jax
+
+  return jax.random.wrap_key_data(data, impl=impl)
+
+
 #: jax devices of this process that single-device leaves were described on.
 _LOCAL_DEVICES: dict[Any, Device] = {}
 
@@ -51,13 +74,12 @@ def describe(x: Any, path: str) -> DescribedLeaf:
       platform, a non-default layout or memory kind (`check_placement`),
       naming the leaf and the fix.
   """
-  key_type = _compat.prng_key_array_type()
-  if key_type is not None and isinstance(x, key_type):
+  if is_prng_key(x):
     raise UnsupportedLeafError(
         path,
         "is a PRNG key array (jax.random.key), which has no DLPack form",
-        "Send jax.random.key_data(key) and rebuild it with "
-        "jax.random.wrap_key_data on the consumer.",
+        "Describe its raw data instead (prng_key_parts; rdt_jax transports do "
+        "so for every key in a value, and wrap_prng_key rebuilds it).",
     )
   check_alive(x, path)
   dtype = check_dtype(np.dtype(x.dtype), path)

@@ -1,0 +1,516 @@
+"""Weight sync: a trainer publishes versions of its parameters; generators pull
+them into live parameters.
+
+`WeightPublisher` (in the trainer's actor) stores each version as one RDT
+object of its transport and hands out a `WeightsHandle`: the version, the
+object's ref, the publisher's actor and a digest of the value's structure.
+`WeightSubscriber` (in a generator) pulls a handle's version into its
+template with `rdt_jax.set_target_for_ref` and `ray.get`: torch and numpy
+leaves are written in place, jax leaves arrive with the template's sharding,
+`rdt_jax.Slice` leaves receive one index range.
+
+The rules of the stream, in one place:
+
+* versions published by one publisher strictly increase;
+* the publisher keeps at most `keep` versions readable and frees older ones at
+  once (`rdt_jax._seam.free_now`), whatever handles to them remain;
+* a pull asks the publisher which versions it keeps before it starts and again
+  after its bytes arrived: a version that is not newer than the subscriber's,
+  or that is not kept, is refused with `StaleWeightsError` before any byte
+  moves; one freed while it was read is refused after (its bytes may be
+  another version's);
+* `sub.version` names a version only while the template holds exactly its
+  bytes (`atomic=False`: `None` from the moment a pull may write into the
+  template until it succeeds; `atomic=True`: the pull lands in staging
+  buffers and is copied into the template only once it succeeded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Final
+
+import ray
+
+from rdt_jax import _dlpack, _seam, _targets
+
+__all__ = ["StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]
+
+#: One leaf of a published value: (pytree path, kind, shape, dtype or key
+#: implementation). `kind` is "array" or "key" (a typed PRNG key array).
+LeafEntry = tuple[str, str, tuple[int, ...], str]
+
+
+class StaleWeightsError(RuntimeError):
+  """A pull of a version the subscriber may not take: not newer than the
+  version it holds, or no longer kept by its publisher.
+
+  Raised by `WeightSubscriber.pull` before any byte moves (the template and
+  `sub.version` are unchanged), or, for a version its publisher freed while
+  it was being read, after (the state is then that of a failed pull: see
+  `WeightSubscriber`).
+
+  Attributes:
+    version: the version asked for.
+    current: the subscriber's version (None: none, or torn).
+    kept: the versions the publisher kept when asked (empty if unknown).
+  """
+
+  def __init__(self, message: str, version: int = 0, current: int | None = None, kept: tuple[int, ...] = ()):
+    super().__init__(message)
+    self.version = version
+    self.current = current
+    self.kept = kept
+
+  def __reduce__(self) -> tuple[type, tuple[str, int, int | None, tuple[int, ...]]]:
+    # Ray pickles an actor's exception to its caller: keep the attributes.
+    return type(self), (str(self), self.version, self.current, self.kept)
+
+
+StaleWeightsError.__module__ = "rdt_jax"
+
+
+@dataclass(frozen=True)
+class WeightsHandle:
+  """One published version: what a subscriber needs to pull it.
+
+  Picklable and small (under 4 KiB pickled, whatever the weights' size):
+  passing it through Ray (as an argument or a return value) moves no weight
+  bytes. It holds a reference to the version's RDT object; the publisher
+  frees the object when the version leaves its `keep` window, whether or not
+  handles to it remain.
+
+  Attributes:
+    version: the version number given to `WeightPublisher.publish`.
+    ref: the `ray.ObjectRef` of the version's RDT object.
+    publisher: the publisher's id.
+    actor: the handle of the actor the publisher lives in.
+    structure: a digest of the value's structure (leaf paths, shapes,
+      dtypes); a subscriber checks its template once per structure.
+  """
+
+  version: int
+  ref: Any
+  publisher: str
+  actor: Any
+  structure: str
+
+
+# --------------------------------------------------------------------------
+# Structure: what a template is checked against.
+
+
+def _is_template_leaf(x: Any) -> bool:
+  return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
+
+
+def _flatten(tree: Any) -> list[tuple[str, Any]]:
+  """(pytree path as `jax.tree_util.keystr` prints it, leaf) of every array,
+  `Slice` or sharding leaf of `tree`."""
+  import jax
+
+  if _is_template_leaf(tree):
+    return [("", tree)]
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_template_leaf)
+  return [(jax.tree_util.keystr(p), x) for p, x in flat if _is_template_leaf(x)]
+
+
+def _entry(path: str, x: Any) -> LeafEntry:
+  shape = tuple(int(n) for n in x.shape)
+  if _dlpack.is_prng_key(x):
+    return path, "key", shape, _dlpack.prng_key_parts(x)[1]
+  return path, "array", shape, _dlpack.dtype_of(x).name
+
+
+def structure_of(tree: Any) -> tuple[LeafEntry, ...]:
+  """Every array leaf of a value to publish, as `LeafEntry`s in leaf order."""
+  return tuple(_entry(path, x) for path, x in _flatten(tree) if _dlpack.is_array(x))
+
+
+def _digest(structure: tuple[LeafEntry, ...]) -> str:
+  return hashlib.blake2b(repr(structure).encode(), digest_size=12).hexdigest()
+
+
+def _describe(entry: LeafEntry) -> str:
+  _, kind, shape, what = entry
+  return f"a typed PRNG key array (impl {what}, shape {shape})" if kind == "key" else f"shape {shape}, dtype {what}"
+
+
+def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, ...]) -> None:
+  """Checks a subscriber's flattened template against a published structure,
+  before any byte moves.
+
+  Raises:
+    ValueError: naming the first leaf path the template lacks or has in
+      excess, or whose template leaf has another shape, dtype or key
+      implementation than the published leaf.
+    UnsupportedLeafError: naming the leaf, for a `Slice` outside its shape.
+  """
+  by_path = dict(template)
+  published = {entry[0] for entry in structure}
+  extra = [p for p in by_path if p not in published]
+  if extra:
+    raise ValueError(
+        f"The template has a leaf at {extra[0] or '(the value itself)'} that the published value lacks "
+        f"(published leaves: {', '.join(sorted(published)[:8])}{', ...' if len(published) > 8 else ''}). "
+        "Build the template with the published value's structure."
+    )
+  for entry in structure:
+    path, kind, shape, _ = entry
+    name = path or "(the value itself)"
+    if path not in by_path:
+      raise ValueError(
+          f"The template has no leaf at {name}; the published value has {_describe(entry)} there. "
+          "Build the template with the published value's structure."
+      )
+    leaf = by_path[path]
+    if isinstance(leaf, _dlpack.Slice):
+      if kind == "key":
+        raise ValueError(f"The template leaf at {name} is a Slice; the published leaf is {_describe(entry)}.")
+      leaf.box(shape, path)  # raises, naming the leaf
+      continue
+    if _dlpack.is_sharding(leaf):
+      continue
+    got = _entry(path, leaf)
+    if got != entry:
+      raise ValueError(
+          f"The template leaf at {name} has {_describe(got)}, but the published leaf has {_describe(entry)}. "
+          "Pass a template leaf of the published shape and dtype (or an rdt_jax.Slice, or a sharding)."
+      )
+
+
+# --------------------------------------------------------------------------
+# Publisher
+
+
+#: The publishers of this process by id, for the queries subscribers send.
+_publishers: Final[weakref.WeakValueDictionary[str, WeightPublisher]] = weakref.WeakValueDictionary()
+
+
+def _query(_actor: Any, publisher: str, structure: str | None) -> tuple[tuple[int, ...] | None, Any]:
+  """Runs in the publisher's process (Ray's system concurrency group): the
+  versions publisher `publisher` keeps (None if it is closed or gone) and,
+  if asked, the structure behind digest `structure`."""
+  pub = _publishers.get(publisher)
+  if pub is None:
+    return None, None
+  return pub._answer(structure)
+
+
+class WeightPublisher:
+  """Publishes versions of a trainer's parameters for `WeightSubscriber`s.
+
+  Lives in the trainer's actor (an actor with
+  `@ray.remote(enable_tensor_transport=True)`; `rdt_jax.register()` called
+  in the driver before the actor was created).
+
+  Each `publish` stores the value as one RDT object of `transport` (the
+  trainer's arrays are sent from where they are; nothing is copied at
+  publish) and keeps it readable until `keep` newer versions exist. The
+  arrays of a kept version are held by rdt_jax: the trainer may go on
+  training with new arrays, or donate the published ones to its next jitted
+  step. A held array is not donated (jax copies it into a new buffer, without
+  an error): the published bytes never change, and the step pays one
+  allocation and copy of each donated leaf while its version is kept
+  (docs/weight_sync.md gives the measured cost).
+
+  Args:
+    transport: a one-sided rdt_jax transport (`"jax_nixl"`, or
+      `"jax_transfer"`).
+    keep: how many versions stay readable (at least 1). A version leaves the
+      window when the `keep`-th newer one is published; its memory is freed
+      then, and pulls of it raise `StaleWeightsError`.
+
+  Raises:
+    ValueError: for `keep` < 1 or a two-sided transport.
+    RuntimeError: outside a Ray actor.
+  """
+
+  def __init__(self, transport: str = "jax_nixl", keep: int = 2):
+    if keep < 1:
+      raise ValueError(f"keep={keep}: a publisher keeps at least one version readable.")
+    if transport in ("jax_gloo", "jax_nccl"):
+      raise ValueError(
+          f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
+          "cannot pull them. Use 'jax_nixl' (or 'jax_transfer')."
+      )
+    actor = ray.get_runtime_context().current_actor if ray.is_initialized() and _seam.in_ray_worker() else None
+    if actor is None:
+      raise RuntimeError(
+          "WeightPublisher lives in a Ray actor (the trainer's, with @ray.remote(enable_tensor_transport=True)): "
+          "subscribers ask that actor which versions it keeps. Create it in the actor's __init__ or a method."
+      )
+    self.transport = transport
+    self.keep = keep
+    self._actor = actor
+    self._id = uuid.uuid4().hex
+    self._lock = threading.Lock()
+    self._kept: list[tuple[int, Any, str]] = []  # (version, ref, structure digest), oldest first
+    self._structures: dict[str, tuple[LeafEntry, ...]] = {}
+    self._closed = False
+    _publishers[self._id] = self
+
+  @property
+  def versions(self) -> tuple[int, ...]:
+    """The versions kept readable, oldest first."""
+    with self._lock:
+      return tuple(v for v, _, _ in self._kept)
+
+  @property
+  def version(self) -> int | None:
+    """The newest published version, or None before the first."""
+    with self._lock:
+      return self._kept[-1][0] if self._kept else None
+
+  def publish(self, tree: Any, version: int) -> WeightsHandle:
+    """Publishes `tree` (a pytree of jax, torch or numpy arrays, typed PRNG
+    keys included) as `version`.
+
+    Returns once the version is readable; frees the version that leaves the
+    `keep` window.
+
+    Args:
+      tree: the parameters. Their bytes must not change while the version is
+        kept: jax arrays never do (donating them is safe, see the class
+        docstring); torch or numpy arrays must not be written in place.
+      version: an int greater than every version published before.
+
+    Returns:
+      The version's `WeightsHandle`.
+
+    Raises:
+      ValueError: if `version` is not greater than the newest one.
+      RuntimeError: if the publisher is closed.
+      UnsupportedLeafError: naming the leaf, for a leaf the transport cannot
+        send (nothing is published).
+    """
+    version = int(version)
+    newest = self.version
+    if self._closed:
+      raise RuntimeError("This WeightPublisher is closed; create a new one to publish again.")
+    if newest is not None and version <= newest:
+      raise ValueError(f"Version {version} is not newer than the last published version {newest}: versions increase.")
+    structure = structure_of(tree)
+    digest = _digest(structure)
+    ref = ray.put(tree, _tensor_transport=self.transport)
+    with self._lock:
+      self._structures[digest] = structure
+      self._kept.append((version, ref, digest))
+      dropped = self._kept[: -self.keep]
+      del self._kept[: -self.keep]
+      live = {d for _, _, d in self._kept}
+      for d in [d for d in self._structures if d not in live]:
+        del self._structures[d]
+    for _, old, _ in dropped:
+      _seam.free_now(old.hex())
+    return WeightsHandle(version, ref, self._id, self._actor, digest)
+
+  def close(self) -> None:
+    """Frees every kept version; later pulls of them raise `StaleWeightsError`."""
+    with self._lock:
+      self._closed = True
+      dropped, self._kept = self._kept, []
+    for _, ref, _ in dropped:
+      _seam.free_now(ref.hex())
+    _publishers.pop(self._id, None)
+
+  def _answer(self, structure: str | None) -> tuple[tuple[int, ...] | None, Any]:
+    with self._lock:
+      if self._closed:
+        return None, None
+      return tuple(v for v, _, _ in self._kept), None if structure is None else self._structures.get(structure)
+
+
+# --------------------------------------------------------------------------
+# Subscriber
+
+
+def _empty_like(x: Any) -> Any:
+  """A new array of `x`'s framework, shape, dtype and device (atomic staging)."""
+  fw = _dlpack.framework_of(x)
+  if fw == "numpy":
+    import numpy as np
+
+    return np.empty_like(x)
+  if fw == "torch":
+    import torch
+
+    return torch.empty_like(x)
+  import cupy
+
+  return cupy.empty_like(x)
+
+
+def _staged(leaf: Any) -> Any:
+  """The staging counterpart of one template leaf: in-place leaves (numpy,
+  torch, cupy, a Slice's `into` array) get a new array; templates of new
+  arrays (jax, shardings, a Slice without `into`) are their own."""
+  if isinstance(leaf, _dlpack.Slice):
+    return leaf if leaf.into is None or _dlpack.framework_of(leaf.into) in (None, "jax") else (
+        dataclasses.replace(leaf, into=_empty_like(leaf.into)))
+  fw = _dlpack.framework_of(leaf)
+  return leaf if fw in (None, "jax") else _empty_like(leaf)
+
+
+def _in_place(leaf: Any) -> Any:
+  """The array a template leaf is written into in place, or None."""
+  if isinstance(leaf, _dlpack.Slice):
+    leaf = leaf.into
+  fw = _dlpack.framework_of(leaf)
+  return None if fw in (None, "jax") else leaf
+
+
+class WeightSubscriber:
+  """Pulls published versions into a generator's parameters.
+
+  Args:
+    template: a pytree of the published value's structure whose leaves say
+      where each leaf lands, as for `rdt_jax.set_target_for_ref`: numpy or
+      torch arrays are written in place (the pulled tree holds those very
+      objects), jax arrays and `jax.sharding.Sharding`s are placements (the
+      leaf arrives as a new jax array with that sharding), `rdt_jax.Slice`
+      receives one index range, a typed PRNG key receives a typed key of its
+      implementation. Checked against a version's structure at its first
+      pull (errors name the leaf path); later pulls of the same structure
+      skip the check.
+    atomic: False (default): pulls write into the template's arrays in
+      place, with no extra memory. A pull that fails once its fetch started
+      raises and leaves `version` None (the template is torn: some leaves may
+      hold the new version's bytes) until the next successful pull. True:
+      pulls land in staging arrays of the template's in-place leaves (one
+      more copy of those leaves in memory, allocated at the first pull and
+      reused), and a successful pull then copies them into the template (one
+      memcpy of those bytes per pull). A failed pull leaves the template's
+      arrays bit for bit as they were and `version` unchanged.
+
+  A pull refused before its fetch started (`StaleWeightsError`, a template
+  that does not match, a publisher that is gone) changes nothing in either
+  mode.
+  """
+
+  def __init__(self, template: Any, atomic: bool = False):
+    self.template = template
+    self.atomic = bool(atomic)
+    self._flat = _flatten(template)
+    if not self._flat:
+      raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
+    self._version: int | None = None
+    self._checked: set[str] = set()  # structures the template was checked against
+    self._fits: set[str] = set()  # structures a pull of which succeeded with this target
+    self._flat_target: dict[str, Any] = {}
+    self._staging: Any = None
+
+  @property
+  def version(self) -> int | None:
+    """The version the template holds, or None (none pulled yet, or torn)."""
+    return self._version
+
+  def pull(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
+    """Pulls `handle`'s version into the template.
+
+    Args:
+      handle: a `WeightsHandle` from `WeightPublisher.publish`.
+      timeout: seconds the whole pull may take (None: no limit).
+
+    Returns:
+      The pulled tree: the template's in-place arrays themselves holding the
+      new bytes, new jax arrays for jax leaves. `version` is then
+      `handle.version`.
+
+    Raises:
+      TypeError: if `handle` is not a `WeightsHandle`.
+      StaleWeightsError: for a version not newer than `version`, or not kept
+        by the publisher (before anything moves), or freed while it was read.
+      ValueError, UnsupportedLeafError: at the first pull of a structure,
+        naming the leaf path where template and published value differ.
+      ray.exceptions.RayError: the publisher's actor died, or the pull ran
+        out of time (`GetTimeoutError`); `version` is then as the class
+        docstring says for a failed pull.
+    """
+    if not isinstance(handle, WeightsHandle):
+      raise TypeError(f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    current = self._version
+    if current is not None and handle.version <= current:
+      raise StaleWeightsError(
+          f"Version {handle.version} is not newer than version {current}, which this subscriber holds; "
+          "pull a newer handle.",
+          handle.version, current,
+      )
+    structure = self._ask(handle, deadline, want_structure=handle.structure not in self._checked, current=current)
+    if handle.structure not in self._checked:
+      if structure is None:
+        raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+      check_template(self._flat, structure)
+      self._checked.add(handle.structure)
+    target = self._target()
+    if not self.atomic:
+      self._version = None  # torn from here until the pull succeeds
+    try:
+      if handle.structure in self._fits:
+        _targets.set_flat_target_for_ref(handle.ref, self._flat_target)
+      else:
+        _targets.set_target_for_ref(handle.ref, target)
+      value = ray.get(handle.ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+      self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
+    except BaseException as e:
+      if not self.atomic:
+        e.add_note(f"rdt_jax: the pull of version {handle.version} failed after it started: the template may "
+                   "hold some of its bytes, and the subscriber's version is None until the next successful pull.")
+      raise
+    if handle.structure not in self._fits:
+      self._fits.add(handle.structure)  # later versions of it skip set_target_for_ref's checks
+      self._flat_target = _targets.flatten_target(target)
+    if self.atomic:
+      value = self._commit(value)
+    self._version = handle.version
+    return value
+
+  def _ask(self, handle: WeightsHandle, deadline: float | None, want_structure: bool,
+           current: int | None, after_read: bool = False) -> Any:
+    """Asks the publisher whether `handle`'s version is kept (and for its
+    structure, if `want_structure`); raises `StaleWeightsError`, naming
+    `current` (the version held when the pull began), if not."""
+    ref = _seam.call_on_system_group(handle.actor, _query, handle.publisher,
+                                     handle.structure if want_structure else None)
+    kept, structure = ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    if kept is None or handle.version not in kept:
+      when = "was freed while it was being read (its bytes may be another version's)" if after_read else (
+          "is no longer kept by its publisher")
+      raise StaleWeightsError(
+          f"Version {handle.version} {when}; the publisher keeps versions "
+          f"{list(kept) if kept else 'none (closed)'}, this subscriber held version {current}. "
+          "Pull a newer handle (or publish with a larger keep).",
+          handle.version, current, tuple(kept or ()),
+      )
+    return structure
+
+  def _target(self) -> Any:
+    if not self.atomic:
+      return self.template
+    if self._staging is None:
+      import jax
+
+      self._staging = jax.tree_util.tree_map(_staged, self.template, is_leaf=_is_template_leaf)
+    return self._staging
+
+  def _commit(self, value: Any) -> Any:
+    """Copies a successful atomic pull from the staging arrays into the
+    template; returns the pulled tree with the template's arrays in place."""
+    import jax
+
+    def commit(leaf: Any, arrived: Any) -> Any:
+      into = _in_place(leaf)
+      if into is None:
+        return arrived
+      _dlpack.copy_into(into, arrived)
+      return leaf if not isinstance(leaf, _dlpack.Slice) else into
+
+    return jax.tree_util.tree_map(commit, self.template, value, is_leaf=_is_template_leaf)
+

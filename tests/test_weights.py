@@ -1,0 +1,434 @@
+"""Weight sync (`rdt_jax.WeightPublisher` / `WeightSubscriber`) and typed PRNG
+keys, between real actors.
+
+A trainer holds parameters sharded over 4 forced host devices (a typed PRNG
+key among them) and publishes versions; generators pull them into torch
+tensors in place, or as jax arrays on a 2-device mesh of their own. Every
+check compares bytes (sha256 of each leaf) with what the trainer published.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+
+import rdt_jax
+from conftest import OUT_OF_BAND_ENV, worker_env
+
+rdt_jax.register()
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+RAY_NUM_CPUS = 12
+
+FOUR = "--xla_force_host_platform_device_count=4"
+TWO = "--xla_force_host_platform_device_count=2"
+#: A failure must reach the caller within this many seconds.
+ERROR_BOUND_S = 30.0
+
+
+def leaf_sha(x) -> str:
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  a = np.ascontiguousarray(rdt_jax.to_numpy(x))
+  return hashlib.sha256(f"{a.shape}|{a.dtype.name}|".encode() + a.tobytes()).hexdigest()
+
+
+def tree_shas(tree) -> dict:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(p): leaf_sha(x) for p, x in flat}
+
+
+def make_params(version: int) -> dict:
+  """Deterministic parameters of `version`, the big leaf sharded over 4 devices."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  w = jnp.arange(256 * 512, dtype=jnp.float32).reshape(256, 512) + version
+  return {
+      "layer": {
+          "w": jax.device_put(w, NamedSharding(mesh, PartitionSpec("x", None))),
+          "b": jnp.full((512,), version, jnp.float32),
+      },
+      "emb": (jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) * version).astype(jnp.bfloat16),
+      "rng": jax.random.fold_in(jax.random.key(0), version),
+      "step": version,
+  }
+
+
+@ray.remote(enable_tensor_transport=True)
+class Trainer:
+  def __init__(self, keep: int = 2):
+    self.pub = rdt_jax.WeightPublisher(transport="jax_nixl", keep=keep)
+    self.params: dict | None = None
+
+  def publish(self, version: int, params_version: int | None = None):
+    self.params = make_params(version if params_version is None else params_version)
+    return self.pub.publish(self.params, version=version)
+
+  def donate_step(self) -> dict:
+    """A jitted step donating the current (published) parameters."""
+    old = self.params
+    arrays = {"layer": old["layer"], "emb": old["emb"]}
+    step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x + 1, p), donate_argnums=0)
+    new = step(arrays)
+    jax.block_until_ready(new)
+    self.params = {**old, **new}
+    return tree_shas(new) == tree_shas({"layer": make_params(2)["layer"], "emb": (make_params(1)["emb"] + 1)})
+
+  def shas(self, version: int) -> dict:
+    return tree_shas(make_params(version))
+
+  def versions(self) -> tuple:
+    return self.pub.versions
+
+  def bad_publish(self, version: int) -> str:
+    try:
+      self.pub.publish(make_params(version), version=version)
+    except ValueError as e:
+      return str(e)
+    return "published"
+
+
+def torch_template(atomic: bool = False):
+  import torch
+
+  return {
+      "layer": {"w": torch.zeros((256, 512)), "b": torch.zeros(512)},
+      "emb": torch.zeros((64, 32), dtype=torch.bfloat16),
+      "rng": jax.random.key(0),
+      "step": 0,
+  }
+
+
+def jax_template():
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  mesh = Mesh(np.array(jax.devices()[:2]), ("y",))
+  return {
+      "layer": {
+          "w": NamedSharding(mesh, PartitionSpec(None, "y")),
+          "b": NamedSharding(mesh, PartitionSpec()),
+      },
+      "emb": jnp.zeros((64, 32), jnp.bfloat16),
+      "rng": jax.random.key(0),
+      "step": 0,
+  }
+
+
+@ray.remote(enable_tensor_transport=True)
+class Generator:
+  def __init__(self, kind: str = "torch", atomic: bool = False, template: str = "ok"):
+    self.kind = kind
+    tree = torch_template() if kind == "torch" else jax_template()
+    if template == "bad_shape":
+      import torch
+
+      tree["layer"]["w"] = torch.zeros((256, 256))
+    elif template == "missing":
+      del tree["emb"]
+    self.sub = rdt_jax.WeightSubscriber(tree, atomic=atomic)
+    self.addresses = self._addresses()
+
+  def _addresses(self) -> list:
+    if self.kind != "torch":
+      return []
+    t = self.sub.template
+    return [t["layer"]["w"].data_ptr(), t["layer"]["b"].data_ptr()]
+
+  def pull(self, handle, timeout: float | None = None) -> dict:
+    params = self.sub.pull(handle, timeout=timeout)
+    out = {"version": self.sub.version, "shas": tree_shas(params), "rng_impl": str(jax.random.key_impl(params["rng"]))}
+    if self.kind == "torch":
+      t = self.sub.template
+      out["in_place"] = params["layer"]["w"] is t["layer"]["w"] and self._addresses() == self.addresses
+    else:
+      out["w_devices"] = len(params["layer"]["w"].sharding.device_set)
+      out["w_spec"] = tuple(params["layer"]["w"].sharding.spec)
+    return out
+
+  def try_pull(self, handle, timeout: float | None = None) -> dict:
+    """A pull expected to fail: the error, and the state it left."""
+    before = tree_shas(self.sub.template)
+    t0 = time.monotonic()
+    try:
+      self.sub.pull(handle, timeout=timeout)
+      error = None
+    except Exception as e:
+      error = e
+    return {
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "stale": isinstance(error, rdt_jax.StaleWeightsError),
+        "attrs": (error.version, error.current) if isinstance(error, rdt_jax.StaleWeightsError) else None,
+        "elapsed": time.monotonic() - t0,
+        "version": self.sub.version,
+        "template_unchanged": tree_shas(self.sub.template) == before,
+    }
+
+  def version(self):
+    return self.sub.version
+
+
+def trainer(keep: int = 2, **env: str):
+  return Trainer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote(keep)
+
+
+def generator(kind: str = "torch", atomic: bool = False, template: str = "ok", **env: str):
+  flags = TWO if kind == "jax" else FOUR
+  return Generator.options(runtime_env=worker_env(XLA_FLAGS=flags, **env)).remote(kind, atomic, template)
+
+
+def expected(shas: dict) -> dict:
+  return {k: v for k, v in shas.items() if k != "['step']"}
+
+
+def pulled(result: dict) -> dict:
+  return {k: v for k, v in result["shas"].items() if k != "['step']"}
+
+
+# ---- without actors
+
+
+def test_publisher_lives_in_an_actor_and_keeps_at_least_one():
+  with pytest.raises(RuntimeError, match="lives in a Ray actor"):
+    rdt_jax.WeightPublisher()
+  with pytest.raises(ValueError, match="keep=0"):
+    rdt_jax.WeightPublisher(keep=0)
+  with pytest.raises(ValueError, match="two-sided"):
+    rdt_jax.WeightPublisher(transport="jax_gloo")
+
+
+def test_template_check_names_the_leaf():
+  from rdt_jax import _weights
+
+  published = _weights.structure_of(make_params(1) | {"layer": {"w": jnp.zeros((256, 512)), "b": jnp.zeros(512)}})
+  template = _weights._flatten(torch_template())
+  _weights.check_template(template, published)  # matches
+  key_rbg = dict(template) | {"['rng']": jax.random.key(0, impl="rbg")}
+  with pytest.raises(ValueError, match=r"\['rng'\].*impl rbg.*impl threefry2x32"):
+    _weights.check_template(list(key_rbg.items()), published)
+  extra = [*template, ("['extra']", np.zeros(3))]
+  with pytest.raises(ValueError, match=r"leaf at \['extra'\] that the published value lacks"):
+    _weights.check_template(extra, published)
+  sliced = dict(template) | {"['layer']['w']": rdt_jax.Slice[0:300]}
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['layer'\]\['w'\]"):
+    _weights.check_template(list(sliced.items()), published)
+  with pytest.raises(ValueError, match="holds no jax, torch or numpy arrays"):
+    rdt_jax.WeightSubscriber({"step": 3})
+
+
+# ---- between actors
+
+
+def test_versions_reach_torch_in_place_and_jax_on_another_mesh():
+  t = trainer()
+  gens = [generator("torch"), generator("jax")]
+  for version in (1, 2, 5):
+    handle = ray.get(t.publish.remote(version))
+    assert handle.version == version
+    want = expected(ray.get(t.shas.remote(version)))
+    torch_result, jax_result = ray.get([g.pull.remote(handle) for g in gens])
+    for result in (torch_result, jax_result):
+      assert result["version"] == version
+      assert pulled(result) == want
+      assert result["rng_impl"] == "threefry2x32"
+    assert torch_result["in_place"]
+    assert jax_result["w_devices"] == 2 and jax_result["w_spec"] == (None, "y")
+  for a in [t, *gens]:
+    ray.kill(a)
+
+
+def test_handle_moves_no_weight_bytes():
+  t = trainer()
+  handle = ray.get(t.publish.remote(1))
+  assert isinstance(handle, rdt_jax.WeightsHandle)
+  assert len(ray.cloudpickle.dumps(handle)) < 4096  # the weights are 640 KiB
+  ray.kill(t)
+
+
+def test_versions_increase_and_old_ones_are_stale():
+  t = trainer(keep=2)
+  g = generator("torch")
+  handles = [ray.get(t.publish.remote(v)) for v in (1, 2, 3)]
+  assert ray.get(t.versions.remote()) == (2, 3)
+  assert "not newer" in ray.get(t.bad_publish.remote(3))
+
+  # Version 1 left the keep window: refused before anything moves.
+  r = ray.get(g.try_pull.remote(handles[0]))
+  assert r["stale"] and r["attrs"] == (1, None) and r["version"] is None and r["template_unchanged"], r
+  assert "Version 1 is no longer kept" in r["error"] and "[2, 3]" in r["error"]
+
+  assert ray.get(g.pull.remote(handles[2]))["version"] == 3
+  # Not newer than the version held: refused, nothing changes.
+  for old in handles[1:]:
+    r = ray.get(g.try_pull.remote(old))
+    assert r["stale"] and r["attrs"] == (old.version, 3) and r["version"] == 3 and r["template_unchanged"], r
+  ray.kill(t)
+  ray.kill(g)
+
+
+def test_first_pull_checks_the_template_naming_the_leaf():
+  t = trainer()
+  handle = ray.get(t.publish.remote(1))
+  bad = generator("torch", template="bad_shape")
+  r = ray.get(bad.try_pull.remote(handle))
+  assert "['layer']['w']" in r["error"] and "(256, 256)" in r["error"] and "(256, 512)" in r["error"], r
+  assert r["version"] is None and r["template_unchanged"]
+  missing = generator("torch", template="missing")
+  r = ray.get(missing.try_pull.remote(handle))
+  assert "no leaf at ['emb']" in r["error"] and "bfloat16" in r["error"], r
+  for a in (t, bad, missing):
+    ray.kill(a)
+
+
+# Out of band and through NIXL's READ (no node-local read): the fault points
+# of the READ path fire for every pull.
+READ_PATH = dict(OUT_OF_BAND_ENV)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+def test_failed_pull_leaves_torn_or_unchanged(atomic):
+  t = trainer(**READ_PATH)
+  # The READ of the second pull completes (bytes written), then the pull fails.
+  g = generator("torch", atomic=atomic, RDT_JAX_FAULTS="nixl.complete:fail@2*1", **READ_PATH)
+  first = ray.get(t.publish.remote(1))
+  assert ray.get(g.pull.remote(first))["version"] == 1
+  r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(2))))
+  assert "injected fault at nixl.complete" in r["error"], r
+  if atomic:
+    assert r["version"] == 1 and r["template_unchanged"], r
+  else:
+    assert r["version"] is None and not r["template_unchanged"], r  # torn: bytes of version 2 arrived
+  # The next pull succeeds and the version is true again.
+  result = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
+  assert result["version"] == 3 and pulled(result) == expected(ray.get(t.shas.remote(3)))
+  ray.kill(t)
+  ray.kill(g)
+
+
+def test_trainer_killed_mid_pull_is_an_error_within_the_bound():
+  t = trainer(**READ_PATH)
+  # Each wait on the READ sleeps 1 s: the trainer dies while the pull runs.
+  g = generator("torch", RDT_JAX_FAULTS="nixl.wait:delay=1", UCX_TLS="tcp", **READ_PATH)
+  handle = ray.get(t.publish.remote(1))
+  call = g.try_pull.remote(handle)
+  time.sleep(0.5)
+  ray.kill(t)
+  r = ray.get(call, timeout=ERROR_BOUND_S * 2)
+  assert r["error"] is not None and r["elapsed"] < ERROR_BOUND_S, r
+  assert r["version"] is None  # in place: the pull had started
+  ray.kill(g)
+
+
+def test_timeout_mid_pull_is_a_failed_pull():
+  t = trainer(**READ_PATH)
+  g = generator("torch", RDT_JAX_FAULTS="nixl.wait:delay=3", UCX_TLS="tcp", **READ_PATH)
+  r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(1)), 1.0), timeout=ERROR_BOUND_S * 2)
+  assert "GetTimeoutError" in r["error"] and r["elapsed"] < ERROR_BOUND_S and r["version"] is None, r
+  ray.kill(t)
+  ray.kill(g)
+
+
+def test_generator_killed_and_restarted_pulls_the_next_version():
+  t = trainer()
+  g1, g2 = generator("torch"), generator("jax")
+  assert ray.get(g1.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+  ray.kill(g1)
+  handle = ray.get(t.publish.remote(2))
+  assert ray.get(g2.pull.remote(handle))["version"] == 2
+  g1 = generator("torch")
+  result = ray.get(g1.pull.remote(ray.get(t.publish.remote(3))))
+  assert result["version"] == 3 and pulled(result) == expected(ray.get(t.shas.remote(3)))
+  for a in (t, g1, g2):
+    ray.kill(a)
+
+
+def test_donated_step_never_changes_a_published_version():
+  t = trainer()
+  g = generator("torch")
+  handle = ray.get(t.publish.remote(1))
+  # The published arrays are donated to a jitted step: no error, the step's
+  # values are right, and version 1's bytes stay (its buffers are held, so
+  # XLA writes the step's outputs into new buffers).
+  assert ray.get(t.donate_step.remote())
+  result = ray.get(g.pull.remote(handle))
+  assert pulled(result) == expected(ray.get(t.shas.remote(1)))
+  ray.kill(t)
+  ray.kill(g)
+
+
+# ---- typed PRNG keys through plain returns
+
+
+@ray.remote(enable_tensor_transport=True)
+class KeyProducer:
+  @ray.method(tensor_transport="jax_nixl")
+  def keys(self, sharded: bool):
+    return self._keys(sharded)
+
+  @staticmethod
+  def _keys(sharded: bool):
+    keys = {"k": jax.random.key(0), "rbg": jax.random.key(3, impl="rbg"), "w": jnp.ones(4)}
+    if sharded:
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+      mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+      split = jax.random.split(jax.random.key(7), 8)
+      keys["split"] = jax.device_put(split, NamedSharding(mesh, PartitionSpec("x")))
+    return keys
+
+  def expected(self, sharded: bool) -> dict:
+    return key_summary(self._keys(sharded))
+
+
+def key_summary(tree) -> dict:
+  """Each leaf's sha256 and, for a typed key, its implementation's name."""
+  out = {}
+  for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    out[jax.tree_util.keystr(p)] = (leaf_sha(x), str(jax.random.key_impl(x)) if is_key else None)
+  return out
+
+
+@ray.remote(enable_tensor_transport=True)
+class KeyConsumer:
+  def get(self, refs, mode: str) -> dict:
+    rdt_jax.receive_as(mode)
+    value = ray.get(refs[0])
+    return {**key_summary(value), "sharded": len(value["split"].sharding.device_set)}
+
+
+@pytest.mark.parametrize("out_of_band", [False, True], ids=["defaults", "out_of_band"])
+def test_typed_keys_cross_as_typed_keys(out_of_band):
+  env = OUT_OF_BAND_ENV if out_of_band else {}
+  producer = KeyProducer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote()
+  # The driver (one device): plain ray.get.
+  value = ray.get(producer.keys.remote(False))
+  assert jax.random.key_impl(value["rbg"]) == jax.random.key_impl(jax.random.key(0, impl="rbg"))
+  assert key_summary(value) == ray.get(producer.expected.remote(False))
+  assert key_summary(value)["['k']"][1] == "threefry2x32"
+  # An actor with 4 devices: a sharded key array keeps its sharding; keys
+  # arrive as typed jax keys whatever the receive mode.
+  want = ray.get(producer.expected.remote(True))
+  ref = producer.keys.remote(True)
+  ray.wait([ref])  # a ref passed inside a list is borrowed: it must be ready
+  consumer = KeyConsumer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote()
+  assert ray.get(consumer.get.remote([ref], "source")) == {**want, "sharded": 4}
+  assert ray.get(consumer.get.remote([ref], "numpy")) == {**want, "sharded": 1}  # numpy assembles it
+  ray.kill(producer)
+  ray.kill(consumer)
+
+
+def test_nnx_rngs_state_crosses():
+  nnx = pytest.importorskip("flax.nnx")
+  rngs = nnx.Rngs(0, dropout=1)
+  state = nnx.state(rngs)
+  ref = ray.put(state, _tensor_transport="jax_nixl")
+  back = ray.get(ref)
+  assert pickle.dumps(jax.tree_util.tree_map(leaf_sha, back)) == pickle.dumps(jax.tree_util.tree_map(leaf_sha, state))
