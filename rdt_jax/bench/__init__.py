@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(jax_nixl, ...), ray_nixl_torch, object_store_numpy, "
                            "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax; "
                            "opt-in (only when named): jax_nixl_oob (in-band off), "
-                           "jax_nixl_ucx (node-local reads off)")
+                           "jax_nixl_inband (in-band on up to 100 KiB), jax_nixl_ucx (node-local reads off)")
   parser.add_argument("--cases", type=_csv, default=None,
                       help="comma-separated cases: sizes (4KiB, 256MiB, 1GiB), treeN[xSIZE], "
                            "refsN[xSIZE], fanoutN[xSIZE], plain[SIZE]; prefix gpu: for device cases")
