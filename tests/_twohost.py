@@ -4,8 +4,8 @@ with the tests' directory (and the examples) on the drivers' `PYTHONPATH`.
 Each host is a Ray node in namespaces of its own (network, pid, ipc, uts,
 mount, with a private `/dev/shm`), joined by a veth pair with Ray's token
 authentication; see `rdt_jax.bench._twohost` for how it is built and torn
-down. The drivers and every Ray worker inherit this process's environment,
-`RDT_JAX_SRC` included, so they import the rdt_jax under test.
+down. The drivers and every Ray worker inherit this process's environment
+(its `PYTHONPATH` included), so they import the rdt_jax under test.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from rdt_jax.bench._env import git_state as _git_state
+from rdt_jax.bench._env import versions as _versions
 from rdt_jax.bench._runner import BenchConfig
 
 __all__ = ["BenchConfig", "add_arguments", "config_from_args", "main", "run", "validate"]
@@ -100,41 +102,6 @@ def validate(config: BenchConfig) -> None:
 
   cases = config.case_list()
   _runner.select_paths(_runner.make_paths(rdt_jax.register(), cases), config.paths)
-
-
-def _versions() -> dict[str, str | None]:
-  from importlib import metadata
-
-  out: dict[str, str | None] = {}
-  for name in ("ray", "jax", "jaxlib", "numpy", "torch", "nixl", "nixl-cu12", "rdt-jax"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out[name] = None
-  out["nixl"] = out["nixl"] or out.pop("nixl-cu12", None)
-  out.pop("nixl-cu12", None)
-  out["python"] = platform.python_version()
-  return out
-
-
-def _git_state() -> dict[str, Any]:
-  """The commit of the rdt_jax being measured, and its uncommitted files."""
-  import subprocess
-
-  root = pathlib.Path(__file__).resolve().parents[2]
-
-  def git(*args: str) -> str | None:
-    try:
-      out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-      return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-  status = git("status", "--porcelain", "--", "rdt_jax")
-  return {
-      "commit": git("rev-parse", "HEAD"),
-      "uncommitted_rdt_jax_files": status.splitlines() if status else [],
-  }
 
 
 def run(config: BenchConfig) -> dict[str, Any]:

@@ -187,8 +187,8 @@ class TwoHosts:
   def driver_env(self) -> dict[str, str]:
     """The environment of a process that joins the cluster (token included).
 
-    Everything else is inherited, `RDT_JAX_SRC` and the like included, so the
-    nodes' workers import the rdt_jax the caller imports.
+    Everything else is inherited (`PYTHONPATH` included), so the nodes'
+    workers import the rdt_jax the caller imports.
     """
     env = {
         k: v for k, v in os.environ.items()
@@ -511,7 +511,8 @@ def run(args: argparse.Namespace) -> dict:
   lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
   if done.returncode != 0 or not lines:
     raise RuntimeError(f"the two-host benchmark's driver failed (exit {done.returncode}): {done.stderr[-3000:]}")
-  from rdt_jax.bench import _git_state, _versions
+  from rdt_jax.bench._env import git_state as _git_state
+  from rdt_jax.bench._env import versions as _versions
 
   doc = {
       "schema": "rdt-jax-bench-twohost/1",
