@@ -241,10 +241,11 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       all); the backend then exported nothing and moves nothing. None
       otherwise.
     origin: the producer process (host boot id, pid namespace, pid, start
-      time), or None where it cannot be told: a consumer on the producer's
-      host refuses an in-band object once the producer exited, as it would
-      an object read out of band, and jax_nixl reads a producer's host memory
-      directly on its host.
+      time), or None where it cannot be told: jax_nixl reads a producer's
+      host memory directly on its host.
+    producer: the Ray actor id (hex) of the producer, None for an object the
+      driver stored: a consumer refuses the object once that actor is dead
+      (`rdt_jax.transports._lifetime`).
   """
 
   # Narrows Ray's annotation (torch or numpy pairs) to the numpy pairs rdt_jax writes.
@@ -253,6 +254,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   leaves: list[LeafSpec] = field(default_factory=list)
   inline: bytes | None = None
   origin: tuple[str, int, int, int] | None = None
+  producer: str | None = None
 
   # Ray compares metadata by identity (its NIXL metadata does the same).
   __eq__ = object.__eq__
@@ -305,7 +307,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
     Checks every field this class defines: one consistent `LeafSpec` per leaf
     (`rdt_jax._dlpack.spec_problem`: shapes, dtype, chunk sizes, shard boxes),
     `tensor_meta` and `tensor_device` agreeing with the leaves, in-band bytes
-    of exactly the leaves' size, a well-formed origin. Backends extend it for
+    of exactly the leaves' size, a well-formed origin and producer. Backends extend it for
     their own fields (addresses, ...). Leaves that share a signature are
     checked once.
 
@@ -352,6 +354,9 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       if type(inline) is not bytes or len(inline) != want:
         raise MetadataError(obj_id, "inline", f"holds {_length(inline)} bytes but the leaves describe {want}")
     self._check_origin(obj_id)
+    producer = self.producer
+    if producer is not None and not (type(producer) is str and _is_hex(producer)):
+      raise MetadataError(obj_id, "producer", f"is {producer!r}, not a Ray actor id in hex")
 
   @staticmethod
   def _check_leaf(obj_id: str, i: int, leaf: Any) -> None:
@@ -369,3 +374,11 @@ class DlpackTransportMetadata(TensorTransportMetadata):
         and all(type(v) is int and v >= 0 for v in origin[1:])
     ):
       raise MetadataError(obj_id, "origin", f"is {origin!r}, not (boot id, pid namespace, pid, start time)")
+
+
+def _is_hex(text: str) -> bool:
+  """True if `text` is a non-empty even-length string of hex digits."""
+  try:
+    return bool(text) and bytes.fromhex(text).hex() == text.lower()
+  except ValueError:
+    return False

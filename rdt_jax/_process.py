@@ -2,9 +2,8 @@
 
 An rdt_jax object's bytes live in its producer's process. Where a consumer
 shares the producer's host it can tell, from the producer's identity in the
-metadata, whether that process still runs: an in-band object is refused once
-its producer exited (as an object read out of band would fail), and a
-node-local read (`rdt_jax.transports.nixl.node_local`) never reads a pid that now names
+metadata, whether that process still runs: a node-local read
+(`rdt_jax.transports.nixl.node_local`) never reads a pid that now names
 another process. Imports nothing outside the standard library.
 """
 

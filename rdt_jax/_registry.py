@@ -155,7 +155,8 @@ def receive_stats(transport: str = "jax_nixl", reset: bool = False) -> dict[str,
   * `descriptors`: transfer descriptors the backend posted (jax_nixl counts
     them; other backends report 0);
   * `inline`: objects that arrived in band, inside their metadata (small
-    host objects: nothing moved out of band);
+    host objects where in-band sending is turned on: nothing moved out of
+    band);
   * `direct`: jax_nixl fetches read node-locally from the producer's memory.
 
   Args:

@@ -36,6 +36,9 @@ public extension points tried first):
   (`install_name_check()`), so a class defined before `register()` says so.
 * `RDTManager.fetch_and_get_rdt_objects` (wrapped): its bare "No metadata
   found" assertion becomes `rdt_jax.UnknownObjectError`, saying why.
+* `ray._private.state.state` (`get_actor_info`): whether an object's producer
+  actor is dead, asked once per fetch (`actor_dead`); and
+  `ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS` (`rdt_fetch_timeout_s`).
 * `Worker.deserialize_objects` (wrapped): `await ref` of an rdt_jax object
   (Ray deserializes it in a callback on its core worker's io thread, the
   thread Ray names `worker.io`) returns `rdt_jax.AwaitNotSupportedError`,
@@ -203,6 +206,13 @@ def _check_ray_shapes() -> list[str]:
   ]
   if missing_fields:
     problems.append(f"RDTMeta has no field {', '.join(missing_fields)}")
+  from ray._private import ray_constants
+
+  if not hasattr(ray_constants, "RDT_FETCH_FAIL_TIMEOUT_SECONDS"):
+    problems.append("ray._private.ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS is missing")
+  state = getattr(getattr(ray, "_private", None), "state", None)
+  if not hasattr(getattr(state, "GlobalState", None), "_connect_and_get_accessor"):
+    problems.append("ray._private.state.GlobalState._connect_and_get_accessor is missing")
   if not isinstance(getattr(cloudpickle.CloudPickler, "dispatch", None), MutableMapping):
     problems.append("ray.cloudpickle.CloudPickler.dispatch is not a mutable mapping")
   if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
@@ -346,6 +356,40 @@ def call_on_system_group(actor: Any, fn: Callable[..., Any], *args: Any) -> Any:
   """Runs `fn(actor_instance, *args)` on `actor` in Ray's `_ray_system`
   concurrency group (beside running methods); returns the ref."""
   return actor.__ray_call__.options(concurrency_group="_ray_system").remote(fn, *args)
+
+
+def current_actor_id() -> str | None:
+  """The hex id of the actor this process runs, or None (a driver, a task,
+  a process not connected to Ray). Never starts Ray."""
+  import ray
+
+  if not in_ray_worker():
+    return None
+  return ray.get_runtime_context().get_actor_id()
+
+
+def actor_dead(actor_id: str) -> bool:
+  """True if Ray records actor `actor_id` as dead (one GCS lookup).
+
+  Ray records an actor dead before `ray.kill` returns and before its process
+  is gone, so a consumer that asks after the kill is told, on every host.
+  False for an alive, restarting or unknown actor.
+  """
+  import ray
+  from ray.core.generated import gcs_pb2
+
+  accessor = ray._private.state.state._connect_and_get_accessor()
+  info = accessor.get_actor_info(ray.ActorID(bytes.fromhex(actor_id)))
+  table = gcs_pb2.ActorTableData  # type: ignore[attr-defined]  # generated protobuf, no stubs
+  return info is not None and table.FromString(info).state == table.DEAD
+
+
+def rdt_fetch_timeout_s() -> float:
+  """Ray's RDT fetch timeout in seconds (`RAY_rdt_fetch_fail_timeout_milliseconds`):
+  how long Ray's monitor lets a transfer run before it aborts it."""
+  from ray._private import ray_constants
+
+  return float(ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
 
 
 def in_ray_worker() -> bool:

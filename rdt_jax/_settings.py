@@ -151,9 +151,10 @@ SETTINGS: Final[dict[str, Setting]] = {
     s.name: s
     for s in (
         Setting(
-            "RDT_JAX_INLINE_MAX_BYTES", "bytes", 100 * _KIB,
-            "Objects whose leaves are all host memory and hold at most this many bytes in all travel in "
-            "band, inside their metadata; 0 sends every object out of band.",
+            "RDT_JAX_INLINE_MAX_BYTES", "bytes", 0,
+            "Opt-in: objects of one-sided transports (jax_nixl, jax_transfer) whose leaves are all host "
+            "memory and hold at most this many bytes in all travel in band, inside their metadata, as a "
+            "copy taken at return; 0 (the default) sends every object out of band.",
             side="producer", minimum=0, maximum=64 * _MIB,
         ),
         Setting(

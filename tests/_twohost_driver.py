@@ -115,15 +115,38 @@ class Node:
       rdt_jax.set_target_for_ref(refs[0], target())
     return self.inspect(ray.get(refs[0], timeout=120), transport)
 
-  def fetch_outcome(self, refs: list, timeout: float) -> dict:
+  def fetch_outcome(self, refs: list, timeout: float, started: str | None = None) -> dict:
     """Gets refs[0] with `ray.get(..., timeout)`: its fingerprint, or the
-    error's type and message; and the seconds it took."""
+    error's type and message; and the seconds it took. Creates the file
+    `/dev/shm/<started>` first, if named (the driver on this host sees it)."""
+    if started:
+      open(f"/dev/shm/{started}", "w").close()
     t0 = time.monotonic()
     try:
       value = ray.get(refs[0], timeout=timeout)
     except Exception as e:
-      return {"error": type(e).__name__, "message": str(e)[-400:], "seconds": time.monotonic() - t0}
+      return {"error": type(e).__name__, "message": str(e).strip().splitlines()[-1][-300:],
+              "seconds": time.monotonic() - t0}
     return {"fingerprint": tree_fingerprint(value), "seconds": time.monotonic() - t0}
+
+  def counts(self) -> tuple[int, int]:
+    """(registered regions outside the pools, objects exported) of this process's jax_nixl."""
+    from _helpers import nixl_counts
+
+    return nixl_counts()
+
+  def kill_raylet(self, delay: float) -> None:
+    """After `delay` seconds, SIGKILLs this host's raylet (this actor dies with it)."""
+    import signal
+
+    time.sleep(delay)
+    for pid in os.listdir("/proc"):
+      try:
+        with open(f"/proc/{pid}/comm") as f:
+          if f.read().strip() == "raylet":
+            os.kill(int(pid), signal.SIGKILL)
+      except (OSError, ValueError):
+        continue
 
   def fetch_error(self, refs: list) -> tuple[str, float]:
     t0 = time.monotonic()
@@ -151,6 +174,7 @@ class Checks:
     self.a = on("a", transport).remote()
     self.b = on("b", transport).remote()
     self.group = None
+    self.freed_after_consumer_killed: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
     if not self.one_sided:
       from ray.experimental.collective import create_collective_group
 
@@ -231,6 +255,34 @@ class Checks:
     assert got["stats"]["inline"] == 0 and got["stats"]["bytes"] == FULL[100:300, 8:40].nbytes, got["stats"]
     return got["stats"]
 
+  # jax_gloo is two-sided: its bytes move only as a task argument between
+  # actors of one collective group. These check that what it refuses is
+  # refused across hosts as on one (docs/backends.md, "Limits").
+
+  def driver_get_refused(self) -> dict:
+    """The driver's `ray.get` is refused naming the fixes, and the object
+    store fallback (`_use_object_store=True`) returns the value."""
+    ref = self.make(self.b, mixed, 256 << 10, 31)
+    try:
+      ray.get(ref, timeout=60)
+    except Exception as e:
+      assert "two-sided transport jax_gloo" in str(e) and "_use_object_store=True" in str(e), str(e)[-500:]
+    else:
+      raise AssertionError("ray.get of a jax_gloo ref returned a value in the driver")
+    got = ray.get(ref, timeout=120, _use_object_store=True)
+    assert tree_fingerprint(got) == tree_fingerprint(mixed(256 << 10, 31))
+    return {}
+
+  def target_refused(self) -> dict:
+    """A target (resharding, slices) for a jax_gloo ref is refused naming jax_nixl."""
+    ref = self.make(self.b, sharded)
+    try:
+      rdt_jax.set_target_for_ref(ref, {"w": rdt_jax.Slice[0:8]})
+    except ValueError as e:
+      assert "two-sided transport" in str(e) and "jax_nixl" in str(e), str(e)
+      return {"error": str(e)[:200]}
+    raise AssertionError("a target was accepted for a jax_gloo ref")
+
   def producer_killed(self) -> dict:
     producer = on("b", self.transport).remote()
     consumer = self.a
@@ -243,6 +295,113 @@ class Checks:
     assert elapsed < DEATH_BOUND_S, f"the error took {elapsed:.1f}s"
     return {"error": error, "seconds": round(elapsed, 3)}
 
+  def _read_then(self, nbytes: int, seed: int, act: Callable[[Any, Any], None], consumer: Any | None = None,
+                 timeout: float = 60.0) -> tuple[dict, Any, Any]:
+    """Starts a read of a `nbytes` mixed value made on a fresh producer on
+    host B by `consumer` (default: host A's actor), runs `act(producer,
+    consumer)` `READ_START_S` after the consumer's fetch began, and returns the
+    fetch's outcome (see `Node.fetch_outcome`), the producer and the ref."""
+    producer = on("b", self.transport).remote()
+    consumer = consumer or self.a
+    ref = self.make(producer, mixed, nbytes, seed)
+    marker = f"/dev/shm/rdtj-read-{os.getpid()}-{seed}"
+    pending = consumer.fetch_outcome.remote([ref], timeout, os.path.basename(marker))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker):
+      assert time.monotonic() < deadline, "the consumer's fetch did not begin within 120 s"
+      time.sleep(0.01)
+    os.unlink(marker)
+    time.sleep(READ_START_S)
+    t0 = time.monotonic()
+    act(producer, consumer)
+    try:
+      outcome = ray.get(pending, timeout=timeout * 2)
+    except ray.exceptions.RayActorError as e:
+      outcome = {"error": type(e).__name__, "message": str(e)[-300:], "seconds": time.monotonic() - t0}
+    outcome["after_act_s"] = round(time.monotonic() - t0, 3)
+    return outcome, producer, ref
+
+  def _check_outcome(self, outcome: dict, nbytes: int, seed: int, bound: float) -> dict:
+    """An error within `bound` seconds, or exactly the right value."""
+    if "error" in outcome:
+      assert outcome["seconds"] < bound, f"the error took {outcome['seconds']:.1f}s (bound {bound}s): {outcome}"
+    else:
+      assert outcome["fingerprint"] == tree_fingerprint(mixed(nbytes, seed)), "wrong bytes"
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in outcome.items() if k != "fingerprint"}
+
+  def producer_killed_mid_read(self) -> dict:
+    """The producer is killed while a `FAULT_BYTES` read from it runs: the read ends
+    in an error within `DEATH_BOUND_S` (or delivered the right bytes first),
+    and host A's next read from another producer works."""
+    outcome, _, _ = self._read_then(FAULT_BYTES, 21, lambda p, c: ray.kill(p))
+    detail = self._check_outcome(outcome, FAULT_BYTES, 21, DEATH_BOUND_S)
+    detail["next"] = self._across(self.b, self.a, 1 << 20, 22)
+    return detail
+
+  def consumer_killed_mid_read(self) -> dict:
+    """A consumer is killed while its `FAULT_BYTES` read runs: its caller gets
+    the actor's death within `DEATH_BOUND_S`; the producer is unaffected
+    (another consumer reads the same object exactly, the next transfer works).
+    Whether the producer then frees the object once the ref is dropped is
+    `producer_frees_after_consumer_killed`'s check (the detail has it)."""
+    consumer = on("a", self.transport).remote()
+    ray.get(consumer.identity.remote())
+    outcome, producer, ref = self._read_then(FAULT_BYTES, 23, lambda p, c: ray.kill(c), consumer=consumer)
+    assert "error" in outcome and outcome["seconds"] < DEATH_BOUND_S, outcome
+    got = ray.get(self.a.fetch_outcome.remote([ref], 120), timeout=180)
+    assert got.get("fingerprint") == tree_fingerprint(mixed(FAULT_BYTES, 23)), f"the producer's object: {got}"
+    del ref
+    t0 = time.monotonic()
+    while (counts := ray.get(producer.counts.remote())) != (0, 0) and time.monotonic() < t0 + FREE_BOUND_S:
+      time.sleep(0.5)
+    self.freed_after_consumer_killed = (counts, time.monotonic() - t0)
+    ray.kill(producer)
+    return {"error": outcome["error"], "seconds": round(outcome["seconds"], 3),
+            "after_act_s": outcome["after_act_s"],
+            "freed_s": round(time.monotonic() - t0, 3) if counts == (0, 0) else None,
+            "next": self._across(self.b, self.a, 1 << 20, 24)}
+
+  def producer_frees_after_consumer_killed(self) -> dict:
+    """After `consumer_killed_mid_read`, the producer held no object or
+    registration within `FREE_BOUND_S` of the driver dropping the ref."""
+    counts, seconds = self.freed_after_consumer_killed
+    assert counts == (0, 0), (
+        f"the producer still held (registrations, objects) {counts} {seconds:.0f} s after the ref was dropped"
+    )
+    return {"freed_s": round(seconds, 3)}
+
+  def link_down_held(self) -> dict:
+    """The link goes down mid-read and stays down past the read's timeout
+    (`LINK_HELD_S` > `LINK_TIMEOUT_S`): the read ends within the timeout plus
+    `LINK_SLACK_S`, by UCX's error or by the timeout (the detail says which),
+    never a hang or wrong bytes; reads work once the link is back."""
+    iface = os.environ["RDTJ_IFACE"]
+
+    def down(producer: Any, consumer: Any) -> None:
+      subprocess.run(["ip", "link", "set", iface, "down"], check=True)
+
+    try:
+      outcome, producer, _ = self._read_then(FAULT_BYTES, 25, down, timeout=LINK_TIMEOUT_S)
+      time.sleep(max(0.0, LINK_HELD_S - outcome["after_act_s"]))
+    finally:
+      subprocess.run(["ip", "link", "set", iface, "up"], check=True)
+    detail = self._check_outcome(outcome, FAULT_BYTES, 25, LINK_TIMEOUT_S + LINK_SLACK_S)
+    detail["ended_by"] = "value" if "error" not in outcome else (
+        "timeout" if "Timeout" in outcome["error"] else "transport error")
+    time.sleep(1.0)
+    detail["after"] = self._across(producer, self.a, 1 << 20, 26)
+    ray.kill(producer)
+    return detail
+
+  def raylet_killed(self) -> dict:
+    """Host B's raylet is killed while host A reads `FAULT_BYTES` from a producer
+    there: the read ends in an error within `DEATH_BOUND_S` (or the right
+    bytes). Host B's node is gone afterwards: the test restarts it and checks
+    the next transfer. Runs last."""
+    killer = on("b", self.transport).remote()
+    ray.get(killer.identity.remote())
+    outcome, _, _ = self._read_then(FAULT_BYTES, 27, lambda p, c: killer.kill_raylet.remote(0.0))
+    return self._check_outcome(outcome, FAULT_BYTES, 27, DEATH_BOUND_S)
 
   def link_flap(self) -> dict:
     """The link between the hosts goes down mid-read for `LINK_DOWN_S` and
@@ -270,11 +429,26 @@ class Checks:
 #: The link stays down this long in `link_flap`; a read it interrupts ends within `LINK_BOUND_S`.
 LINK_DOWN_S = 3.0
 LINK_BOUND_S = 30.0
+#: `link_down_held`: the read's `ray.get` timeout, how long the link stays
+#: down (longer; short enough that Ray's health checks keep host B's node),
+#: and the slack allowed past the timeout.
+LINK_TIMEOUT_S = 4.0
+LINK_HELD_S = 7.0
+LINK_SLACK_S = 6.0
+#: A producer frees an object within this after its last ref is dropped.
+FREE_BOUND_S = 20.0
+#: Bytes of the mid-read fault checks' objects (over TCP, a read of about a second).
+FAULT_BYTES = 128 << 20
+#: Fault checks act this long after the consumer's fetch began.
+READ_START_S = 0.3
 
 CHECKS = {
     "jax_nixl": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "no_node_local_reads", "driver_get",
-                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed", "link_flap"],
-    "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf"],
+                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed", "producer_killed_mid_read",
+                 "consumer_killed_mid_read", "producer_frees_after_consumer_killed", "link_flap", "link_down_held",
+                 "raylet_killed"],
+    "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf", "driver_get_refused",
+                 "target_refused"],
     "jax_transfer": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "driver_get", "sharded_leaf",
                      "resharded_leaf", "sliced_leaf", "producer_killed"],
 }
@@ -293,5 +467,45 @@ def main(transport: str, names: list[str]) -> None:
     print(json.dumps(line, default=str), flush=True)
 
 
+#: The fault checks, in the order of docs/faults.md's table.
+FAULT_CHECKS = ["producer_killed", "producer_killed_mid_read", "consumer_killed_mid_read", "link_flap",
+                "link_down_held", "raylet_killed"]
+
+
+def _freed(detail: dict) -> str:
+  if "freed_s" not in detail:
+    return ""
+  if detail["freed_s"] is None:
+    return f"; the producer still held the object {FREE_BOUND_S:.0f} s after the ref was dropped"
+  return f"; the producer freed it {detail['freed_s']:.3f} s after the ref was dropped"
+
+
+def fault_summary(paths: list[str]) -> str:
+  """The fault checks' outcomes in the check lines (JSON per line) that
+  tests/test_twohost.py writes beside its cluster (`checks-TRANSPORT.jsonl`),
+  one line per check: how it ended and in how many seconds."""
+  out = []
+  for path in paths:
+    transport = os.path.basename(path).removeprefix("checks-").removesuffix(".jsonl")
+    for line in map(json.loads, open(path)):
+      if line["check"] not in FAULT_CHECKS:
+        continue
+      if not line["ok"]:
+        out.append(f"{transport:<13} {line['check']:<26} FAILED")
+        continue
+      d = line["detail"].get("during", line["detail"])
+      ended = d.get("error") or "the right value"
+      if "after_act_s" in d:
+        when = f"{d['after_act_s']:.3f} s after the fault"
+      else:  # no fault mid-read: the whole fetch
+        when = f"the fetch took {d['seconds']:.3f} s"
+      out.append(f"{transport:<13} {line['check']:<26} ended by {ended}, {when}"
+                 + _freed(d))
+  return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2:])
+  if sys.argv[1] == "--summary":
+    sys.stdout.write(fault_summary(sys.argv[2:]))
+  else:
+    main(sys.argv[1], sys.argv[2:])

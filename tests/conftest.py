@@ -27,10 +27,10 @@ WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO / "examples")])
 
 #: The environment of modules that test the out-of-band mechanisms themselves
 #: (NIXL READs, registrations, parking, faults, bytes each backend moves):
-#: small objects not sent in band, and no node-local reads, so that every
-#: object takes the path under test whatever its size. Every other module runs
-#: with the defaults, which send small objects in band (test_inline) and read
-#: a producer on the same host directly (test_cma).
+#: small objects not sent in band (the default, kept explicit), and no
+#: node-local reads, so that every object takes the path under test whatever
+#: its size. Every other module runs with the defaults, which read a producer
+#: on the same host directly (test_cma); in-band sending is opt-in (test_inline).
 OUT_OF_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0", "RDT_JAX_NIXL_CMA": "0"}
 #: Only small objects out of band (node-local reads as by default).
 NOT_IN_BAND_ENV = {"RDT_JAX_INLINE_MAX_BYTES": "0"}

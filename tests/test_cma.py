@@ -221,6 +221,7 @@ def test_producer_that_died_is_an_error_naming_it():
   pid = ray.get(producer.pid.remote())
   ray.kill(producer)
   assert wait_for(lambda: _process.start_time(pid) is None)
-  with pytest.raises(ray.exceptions.RayTaskError, match=rf"source actor may have died(.|\n)*pid {pid}"):
+  died = r"source actor may have died(.|\n)*has died: the object died with it"
+  with pytest.raises(ray.exceptions.RayTaskError, match=died):
     ray.get(consumer.take.remote(ref), timeout=60)
   ray.kill(consumer)

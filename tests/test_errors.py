@@ -215,7 +215,7 @@ def test_receive_stats_counts_this_processes_fetches():
   stats = rdt_jax.receive_stats("jax_nixl", reset=True)
   assert set(stats) == {"fetches", "bytes", "destinations", "descriptors", "inline", "direct"}
   assert all(type(v) is int for v in stats.values())
-  assert stats["inline"] == 1  # a small host object arrives in band
+  assert stats["inline"] == 0 and stats["fetches"] == 1  # out of band: in-band sending is opt-in
   assert rdt_jax.receive_stats() == dict.fromkeys(stats, 0)
 
 

@@ -1,11 +1,13 @@
-"""Small objects travel in band: their bytes ride in the transport metadata.
+"""In-band sending (opt-in): small objects' bytes ride in the transport metadata.
 
-The policy (`rdt_jax.transports._inband.inline_max_bytes`): an object whose
-leaves are all host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes
-in all is copied into its metadata; the backend registers, sends and reads
-nothing. Checked here in one process (two NIXL agents, as Ray drives them),
-and end to end through Ray for every transport kind: one-sided (jax_nixl),
-two-sided (jax_gloo) and whole-array (jax_transfer).
+The policy (`rdt_jax.transports._inband.inline_max_bytes`): off by default;
+with `RDT_JAX_INLINE_MAX_BYTES` above 0, an object of a one-sided transport
+whose leaves are all host memory and hold at most that many bytes in all is
+copied into its metadata; the backend registers, sends and reads nothing.
+Checked here in one process (two NIXL agents, as Ray drives them), and end to
+end through Ray for every transport kind: one-sided (jax_nixl), whole-array
+(jax_transfer), and two-sided (jax_gloo), which never sends in band. The
+lifetime of in-band objects is in test_lifetime.
 """
 
 from __future__ import annotations
@@ -23,14 +25,23 @@ from ray.experimental.collective import create_collective_group, destroy_collect
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 import rdt_jax
-from _helpers import digest, sample, transport_manager, wait_for
+from _helpers import digest, sample, transport_manager
 from conftest import start_ray, worker_env
-from rdt_jax import _dlpack, _process, _state
+from rdt_jax import _dlpack, _state
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _inband
 from rdt_jax.transports.nixl import NixlTransport
 
 rdt_jax.register()  # the transports exist before the actor classes below name them
+
+#: The threshold these tests turn in-band sending on with.
+ON = str(100 << 10)
+
+
+@pytest.fixture(autouse=True)
+def in_band_on(monkeypatch):
+  """In-band sending on in this process (the one-process tests' producer)."""
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", ON)
 
 # ---- the policy, in one process
 
@@ -54,6 +65,8 @@ def agents():
 
 def test_threshold_default_and_environment(monkeypatch):
   monkeypatch.delenv("RDT_JAX_INLINE_MAX_BYTES", raising=False)
+  assert _inband.inline_max_bytes() == 0  # opt-in
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", ON)
   assert _inband.inline_max_bytes() == 100 << 10
   monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
   assert _inband.inline_max_bytes() == 0
@@ -164,20 +177,6 @@ def sharded_round_trip() -> tuple[int, str, str, bool]:
   return len(meta.leaves[0].chunks), digest(got), digest(x), got.sharding.is_equivalent_to(x.sharding, 2)
 
 
-def test_process_identity_and_origin_check():
-  me = _process.identity()
-  assert me is not None and me[2] == os.getpid()
-  _inband.check_origin("o", me)  # alive: no error
-  _inband.check_origin("o", None)  # no origin (another producer version): delivered
-  _inband.check_origin("o", ("another-host", me[1], 1, 1))  # another host: cannot tell, delivered
-  with open("/proc/sys/kernel/pid_max") as f:
-    never = int(f.read())  # pids are below pid_max: no process has this one
-  with pytest.raises(RuntimeError, match=rf"pid {never}\) has exited"):
-    _inband.check_origin("o", (*me[:2], never, 1))
-  with pytest.raises(RuntimeError, match="has exited"):
-    _inband.check_origin("o", (*me[:3], me[3] + 1))  # the pid now names another process
-
-
 def test_wrong_inline_length_is_an_error_not_a_guess(agents):
   prod, cons = agents
   x = jnp.asarray(sample((4,), "int32", 7))
@@ -192,7 +191,7 @@ def test_wrong_inline_length_is_an_error_not_a_guess(agents):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-  start_ray(num_cpus=8)
+  start_ray(env={"RDT_JAX_INLINE_MAX_BYTES": ON}, num_cpus=8)
   yield
   ray.shutdown()
 
@@ -227,6 +226,8 @@ class Side:
 
 @pytest.mark.parametrize("transport", ["jax_nixl", "jax_gloo", "jax_transfer"])
 def test_small_object_in_band_through_ray(ray_cluster, transport):
+  """In band on the one-sided transports; jax_gloo sends it (Ray's send task
+  runs on the producer for every transfer of a two-sided transport)."""
   producer, consumer = Side.options(runtime_env=worker_env()).remote(), Side.options(runtime_env=worker_env()).remote()
   group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
   try:
@@ -234,7 +235,7 @@ def test_small_object_in_band_through_ray(ray_cluster, transport):
     got = ray.get(consumer.take.remote(ref, transport), timeout=60)
     want = (digest(jnp.asarray(sample((64,), "float32", 11))), digest(np.arange(3, dtype=np.int16)))
     assert got[:2] == want
-    assert got[2] == "ArrayImpl" and got[3] == 1
+    assert got[2] == "ArrayImpl" and got[3] == (0 if transport == "jax_gloo" else 1)
   finally:
     if group is not None:
       destroy_collective_group(group)
@@ -249,15 +250,48 @@ def test_sharded_leaf_in_band_keeps_its_sharding(ray_cluster):
   ray.kill(side)
 
 
-def test_in_band_object_fails_once_its_producer_died(ray_cluster):
-  """As an object read out of band would: the bytes are at the owner, but the
-  producer is gone, so the consumer's fetch is an error naming it."""
-  producer, consumer = Side.options(runtime_env=worker_env()).remote(), Side.options(runtime_env=worker_env()).remote()
-  ref = producer.nixl.remote(3)
-  ray.wait([ref])  # created: its metadata (with the bytes) is at the owner
-  pid = ray.get(producer.pid.remote())
-  ray.kill(producer)
-  assert wait_for(lambda: _process.start_time(pid) is None)  # ray.kill returns before the process is gone
-  with pytest.raises(ray.exceptions.RayTaskError, match=rf"source actor may have died(.|\n)*pid {pid}\) has exited"):
-    ray.get(consumer.take.remote(ref, "jax_nixl"), timeout=60)
-  ray.kill(consumer)
+# ---- Ray's own target API on every size and path
+
+
+@ray.remote(enable_tensor_transport=True)
+class Pair:
+  """Returns two int64 leaves of one framework (Ray's example: two 3-element tensors)."""
+
+  def __init__(self):
+    rdt_jax.register()
+
+  @ray.method(tensor_transport="jax_nixl")
+  def two(self, framework: str, n: int):
+    a, b = np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) * 2
+    return [torch.from_numpy(a), torch.from_numpy(b)] if framework == "torch" else [a, b]
+
+
+@pytest.mark.parametrize("inline", ["on", "off"])
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("n", [3, 1 << 20], ids=["3-elements", "8-MiB"])
+def test_rays_set_target_api_on_every_ref(ray_cluster, inline, framework, n):
+  """`ray.experimental.set_target_for_ref` / `set_target_device_for_ref` on
+  rdt_jax refs, in band (3 elements, in-band on) and out of band: the value
+  lands in the given buffers, of either framework."""
+  env = {} if inline == "on" else {"RDT_JAX_INLINE_MAX_BYTES": "0"}
+  producer = Pair.options(runtime_env=worker_env(**env)).remote()
+  try:
+    ref = producer.two.remote(framework, n)
+    ray.wait([ref])
+    buffers = [torch.zeros(n, dtype=torch.int64) for _ in range(2)]
+    if framework == "numpy":
+      buffers = [b.numpy() for b in buffers]
+    transport_manager("jax_nixl").receive_stats(reset=True)
+    ray.experimental.set_target_for_ref(ref, buffers)
+    got = ray.get(ref, timeout=60)
+    assert all(g is b for g, b in zip(got, buffers))
+    assert int(buffers[1][-1]) == 2 * (n - 1) and int(buffers[0][1]) == 1
+    in_band = transport_manager("jax_nixl").receive_stats(reset=True)["inline"]
+    assert in_band == (1 if inline == "on" and n == 3 else 0)
+    ref = producer.two.remote(framework, n)
+    ray.experimental.set_target_device_for_ref(ref, "cpu")
+    got = ray.get(ref, timeout=60)
+    assert [type(g) for g in got] == [type(b) for b in buffers]
+    assert [digest(g) for g in got] == [digest(np.arange(n, dtype=np.int64)), digest(np.arange(n, dtype=np.int64) * 2)]
+  finally:
+    ray.kill(producer)

@@ -7,8 +7,8 @@ numpy target, a torch target or a `Slice(into=...)` buffer. After the failure
 the consumer fills the target with a sentinel, waits until none of its READs
 is in flight or parked (and a second more), and checks the sentinel is whole.
 
-Settings are the defaults (objects in band up to 100 KiB, node-local reads
-on). A producer on another host is stood for by refusing node-local reads
+Settings are the defaults (node-local reads on). A producer on another host
+is stood for by refusing node-local reads
 (`cma.read:fail`, as a kernel that forbids them does) and reading over TCP
 (`UCX_TLS=tcp`: on one host UCX's shared-memory transport finishes a READ
 inside the call that posts it, so no READ would ever be in flight).

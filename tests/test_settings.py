@@ -31,9 +31,9 @@ def test_every_setting_the_package_names_is_declared():
 
 def test_unset_and_empty_give_the_default(monkeypatch):
   monkeypatch.delenv("RDT_JAX_INLINE_MAX_BYTES", raising=False)
-  assert _settings.value("RDT_JAX_INLINE_MAX_BYTES") == 100 << 10
+  assert _settings.value("RDT_JAX_INLINE_MAX_BYTES") == 0  # in-band sending is opt-in
   monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", " ")
-  assert _settings.value("RDT_JAX_INLINE_MAX_BYTES") == 100 << 10
+  assert _settings.value("RDT_JAX_INLINE_MAX_BYTES") == 0
 
 
 @pytest.mark.parametrize(

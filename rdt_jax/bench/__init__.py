@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from rdt_jax.bench._env import git_state as _git_state
+from rdt_jax.bench._env import versions as _versions
 from rdt_jax.bench._runner import BenchConfig
 
 __all__ = ["BenchConfig", "add_arguments", "config_from_args", "main", "run", "validate"]
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(jax_nixl, ...), ray_nixl_torch, object_store_numpy, "
                            "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax; "
                            "opt-in (only when named): jax_nixl_oob (in-band off), "
-                           "jax_nixl_ucx (node-local reads off)")
+                           "jax_nixl_inband (in-band on up to 100 KiB), jax_nixl_ucx (node-local reads off)")
   parser.add_argument("--cases", type=_csv, default=None,
                       help="comma-separated cases: sizes (4KiB, 256MiB, 1GiB), treeN[xSIZE], "
                            "refsN[xSIZE], fanoutN[xSIZE], plain[SIZE]; prefix gpu: for device cases")
@@ -49,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="do not SIGSTOP the actors of paths not being measured")
   parser.add_argument("--label", default=None,
                       help="output file suffix (default: quick, full or custom)")
-  from rdt_jax.bench import _reshard, _weights
+  from rdt_jax.bench import _reshard, _twohost, _weights
 
   _reshard.add_arguments(parser)
   _weights.add_arguments(parser)
+  _twohost.add_arguments(parser)
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -99,41 +102,6 @@ def validate(config: BenchConfig) -> None:
 
   cases = config.case_list()
   _runner.select_paths(_runner.make_paths(rdt_jax.register(), cases), config.paths)
-
-
-def _versions() -> dict[str, str | None]:
-  from importlib import metadata
-
-  out: dict[str, str | None] = {}
-  for name in ("ray", "jax", "jaxlib", "numpy", "torch", "nixl", "nixl-cu12", "rdt-jax"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out[name] = None
-  out["nixl"] = out["nixl"] or out.pop("nixl-cu12", None)
-  out.pop("nixl-cu12", None)
-  out["python"] = platform.python_version()
-  return out
-
-
-def _git_state() -> dict[str, Any]:
-  """The commit of the rdt_jax being measured, and its uncommitted files."""
-  import subprocess
-
-  root = pathlib.Path(__file__).resolve().parents[2]
-
-  def git(*args: str) -> str | None:
-    try:
-      out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-      return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-  status = git("status", "--porcelain", "--", "rdt_jax")
-  return {
-      "commit": git("rev-parse", "HEAD"),
-      "uncommitted_rdt_jax_files": status.splitlines() if status else [],
-  }
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
@@ -283,6 +251,14 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
   An invalid combination of options exits through `parser.error`.
   """
+  if getattr(args, "two_host", False):
+    from rdt_jax.bench import _twohost
+
+    try:
+      _twohost.run(args)
+    except (ValueError, RuntimeError) as e:
+      parser.error(str(e))
+    return 0
   if getattr(args, "weight_sync", False):
     from rdt_jax.bench import _weights
 

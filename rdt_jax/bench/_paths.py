@@ -49,10 +49,14 @@ NIXL_TCP: Final = "jax_nixl_tcp"
 #: over sockets even between processes of one host, and no node-local reads
 #: (`rdt_jax.transports.nixl.node_local`), which would bypass NIXL on one host.
 TCP_ENV: Final = {"UCX_TLS": "tcp", "RDT_JAX_NIXL_CMA": "0"}
-#: jax_nixl with in-band sending off (every object is registered and READ):
-#: run beside jax_nixl, it measures the in-band threshold. Opt-in (`--paths`).
+#: jax_nixl with in-band sending off (every object is registered and READ),
+#: as by default, whatever the environment the benchmark runs in. Opt-in.
 NIXL_OOB: Final = "jax_nixl_oob"
 OOB_ENV: Final = {"RDT_JAX_INLINE_MAX_BYTES": "0"}
+#: jax_nixl with in-band sending turned on up to 100 KiB: run beside jax_nixl,
+#: it measures what the opt-in saves on small objects. Opt-in (`--paths`).
+NIXL_INBAND: Final = "jax_nixl_inband"
+INBAND_ENV: Final = {"RDT_JAX_INLINE_MAX_BYTES": str(100 << 10)}
 #: jax_nixl with node-local reads off (every READ goes through NIXL's UCX):
 #: run beside jax_nixl, it measures what `process_vm_readv` gains. Opt-in.
 NIXL_UCX: Final = "jax_nixl_ucx"
@@ -63,12 +67,18 @@ UCX_ENV: Final = {"RDT_JAX_NIXL_CMA": "0"}
 NIXL_VARIANTS: Final = {
     NIXL_TCP: ("jax_nixl over TCP", "the driver's UCX is not restricted to TCP"),
     NIXL_OOB: ("jax_nixl, in-band off", None),
+    NIXL_INBAND: ("jax_nixl, in-band on", None),
     NIXL_UCX: ("jax_nixl, node-local reads off", "the driver reads node-locally"),
 }
 #: Paths a run includes only when `--paths` names them.
-OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_UCX)
+OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_INBAND, NIXL_UCX)
 #: Actor group name and environment of the paths whose actors need their own.
-GROUP_ENV: Final = {NIXL_TCP: ("tcp", TCP_ENV), NIXL_OOB: ("oob", OOB_ENV), NIXL_UCX: ("ucx", UCX_ENV)}
+GROUP_ENV: Final = {
+    NIXL_TCP: ("tcp", TCP_ENV),
+    NIXL_OOB: ("oob", OOB_ENV),
+    NIXL_INBAND: ("inband", INBAND_ENV),
+    NIXL_UCX: ("ucx", UCX_ENV),
+}
 
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -23,11 +23,16 @@ A backend that moves whole jax arrays rather than bytes (`jax_transfer`)
 subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
 `start_pull` and `wait_pull`.
 
-Small objects travel in band (`rdt_jax.transports._inband`): an object whose
-leaves are all host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes
-in all (100 KiB by default) is copied into its metadata, and no backend hook
-runs for it on either side (`DlpackTransport` states the contract); counted
-in `receive_stats()` as `inline`.
+Where in-band sending is turned on (`RDT_JAX_INLINE_MAX_BYTES` above 0; off
+by default), small objects of one-sided backends travel in band
+(`rdt_jax.transports._inband`): an object whose leaves are all host memory and
+hold at most that many bytes in all is copied into its metadata, and no
+backend hook runs for it on either side (`DlpackTransport` states the
+contract); counted in `receive_stats()` as `inline`.
+
+Every fetch, whatever its path, ends with the lifetime check
+(`rdt_jax.transports._lifetime`): an object whose producer actor has died is
+refused with one error on every host.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 
 from rdt_jax import _dlpack, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports import _inband
+from rdt_jax.transports import _inband, _lifetime
 from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
 
 if TYPE_CHECKING:
@@ -85,6 +90,7 @@ class DlpackFetchRequest(FetchRequest):
   transport: DlpackTransport | None = None
   done: bool = False
   inline: bool = False
+  producer: str | None = None
 
   def __del__(self) -> None:
     if self.transport is not None and not self.done:
@@ -121,9 +127,10 @@ class DlpackTransport(TensorTransportManager):
   subclass with `rdt_jax.register_transport(MyTransport)`;
   `examples/shm_transport.py` is a complete one in under 100 lines.
 
-  Which objects reach the backend's hooks: an object whose leaves are all
-  host memory and hold at most `RDT_JAX_INLINE_MAX_BYTES` bytes in all (100
-  KiB by default; 0 turns this off) travels in band, inside its metadata
+  Which objects reach the backend's hooks: where in-band sending is turned
+  on (`RDT_JAX_INLINE_MAX_BYTES` above 0; 0, the default, turns it off), an
+  object of a one-sided backend whose leaves are all host memory and hold at
+  most that many bytes in all travels in band, inside its metadata
   (`rdt_jax.transports._inband`). For such an object no hook runs, on either
   side: not `export_buffers` / `export_arrays`, `send_buffers`,
   `start_receive`, `wait_receive`, `finish_receive`, `cancel_receive`,
@@ -266,11 +273,12 @@ class DlpackTransport(TensorTransportManager):
           tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],
           tensor_device=device,
           leaves=[d.spec for d in described],
+          producer=_lifetime.producer_id(),
       )
       if described:
         # Queued device work writing the leaves finishes before any read.
         _dlpack.wait_for_producers(described)
-        if _inband.fits(device, meta):
+        if self.is_one_sided() and _inband.fits(device, meta):
           _inband.pack(described, meta)
         else:
           self._export(obj_id, rdt_object, described, meta)
@@ -352,9 +360,9 @@ class DlpackTransport(TensorTransportManager):
       rdt_jax.MetadataError: (an `UnsupportedLeafError`) if the metadata
         does not describe a readable object, naming the object and the
         field; nothing was read.
-      RuntimeError: if Ray aborted this transfer, or the producer of an
-        in-band object has exited.
-      ray.exceptions.RayDirectTransportError: if the backend failed to start.
+      RuntimeError: if Ray aborted this transfer.
+      ray.exceptions.RayDirectTransportError: if the backend failed to start,
+        or the object's producer actor has died (`_lifetime`).
     """
     self._raise_if_aborted(obj_id)
     tensor_transport_metadata.validate(obj_id)  # MetadataError before any memory is taken
@@ -383,11 +391,17 @@ class DlpackTransport(TensorTransportManager):
           plan = request.plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
           plan.allocate(self.reads_parts, stage=True)
           request.handle = self._start(obj_id, meta, communicator_metadata, plan)
-    except BaseException:
+    except BaseException as e:
       request.done = True  # the backend released (or parked) what it took
       plan.quarantine()
-      raise
-    return request
+      if not isinstance(e, Exception):
+        raise
+      error = e
+    else:
+      request.producer = tensor_transport_metadata.producer
+      return request
+    self._check_producer(obj_id, tensor_transport_metadata.producer, failed=True)  # before the backend's error
+    raise error
 
   def receives_synchronously(self, meta: DlpackTransportMetadata, kinds: set[MemoryKind]) -> bool:
     """True if every write into this object's receive memory (of memory
@@ -414,13 +428,12 @@ class DlpackTransport(TensorTransportManager):
       plan.allocate(reads_parts=True)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
     try:
-      self._wrap_errors(obj_id, _inband.check_origin, obj_id, meta.origin)
       _inband.copy_out(meta, plan.destinations)
     except BaseException:
       plan.quarantine()
       raise
     self._count(inline=1)
-    return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True)
+    return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer)
 
   def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
     plan.allocate(self.reads_parts, stage)
@@ -467,11 +480,38 @@ class DlpackTransport(TensorTransportManager):
 
     Raises:
       TimeoutError: if `timeout` (seconds, -1 for none) passes first.
-      ray.exceptions.RayDirectTransportError: if the transfer failed.
+      ray.exceptions.RayDirectTransportError: if the transfer failed, or the
+        object's producer actor has died (checked once the bytes are in
+        place, and after any failure: `_lifetime`).
     """
-    if fetch_request.inline:
-      return _build(fetch_request)  # the bytes arrived with the metadata
-    return self._complete(fetch_request, timeout)
+    try:
+      if fetch_request.inline:
+        leaves = _build(fetch_request)  # the bytes arrived with the metadata
+      else:
+        leaves = self._complete(fetch_request, timeout)
+    except Exception as e:
+      error = e
+    else:
+      self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=False)
+      return leaves
+    self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=True)  # before the backend's error
+    raise error
+
+  def _check_producer(self, obj_id: str, producer: str | None, failed: bool) -> None:
+    """Raises the lifetime error if the producer of `obj_id` has died
+    (`_lifetime.check_producer`); `failed`: the backend's move failed.
+
+    A two-sided move fails when its producer died before sending; Ray then
+    kills both actors of the transfer (its rule for GLOO and NCCL), so the
+    consumer waits for that kill (`ActorDiedError`, as with Ray's own
+    transports) rather than race it with an error of its own.
+    """
+    try:
+      self._wrap_errors(obj_id, _lifetime.check_producer, obj_id, producer)
+    except Exception:
+      if failed and not self.is_one_sided():
+        _lifetime.await_kill()
+      raise
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
     if request.handle is not None:
@@ -523,8 +563,7 @@ class DlpackTransport(TensorTransportManager):
 
     `tensors` are the leaves this process stored for the object, in the order
     of `tensor_transport_metadata.leaves`; they are described again (cheap:
-    no bytes move) and their buffers handed to `send_buffers`. An in-band
-    object sends nothing.
+    no bytes move) and their buffers handed to `send_buffers`.
 
     Raises:
       NotImplementedError: on a one-sided transport (Ray never calls it there).
@@ -533,8 +572,6 @@ class DlpackTransport(TensorTransportManager):
       raise NotImplementedError(
           f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
       )
-    if _inband.carried(tensor_transport_metadata):
-      return  # sent in band: the consumer has every byte already
     leaves = tensor_transport_metadata.leaves
     described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
     _dlpack.wait_for_producers(described)

@@ -1,33 +1,41 @@
-"""In-band delivery: small host objects carried inside their metadata.
+"""In-band delivery: small host objects carried inside their metadata (opt-in).
 
-An object whose leaves are all host memory and hold at most
-`inline_max_bytes()` bytes in all is copied into its metadata
-(`DlpackTransportMetadata.inline`: every chunk in leaf order), which Ray
-already carries from producer to owner to consumer. No backend takes part:
-the producer registers nothing, the consumer copies the bytes out of the
-metadata into the receive memory its `ReceivePlan` took (`copy_out`), after
-refusing an object whose producer is known to have exited (`check_origin`),
-and Ray's free of the
-object has nothing to undo. `DlpackTransport` routes an object here or to its
-backend on one test, `carried(meta)`.
+Off by default. With the setting `RDT_JAX_INLINE_MAX_BYTES` above 0
+(`rdt_jax._settings`, read at each object; only the producer's value
+matters), an object of a one-sided backend (`jax_nixl`, `jax_transfer`)
+whose leaves are all host memory and hold at most that many bytes in all is
+copied into its metadata (`DlpackTransportMetadata.inline`: every chunk in
+leaf order), which Ray already carries from producer to owner to consumer. No
+backend takes part: the producer registers nothing, the consumer copies the
+bytes out of the metadata into the receive memory its `ReceivePlan` took
+(`copy_out`), and Ray's free of the object has nothing to undo.
+`DlpackTransport` routes an object here or to its backend on one test,
+`carried(meta)`.
 
-The threshold is a measured policy (docs/performance.md), the setting
-`RDT_JAX_INLINE_MAX_BYTES` (`rdt_jax._settings`; 0 turns in-band delivery
-off), read at each object; only the producer's value matters.
+Two-sided backends (`jax_gloo`, `jax_nccl`) never send in band: Ray runs a
+send task on the producer for every transfer anyway, and that task is where
+Ray's rule for a producer that freed the object or died applies.
+
+Lifetime: the same as out of band where it matters. A consumer refuses an
+in-band object once its producer actor is dead (`_lifetime`, checked on every
+host the same way). What differs: the bytes are a copy taken when the method
+returned, so the producer's later in-place writes to a torch or NumPy leaf
+never reach a consumer (docs/concepts.md).
 """
 
 from __future__ import annotations
 
-from rdt_jax import _dlpack, _process, _settings
+from rdt_jax import _dlpack, _settings
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._plan import Destination, memory_kind
 
-__all__ = ["carried", "check_origin", "copy_out", "fits", "inline_max_bytes", "pack"]
+__all__ = ["carried", "copy_out", "fits", "inline_max_bytes", "pack"]
 
 
 def inline_max_bytes() -> int:
   """The largest object (payload bytes, all leaves) sent in band, 0 for
-  none: the setting `RDT_JAX_INLINE_MAX_BYTES`, read at each call.
+  none (the default): the setting `RDT_JAX_INLINE_MAX_BYTES`, read at each
+  call.
 
   Raises:
     rdt_jax.SettingError: if the variable holds a value it does not allow.
@@ -36,8 +44,8 @@ def inline_max_bytes() -> int:
 
 
 def fits(device: str | None, meta: DlpackTransportMetadata) -> bool:
-  """Producer: True if an object of leaves on `device` (one kind for all)
-  described by `meta` travels in band."""
+  """Producer of a one-sided backend: True if an object of leaves on
+  `device` (one kind for all) described by `meta` travels in band."""
   if device is None or memory_kind(_dlpack.Device(device)) != "host":  # type: ignore[arg-type]
     return False
   return meta.nbytes <= inline_max_bytes()
@@ -50,29 +58,8 @@ def carried(meta: DlpackTransportMetadata | None) -> bool:
 
 
 def pack(leaves: list[_dlpack.DescribedLeaf], meta: DlpackTransportMetadata) -> None:
-  """Producer: copies every chunk of `leaves` into `meta.inline` and records
-  this process as the object's origin (see `check_origin`)."""
+  """Producer: copies every chunk of `leaves` into `meta.inline`."""
   meta.inline = _dlpack.pack_host_chunks(leaves)
-  meta.origin = _process.identity()
-
-
-def check_origin(obj_id: str, origin: _process.Identity | None) -> None:
-  """Refuses an in-band object whose producer process is known to be gone.
-
-  An object read out of band fails when its producer died (its memory went
-  with it); an in-band one keeps that behaviour wherever the consumer can
-  tell, on the producer's host (same boot id and pid namespace). Elsewhere
-  the bytes are delivered (docs/performance.md).
-
-  Raises:
-    RuntimeError: naming the object and the producer's pid.
-  """
-  if origin is not None and _process.same_host(origin) and not _process.alive(origin):
-    raise RuntimeError(
-        f"The producer of in-band object {obj_id} (pid {origin[2]}) has exited: "
-        "the object died with it. Keep the producing actor alive until every "
-        "consumer has fetched the object."
-    )
 
 
 def copy_out(meta: DlpackTransportMetadata, destinations: list[Destination]) -> None:

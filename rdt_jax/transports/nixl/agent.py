@@ -1,28 +1,92 @@
-"""This process's NIXL agent, and the periodic poll that progresses it.
+"""This process's NIXL agent, and the adaptive poll that progresses it.
 
 One agent per process, with NIXL's progress thread off: idle, that thread
 spins a core. The agent is progressed instead by a `Poller` thread that calls
-`get_new_notifs()` every `PROGRESS_INTERVAL_S`, and only while the transport
-says it is needed (it exports objects, is connected to another agent, or has
-parked READs or deregistrations to retry); otherwise the thread sleeps on a
-condition and costs nothing. docs/performance.md has the measurements.
+`get_new_notifs()`, and only while the transport says it is needed (it
+exports objects, is connected to another agent, or has parked READs or
+deregistrations to retry); otherwise the thread sleeps on a condition and
+costs nothing.
+
+Between polls it sleeps `PollPolicy.idle_s` (10 ms) while the agent is
+quiet, and `PollPolicy.busy_s` (1 ms) for `PollPolicy.hold_s` after a poll
+that showed transfer activity: a notification (every READ of rdt_jax carries
+`READ_NOTIF`, which the producer's agent receives when the READ completes), or
+a poll that used more than `PollPolicy.work_cpu_s` of its thread's CPU time
+(UCX moved bytes inside it; an idle poll takes a few microseconds). Over TCP,
+UCX emulates a READ with messages the producer answers inside its polls, so
+the producer's poll period is on the data path of every READ; over RDMA or
+CMA it is not. The first READ of a burst waits for the producer's next quiet
+poll; the READs after it, for its next busy one. docs/performance.md has the
+measurements.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 from rdt_jax import _compat
 
-__all__ = ["PROGRESS_INTERVAL_S", "Poller", "create_agent"]
+__all__ = [
+    "PROGRESS_INTERVAL_S", "READ_NOTIF", "PollPolicy", "Poller",
+    "create_agent", "poll_counts", "poll_policy", "set_poll_policy",
+]
 
-#: Seconds between progress polls of a process that needs them.
-PROGRESS_INTERVAL_S: Final = 0.01
+
+@dataclasses.dataclass(frozen=True)
+class PollPolicy:
+  """When a `Poller` polls.
+
+  Attributes:
+    idle_s: seconds between polls while the agent is quiet.
+    busy_s: seconds between polls while it moves data.
+    hold_s: polls stay `busy_s` apart this long after the last poll that did work.
+    work_cpu_s: a poll that used more of its thread's CPU time than this did work.
+  """
+
+  idle_s: float = 0.01
+  busy_s: float = 0.001
+  hold_s: float = 0.5
+  work_cpu_s: float = 200e-6
+
+  def __post_init__(self) -> None:
+    for f in dataclasses.fields(self):
+      if not getattr(self, f.name) >= 0:
+        raise ValueError(f"PollPolicy.{f.name} must be >= 0, got {getattr(self, f.name)!r}")
+
+
+#: The notification every READ of rdt_jax carries to the producer's agent.
+READ_NOTIF = b"rdt-jax-read"
+
+#: Seconds between progress polls of a quiet process that needs them.
+PROGRESS_INTERVAL_S = PollPolicy().idle_s
+
+_policy = PollPolicy()
+#: Polls made by this process's pollers, and how many of them were followed by a busy sleep.
+_counts = {"polls": 0, "busy_polls": 0}
+
+
+def poll_policy() -> PollPolicy:
+  """The policy every `Poller` of this process follows."""
+  return _policy
+
+
+def set_poll_policy(policy: PollPolicy) -> PollPolicy:
+  """Makes every `Poller` of this process follow `policy` from its next poll;
+  returns the previous policy. The benchmark compares policies with it."""
+  global _policy
+  previous, _policy = _policy, policy
+  return previous
+
+
+def poll_counts() -> dict[str, int]:
+  """Polls made by this process's pollers so far, and how many were busy."""
+  return dict(_counts)
 
 
 def create_agent() -> Any:
@@ -57,8 +121,8 @@ def create_agent() -> Any:
 class Poller:
   """Progresses an agent's target side, and runs `tick` after each poll.
 
-  Polls every `PROGRESS_INTERVAL_S` while `set_active(True)`; otherwise it
-  sleeps on a condition. Stopped at interpreter exit (`atexit`), before Python
+  Polls as `poll_policy()` says while `set_active(True)`; otherwise it sleeps
+  on a condition. Stopped at interpreter exit (`atexit`), before Python
   finalizes: a daemon thread caught inside a NIXL call while the interpreter
   shuts down is unwound through C++ frames, which aborts the process.
   """
@@ -88,16 +152,30 @@ class Poller:
       self._thread.join(timeout)
 
   def _run(self) -> None:
+    busy_until = 0.0
     while True:
       with self._cond:
         while not self._active and not self._stopped:
           self._cond.wait()
         if self._stopped:
           return
-      try:
-        self._agent.get_new_notifs()
-        if self._tick is not None:
-          self._tick()
-      except Exception:  # a broken peer must not stop progress for the others
-        pass
-      time.sleep(PROGRESS_INTERVAL_S)
+      policy = _policy
+      if self._poll(policy):
+        busy_until = time.monotonic() + policy.hold_s
+      busy = time.monotonic() < busy_until
+      _counts["polls"] += 1
+      _counts["busy_polls"] += busy
+      time.sleep(policy.busy_s if busy else policy.idle_s)
+
+  def _poll(self, policy: PollPolicy) -> bool:
+    """One poll and tick; True if the poll did work (see the module docstring)."""
+    worked = False
+    try:
+      cpu = time.thread_time()
+      notifs = self._agent.get_new_notifs()
+      worked = bool(notifs) or time.thread_time() - cpu > policy.work_cpu_s
+      if self._tick is not None:
+        self._tick()
+    except Exception:  # a broken peer must not stop progress for the others
+      pass
+    return worked

@@ -30,6 +30,7 @@ from rdt_jax import _dlpack, _faults
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._plan import Destination, MemoryKind, StageCallerMemory, memory_kind
 from rdt_jax.transports.nixl import node_local
+from rdt_jax.transports.nixl.agent import READ_NOTIF
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 from rdt_jax.transports.nixl.registrations import Key, NixlError, Registrations, nixl_error, nixl_memory
@@ -241,7 +242,7 @@ class NixlRead:
             agent.get_xfer_descs(local, mem_type=local_type),
             agent.get_xfer_descs(remote_descs, mem_type=remote_type),
             remote,
-            b"",
+            READ_NOTIF,  # wakes the producer's poll to its busy period (agent.py)
         )
       except Exception as e:
         raise nixl_error("prepare the READ of", subject, e, READ_FIX, obj_id) from None

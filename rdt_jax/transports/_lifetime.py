@@ -1,0 +1,85 @@
+"""The lifetime contract: an RDT object lives in its producer.
+
+Once the producing actor has died, every consumer's fetch of its objects
+fails with the same error (`ProducerDiedError`), on every host, for every
+size, path and backend: the consumer asks Ray whether the producer is dead
+(`rdt_jax._seam.actor_dead`, one GCS lookup) after the bytes are in place and
+after any failure of the backend, so
+
+* a fetch that finishes after `ray.kill(producer)` returned is refused, even
+  while the killed process is still exiting and its memory still readable;
+* a backend's own account of a dead peer (a refused connection, a closed
+  socket, a failed node-local read) gives way to this one error.
+
+Two-sided backends (`jax_gloo`, `jax_nccl`) follow Ray's rule for its own
+GLOO and NCCL: a transfer whose producer died before sending ends with Ray
+killing both actors, so the consumer's task fails with `ActorDiedError`; the
+consumer waits for that kill (`await_kill`) instead of racing it.
+
+An object's producer is the actor that stored it (`DlpackTransportMetadata
+.producer`); objects the driver stores have none (the driver's exit ends the
+job). Objects the producer freed are Ray's to refuse: Ray frees an object only
+once no reference is left, and a fetch after that is refused before any
+transport runs (`rdt_jax.UnknownObjectError` for `ray.get`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rdt_jax import _seam
+
+__all__ = ["ProducerDiedError", "await_kill", "check_producer", "producer_id"]
+
+#: Seconds a consumer of a two-sided transfer waits, past Ray's own RDT fetch
+#: timeout, for the kill Ray sends after a failed send (`await_kill`).
+KILL_GRACE_S = 10.0
+
+_dead: set[str] = set()
+_lock = threading.Lock()
+
+
+class ProducerDiedError(RuntimeError):
+  """The actor that produced an RDT object has died; the object died with it."""
+
+
+def producer_id() -> str | None:
+  """Producer: the id to record in an object's metadata (this actor's, or
+  None in a driver or task)."""
+  return _seam.current_actor_id()
+
+
+def check_producer(obj_id: str, producer: str | None) -> None:
+  """Consumer: refuses object `obj_id` if its producer actor has died.
+
+  A dead actor stays dead: the answer is remembered per actor, so only the
+  first fetch after a death, and fetches from live producers, ask Ray.
+
+  Raises:
+    ProducerDiedError: naming the object and the producer actor.
+  """
+  if producer is None:
+    return
+  with _lock:
+    dead = producer in _dead
+  if not dead and _seam.actor_dead(producer):
+    with _lock:
+      _dead.add(producer)
+    dead = True
+  if dead:
+    raise ProducerDiedError(
+        f"The producer of object {obj_id} (actor {producer}) has died: the object died with it. "
+        "Keep the producing actor alive until every consumer has fetched the object."
+    )
+
+
+def await_kill() -> None:
+  """Consumer of a two-sided transfer whose producer died before sending:
+  waits for Ray to kill this actor, which Ray does to both actors of a
+  transfer whose send failed (`RDTManager._abort_transport`), so that the
+  consumer's task ends with Ray's `ActorDiedError` every time. Returns (for
+  the caller to raise the lifetime error) only if no kill came within Ray's
+  RDT fetch timeout and `KILL_GRACE_S`.
+  """
+  time.sleep(_seam.rdt_fetch_timeout_s() + KILL_GRACE_S)

@@ -1,0 +1,323 @@
+"""The lifetime contract: an RDT object lives in its producer.
+
+Once its producer freed an object or died, every consumer gets the same
+error, for every size (4 KiB and 4 MiB here), every backend (jax_nixl,
+jax_gloo, jax_transfer) and every path (node-local reads, NIXL READs, in band
+where it is turned on), with no race against the producer's process exit:
+each test fetches right after `ray.kill` returns, while the killed process
+may still be exiting. The jax_gloo cases port Ray's own GLOO tests
+(`test_send_fails`, `test_send_actor_dies_before_sending`) to rdt_jax.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+import ray
+from ray.exceptions import ActorDiedError, RayDirectTransportError
+from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+import rdt_jax
+from _helpers import digest, jax_bytes
+from conftest import start_ray, worker_env
+
+rdt_jax.register()  # the transports exist before the actor classes below name them
+
+SIZES = [4 << 10, 4 << 20]
+DIED = re.compile(r"The producer of object [0-9a-f]+ \(actor [0-9a-f]+\) has died: the object died with it\.")
+IN_BAND = {"RDT_JAX_INLINE_MAX_BYTES": str(64 << 10)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+  start_ray(num_cpus=8)
+  yield
+  ray.shutdown()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Side:
+  def __init__(self):
+    rdt_jax.register()
+
+  @ray.method(tensor_transport="jax_nixl")
+  def nixl(self, nbytes: int):
+    return {"x": jax_bytes(nbytes, 1)}
+
+  @ray.method(tensor_transport="jax_gloo")
+  def gloo(self, nbytes: int):
+    return {"x": jax_bytes(nbytes, 1)}
+
+  @ray.method(tensor_transport="jax_transfer")
+  def transfer(self, nbytes: int):
+    return {"x": jax_bytes(nbytes, 1)}
+
+  def take(self, value) -> str:
+    return digest(value["x"])
+
+  def inline_fetches(self, transport: str) -> int:
+    from _helpers import transport_manager
+
+    return transport_manager(transport).receive_stats()["inline"]
+
+  def clear_rdt_store(self) -> None:
+    """What Ray's `test_send_fails` does: the producer forgets its objects."""
+    store = ray._private.worker.global_worker.rdt_manager.rdt_store
+    with store._lock:
+      assert store._rdt_store
+      store._rdt_store.clear()
+
+  @ray.method(concurrency_group="_ray_system")
+  def block_background_thread(self) -> None:
+    time.sleep(100)
+
+
+def _pair(transport: str, env: dict[str, str]):
+  producer = Side.options(runtime_env=worker_env(**env)).remote()
+  consumer = Side.options(runtime_env=worker_env(**env)).remote()
+  group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
+  return producer, consumer, group
+
+
+def _close(group, *actors) -> None:
+  if group is not None:
+    try:
+      destroy_collective_group(group)
+    except ValueError:
+      pass  # Ray destroyed it after the failed transfer
+  for a in actors:
+    ray.kill(a)
+
+
+def _produce(producer, transport: str, nbytes: int):
+  ref = getattr(producer, transport.removeprefix("jax_")).remote(nbytes)
+  ray.wait([ref])  # created: its metadata is at the owner
+  return ref
+
+
+def _failure(fn: Callable[[], object]) -> BaseException:
+  with pytest.raises(Exception) as info:
+    fn()
+  return info.value
+
+
+def _died(error: BaseException) -> str:
+  """The lifetime error's sentence, ids blanked, or "" if `error` is another."""
+  if not isinstance(error, RayDirectTransportError):
+    return ""
+  found = DIED.search(str(error))
+  return "" if found is None else re.sub(r"[0-9a-f]{16,}", "<id>", found.group())
+
+
+def _killed(transport: str, nbytes: int, env: dict[str, str]) -> tuple[BaseException, BaseException | None, int]:
+  """Kills the producer of a created object, then fetches it at once from a
+  consumer actor and (one-sided backends) from the driver. Also returns how
+  many fetches arrived in band at the consumer."""
+  producer, consumer, group = _pair(transport, env)
+  try:
+    ref = _produce(producer, transport, nbytes)
+    ray.kill(producer)
+    in_actor = _failure(lambda: ray.get(consumer.take.remote(ref), timeout=90))
+    in_driver = None if transport == "jax_gloo" else _failure(lambda: ray.get(ref, timeout=90))
+    inline = 0 if transport == "jax_gloo" else ray.get(consumer.inline_fetches.remote(transport))
+    return in_actor, in_driver, inline
+  finally:
+    _close(group, producer, consumer)
+
+
+# ---- producer killed: one-sided backends, every path
+
+
+@pytest.mark.parametrize(
+    ("transport", "env"),
+    [
+        ("jax_nixl", {}),  # node-local reads (process_vm_readv) on this host
+        ("jax_nixl", {"RDT_JAX_NIXL_CMA": "0"}),  # NIXL READs
+        ("jax_transfer", {}),
+    ],
+    ids=["jax_nixl-node-local", "jax_nixl-nixl-read", "jax_transfer"],
+)
+def test_killed_producer_one_error_for_every_size(transport, env):
+  sentences = set()
+  for nbytes in SIZES:
+    in_actor, in_driver, inline = _killed(transport, nbytes, env)
+    assert inline == 0  # out of band: in-band sending is off by default
+    for error in (in_actor, in_driver):
+      sentence = _died(error)
+      assert sentence, f"{nbytes} bytes: {type(error).__name__}: {error}"
+      sentences.add(sentence)
+  assert len(sentences) == 1, sentences
+
+
+@pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
+def test_in_band_object_refused_like_the_others_once_its_producer_died(transport):
+  """With in-band sending turned on, a 4 KiB object travels in band and a
+  4 MiB one does not: both are refused with the same error once their
+  producer is dead, whatever host the consumer is on (Ray's record of the
+  actor decides, not the consumer's view of the producer's process)."""
+  sentences = set()
+  inlines = []
+  for nbytes in SIZES:
+    in_actor, in_driver, inline = _killed(transport, nbytes, IN_BAND)
+    inlines.append(inline)
+    for error in (in_actor, in_driver):
+      sentences.add(_died(error))
+  assert inlines == [1, 0]  # the 4 KiB fetch went in band, the 4 MiB one did not
+  assert len(sentences) == 1 and "" not in sentences, sentences
+
+
+# ---- producer killed or freed: jax_gloo, as Ray's GLOO tests
+
+
+def test_gloo_send_actor_dies_before_sending():
+  """Ray's `test_send_actor_dies_before_sending`: the producer's send cannot
+  run before the kill; Ray kills both actors of the failed two-sided
+  transfer, so the consumer's task ends with `ActorDiedError`, every size."""
+  for nbytes in SIZES:
+    producer, consumer, group = _pair("jax_gloo", {})
+    try:
+      ref = _produce(producer, "jax_gloo", nbytes)
+      producer.block_background_thread.remote()
+      result = consumer.take.remote(ref)
+      ray.kill(producer)
+      with pytest.raises(ActorDiedError):
+        ray.get(result, timeout=90)
+    finally:
+      _close(group, producer, consumer)
+
+
+def test_gloo_send_fails_once_the_producer_forgot_the_object():
+  """Ray's `test_send_fails`: the producer cleared its RDT store before the
+  transfer; no consumer gets a value, every size (the 4 KiB object used to
+  arrive in band regardless)."""
+  for nbytes in SIZES:
+    producer, consumer, group = _pair("jax_gloo", {})
+    try:
+      ref = _produce(producer, "jax_gloo", nbytes)
+      ray.get(producer.clear_rdt_store.remote())
+      with pytest.raises(ActorDiedError):
+        ray.get(consumer.take.remote(ref), timeout=90)
+    finally:
+      _close(group, producer, consumer)
+
+
+def test_gloo_killed_producer_ends_like_rays_gloo():
+  """A plain kill (the producer idle, its send free to run, the consumer's
+  receive failing as soon as the connection closes): the same
+  `ActorDiedError` as above, for every size, not an error that races it."""
+  for nbytes in SIZES:
+    error = _killed("jax_gloo", nbytes, {})[0]
+    assert isinstance(error, ActorDiedError), f"{nbytes} bytes: {type(error).__name__}: {error}"
+
+
+# ---- producer freed: Ray frees an object once no reference is left
+
+
+@pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
+@pytest.mark.parametrize("env", [{}, IN_BAND], ids=["out-of-band", "in-band-on"])
+def test_freed_object_is_refused_for_every_size(transport, env):
+  """Ray's free (what runs when the last reference goes: the owner forgets
+  the object, the producer drops it) leaves nothing to fetch, whatever the
+  size and path: `ray.get` raises `rdt_jax.UnknownObjectError`."""
+  messages = set()
+  for nbytes in SIZES:
+    producer, consumer, group = _pair(transport, env)
+    try:
+      ref = _produce(producer, transport, nbytes)
+      ray._private.worker.global_worker.rdt_manager.free_object_primary_copy(ref.hex())
+      error = _failure(lambda ref=ref: ray.get(ref, timeout=60))
+      assert isinstance(error, rdt_jax.UnknownObjectError), f"{nbytes} bytes: {type(error).__name__}: {error}"
+      messages.add(str(error).replace(ref.hex(), "<id>"))
+    finally:
+      _close(group, producer, consumer)
+  assert len(messages) == 1, messages
+
+
+def test_live_producer_still_delivers_every_size():
+  """The check costs a lookup, not a value: with the producer alive every
+  size arrives exactly, on every backend."""
+  for transport in ("jax_nixl", "jax_gloo", "jax_transfer"):
+    producer, consumer, group = _pair(transport, {})
+    try:
+      for nbytes in SIZES:
+        ref = _produce(producer, transport, nbytes)
+        assert ray.get(consumer.take.remote(ref), timeout=90) == digest(jax_bytes(nbytes, 1))
+    finally:
+      _close(group, producer, consumer)
+
+
+# ---- mutation after return: what a consumer sees, per transport and size
+
+
+@ray.remote(enable_tensor_transport=True)
+class Mutator:
+  """Returns a host leaf it keeps, and changes it in place on request."""
+
+  def __init__(self):
+    rdt_jax.register()
+    self.kept = None
+
+  def _leaf(self, framework: str, nbytes: int):
+    import numpy as np
+
+    a = np.zeros(nbytes, np.uint8)
+    if framework == "torch":
+      import torch
+
+      a = torch.from_numpy(a)
+    self.kept = a
+    return {"x": a}
+
+  @ray.method(tensor_transport="jax_nixl")
+  def nixl(self, framework: str, nbytes: int):
+    return self._leaf(framework, nbytes)
+
+  @ray.method(tensor_transport="jax_gloo")
+  def gloo(self, framework: str, nbytes: int):
+    return self._leaf(framework, nbytes)
+
+  @ray.method(tensor_transport="jax_transfer")
+  def transfer(self, framework: str, nbytes: int):
+    return self._leaf(framework, nbytes)
+
+  def mutate(self) -> None:
+    self.kept[:] = 7  # in place, after the method returned
+
+  def first_byte(self, value) -> int:
+    return int(rdt_jax.to_numpy(value["x"])[0])
+
+
+def _seen(transport: str, framework: str, nbytes: int, env: dict[str, str]) -> bool:
+  """True if a consumer that reads after the producer's in-place write sees it."""
+  producer = Mutator.options(runtime_env=worker_env(**env)).remote()
+  consumer = Mutator.options(runtime_env=worker_env(**env)).remote()
+  group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
+  try:
+    ref = getattr(producer, transport.removeprefix("jax_")).remote(framework, nbytes)
+    ray.wait([ref])
+    ray.get(producer.mutate.remote())
+    return ray.get(consumer.first_byte.remote(ref), timeout=90) == 7
+  finally:
+    _close(group, producer, consumer)
+
+
+#: (transport, in-band on) -> whether a write is seen, for a 4 KiB and a 4 MiB leaf
+#: (docs/concepts.md, Mutability, states the same table).
+SEEN = {
+    ("jax_nixl", False): (False, True),  # small leaves staged at return; large ones read in place
+    ("jax_nixl", True): (False, True),  # 4 KiB in band: a copy at return
+    ("jax_transfer", False): (False, False),  # offered as jax arrays made at return
+    ("jax_gloo", False): (True, True),  # read at each send
+}
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize(
+    ("transport", "in_band"), list(SEEN), ids=[f"{t}-{'in-band' if b else 'default'}" for t, b in SEEN]
+)
+def test_in_place_write_after_return(transport, in_band, framework):
+  got = tuple(_seen(transport, framework, n, IN_BAND if in_band else {}) for n in SIZES)
+  assert got == SEEN[(transport, in_band)], got
