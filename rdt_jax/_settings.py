@@ -170,6 +170,13 @@ SETTINGS: Final[dict[str, Setting]] = {
             read="once", side="consumer", minimum=0.0, maximum=300.0,
         ),
         Setting(
+            "RDT_JAX_NIXL_PRODUCER_IDLE_S", "seconds", 60.0,
+            "jax_nixl: what a consumer keeps per producer (its view of the producer's agent, what it knows "
+            "of the producer's freed objects) is dropped once no read from it ran for this long, or once "
+            "a producer on this host exited.",
+            read="once", side="consumer", minimum=0.5, maximum=3600.0,
+        ),
+        Setting(
             "RDT_JAX_NIXL_PARK_END_S", "seconds", 10.0,
             "jax_nixl: a READ given up while in flight and still running after this long is ended by "
             "dropping the producer's agent from this process's view.",

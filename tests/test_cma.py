@@ -64,6 +64,27 @@ def test_read_refuses_a_producer_that_exited_or_a_reused_pid():
     node_local.read((*me[:2], never, 1), [(buf.ctypes.data, buf.ctypes.data, 8)])
 
 
+def test_read_refuses_a_pid_reused_during_the_read(monkeypatch):
+  # The producer exits while its memory is copied and its pid goes to a new
+  # process: the start time read after the copy differs, and the read fails.
+  me = _process.identity()
+  src = np.arange(64, dtype=np.uint8)
+  dst = np.zeros_like(src)
+  real = _process.start_time
+  calls = []
+
+  def start_time(pid: int):
+    calls.append(pid)
+    started = real(pid)
+    return started if len(calls) == 1 or started is None else started + 1  # reused after the first check
+
+  monkeypatch.setattr(_process, "start_time", start_time)
+  with pytest.raises(ProcessLookupError, match="during the read"):
+    node_local.read(me, [(dst.ctypes.data, src.ctypes.data, src.nbytes)])
+  assert len(calls) == 2, "the producer's start time was not checked after the copy"
+  assert np.array_equal(dst, src)  # the copy ran; the check after it refused it
+
+
 def test_unreadable_memory_is_an_error():
   me = _process.identity()
   buf = np.zeros(8, np.uint8)

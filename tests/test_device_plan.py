@@ -173,3 +173,34 @@ def _targets_device(device):
   from rdt_jax._targets import Target
 
   return Target(device=_dlpack.parse_device(device))
+
+
+# ---- caller memory: written straight, or staged and copied after success
+
+
+@pytest.mark.parametrize("stage", [False, True])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "slice"])
+def test_caller_memory_is_staged_only_when_asked(kind, stage):
+  from rdt_jax._targets import Target
+
+  x = np.arange(64, dtype=np.float32)
+  if kind == "slice":
+    buf = np.zeros(16, np.float32)
+    target = _dlpack.Slice((slice(8, 24),), buf)
+    want = x[8:24]
+  else:
+    buf = np.zeros(64, np.float32) if kind == "numpy" else torch.zeros(64)
+    target, want = buf, x
+  plan = ReceivePlan([spec("['w']", x, "numpy", "cpu")], "source", Target(buffers={"['w']": target}))
+  dests = plan.allocate(reads_parts=True, stage=stage)
+  host = buf if kind != "torch" else buf.numpy()
+  inside = [host.ctypes.data <= d.pointer < host.ctypes.data + host.nbytes for d in dests]
+  assert all(d.caller for d in dests) == (not stage) and any(inside) == (not stage)
+  for d in dests:  # what a backend does: each run's bytes from the source chunk
+    src = x.view(np.uint8)[d.source_offset : d.source_offset + d.nbytes]
+    ctypes.memmove(d.pointer, src.ctypes.data, d.nbytes)
+  if stage:
+    np.testing.assert_array_equal(host, 0)  # nothing in the caller's memory before build
+  (leaf,) = plan.build()
+  assert leaf is buf
+  np.testing.assert_array_equal(host, want)

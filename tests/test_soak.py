@@ -27,7 +27,9 @@ def test_short_soak_run_is_clean(tmp_path):
 
 def test_chaos_soak_for_a_minute_is_exact_and_leak_free(tmp_path):
   # Producers and consumers killed at random, refs freed at random, timeouts
-  # firing mid-transfer: no wrong value, no hang, only Ray errors, no leak.
+  # firing mid-transfer, fetches into targets and slices: no wrong value, no
+  # hang, only Ray errors, no late write into a target, every counter back to
+  # its baseline.
   out = tmp_path / "chaos.json"
   proc = subprocess.run(
       [sys.executable, "-m", "rdt_jax", "soak", "--chaos", "--minutes", "1", "--out", str(out)],
@@ -37,6 +39,8 @@ def test_chaos_soak_for_a_minute_is_exact_and_leak_free(tmp_path):
   report = json.loads(out.read_text())
   assert report["transfers"] > 0 and report["faults_injected"] > 0
   assert report["wrong_values"] == 0 and report["hangs"] == 0 and report["other_errors"] == 0
-  assert report["leaks"] == 0
+  assert report["leaks"] == 0 and report["late_writes"] == 0
+  assert min(report["fetches_new"], report["fetches_targets"], report["fetches_slice"]) > 0
+  assert all(c["views"] == 0 and c["producers"] == 0 for c in report["actors_at_end"])
   assert report["max_error_s"] < 60
   assert "chaos soak:" in proc.stdout and "wrong values 0" in proc.stdout

@@ -12,6 +12,13 @@ transfer failed, a checksum differed or registrations leaked.
 `--chaos` runs the chaos soak instead (`rdt_jax.bench._chaos`): several
 producers and consumers, refs freed and actors killed at random, timeouts
 firing mid-transfer, every value checked by sha256.
+
+`--churn N` runs the producer-churn check instead: N short-lived producer
+actors (a few alive at once), each read by two consumers (one node-locally,
+one through NIXL READs) and killed; then every counter of each consumer's
+`counters()` must return to its baseline (producers are forgotten once idle,
+`RDT_JAX_NIXL_PRODUCER_IDLE_S`, 60 s by default). Exit status 1 on a wrong
+value or a counter left above its baseline.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import numpy as np
 import ray
 
 import rdt_jax
+from rdt_jax import _settings
 from rdt_jax.bench import _chaos
 
 
@@ -38,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--transport", default="jax_nixl", help="one-sided rdt_jax transport")
   parser.add_argument("--out", type=pathlib.Path, default=None, help="write the report as JSON here")
   _chaos.add_chaos_arguments(parser)
+  parser.add_argument("--churn", type=int, default=0, help="run the producer-churn check with this many producers")
 
 
 def _layer_sizes(step: int, max_mb: float) -> list[int]:
@@ -101,9 +110,83 @@ class _Generator:
     return {"rss_peak": max(self.peak, _rss())}
 
 
+#: Counters of a consumer that must be zero once its producers are gone or idle.
+CHURN_BASELINE_KEYS = ("objects", "registrations", "stuck", "inflight", "parked", "views", "producers", "polling")
+
+
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
+class _ChurnConsumer:
+  def take(self, refs: list) -> int:
+    x = ray.get(refs[0])["x"]
+    return int(x[0]) if bool((x == x[0]).all()) else -1
+
+  def counters(self) -> dict:
+    import gc
+
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    gc.collect()
+    return get_tensor_transport_manager("JAX_NIXL").counters()  # type: ignore[attr-defined]
+
+
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
+class _ShortLived:
+  def make(self, seed: int) -> list:
+    """A ref (owned here) to an out-of-band object, in a list: lent on as is."""
+    return [ray.put({"x": np.full(1 << 18, seed % 251, np.uint8)}, _tensor_transport="jax_nixl")]
+
+
+def run_churn(args: argparse.Namespace) -> int:
+  """The producer-churn check (see the module docstring)."""
+  rdt_jax.register()
+  ray.init(address="local", num_cpus=16, include_dashboard=False, logging_level=logging.ERROR)
+  remote = {"env_vars": {"RDT_JAX_FAULTS": "cma.read:fail", "RDT_JAX_FAULTS_ENABLE": "1"}}
+  consumers = [
+      _ChurnConsumer.remote(), _ChurnConsumer.options(runtime_env=remote).remote()  # type: ignore[attr-defined]
+  ]
+  start = time.monotonic()
+  wrong, peak = 0, dict.fromkeys(CHURN_BASELINE_KEYS, 0)
+  wave = 8
+  for first in range(0, args.churn, wave):
+    producers = [_ShortLived.remote() for _ in range(min(wave, args.churn - first))]  # type: ignore[attr-defined]
+    refs = ray.get([p.make.remote(first + i) for i, p in enumerate(producers)], timeout=300)
+    got = ray.get([c.take.remote(r) for r in refs for c in consumers], timeout=300)
+    wrong += sum(g != (first + i // 2) % 251 for i, g in enumerate(got))
+    for c in ray.get([c.counters.remote() for c in consumers]):
+      peak = {k: max(peak[k], c[k]) for k in peak}
+    del refs
+    for p in producers:
+      ray.kill(p)
+    print(f"\r[churn] {first + len(producers)} producers, {time.monotonic() - start:5.0f} s", end="",
+          file=sys.stderr, flush=True)
+  churned = time.monotonic() - start
+  settle_until = time.monotonic() + float(_settings.value("RDT_JAX_NIXL_PRODUCER_IDLE_S")) + 30
+  while True:
+    final = ray.get([c.counters.remote() for c in consumers])
+    held = [{k: c[k] for k in CHURN_BASELINE_KEYS if c[k]} for c in final]
+    if not any(held) or time.monotonic() > settle_until:
+      break
+    time.sleep(1.0)
+  settled = time.monotonic() - start - churned
+  ray.shutdown()
+  print(file=sys.stderr)
+  print(f"churn: {args.churn} short-lived producers read by 2 consumers in {churned:.0f} s, wrong values {wrong}")
+  print("peak while churning: " + ", ".join(f"{k} {v}" for k, v in peak.items()))
+  print(f"after {settled:.0f} s: " + "; ".join(
+      f"consumer {i}: " + ", ".join(f"{k} {c[k]}" for k in CHURN_BASELINE_KEYS) for i, c in enumerate(final)
+  ))
+  if args.out is not None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"producers": args.churn, "seconds": round(churned, 1), "wrong_values": wrong,
+                                    "peak": peak, "final": final, "settle_s": round(settled, 1)}, indent=2))
+  return 1 if wrong or any(held) else 0
+
+
 def run(args: argparse.Namespace) -> int:
   if args.chaos:
     return _chaos.run_chaos(args)
+  if args.churn:
+    return run_churn(args)
   rdt_jax.register()
   # A Ray of its own, never a cluster another process started here.
   ray.init(address="local", num_cpus=args.generators + 2, include_dashboard=False, logging_level=logging.WARNING)

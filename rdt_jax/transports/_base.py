@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 from rdt_jax import _dlpack, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
-from rdt_jax.transports._plan import Destination, Placement, ReceivePlan
+from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
 
 if TYPE_CHECKING:
   import ray
@@ -62,6 +63,10 @@ if TYPE_CHECKING:
 #: on both sides; on a producer no fetch ever consumes the mark, so the oldest
 #: are forgotten (and `release` forgets an object's mark when Ray frees it).
 MAX_ABORTED = 4096
+#: Actors whose answer to `actor_has_tensor_transport` a process keeps at most.
+MAX_ACTORS_KNOWN = 4096
+#: Seconds an actor's answer is kept after its last use (a gone actor's goes then).
+ACTOR_ANSWER_IDLE_S = 600.0
 
 __all__ = [
     "Destination",
@@ -153,7 +158,9 @@ class DlpackTransport(TensorTransportManager):
   def __init__(self) -> None:
     self._aborted: OrderedDict[str, None] = OrderedDict()
     self._aborted_lock = threading.Lock()
-    self._actors_with_transport: dict[str, bool] = {}
+    # actor id -> (can run this transport, time.monotonic() of its last use)
+    self._actors_with_transport: OrderedDict[str, tuple[bool, float]] = OrderedDict()
+    self._actors_lock = threading.Lock()
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
 
@@ -210,10 +217,35 @@ class DlpackTransport(TensorTransportManager):
     import ray
 
     actor_id = _seam.actor_id(actor)
-    if actor_id not in self._actors_with_transport:
+    with self._actors_lock:
+      known = self._actors_with_transport.get(actor_id)
+    if known is None:
       ref = _seam.call_on_system_group(actor, _actor_can_run, type(self))
-      self._actors_with_transport[actor_id] = bool(ray.get(ref))
-    return self._actors_with_transport[actor_id]
+      known = (bool(ray.get(ref)), 0.0)
+    with self._actors_lock:
+      self._actors_with_transport[actor_id] = (known[0], time.monotonic())
+      self._actors_with_transport.move_to_end(actor_id)
+      self._forget_actors()
+    return known[0]
+
+  def _forget_actors(self) -> None:
+    """Drops cached answers beyond `MAX_ACTORS_KNOWN`, or unused for
+    `ACTOR_ANSWER_IDLE_S` (lock held): a gone actor's answer does not stay."""
+    expired = time.monotonic() - ACTOR_ANSWER_IDLE_S
+    answers = self._actors_with_transport
+    while answers and (len(answers) > MAX_ACTORS_KNOWN or next(iter(answers.values()))[1] < expired):
+      answers.popitem(last=False)
+
+  def counters(self) -> dict[str, int]:
+    """Everything this process holds for transfers, as counts (backends add
+    theirs): `abort_marks` (bounded by `MAX_ABORTED`) and `actors_known`
+    (cached `actor_has_tensor_transport` answers, bounded by
+    `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
+    process whose peers are gone or idle returns to its baseline."""
+    with self._actors_lock:
+      self._forget_actors()
+      actors = len(self._actors_with_transport)
+    return {"abort_marks": self.num_aborted(), "actors_known": actors}
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
@@ -339,19 +371,26 @@ class DlpackTransport(TensorTransportManager):
       target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
     if _inband.carried(tensor_transport_metadata):
       return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
+    meta = tensor_transport_metadata
     try:
-      with _dlpack.gc_paused(len(tensor_transport_metadata.leaves)):
-        plan = ReceivePlan(tensor_transport_metadata.leaves, _state.receive_mode(), target, obj_id)
-        self._prepare(plan)
+      with _dlpack.gc_paused(len(meta.leaves)):
+        plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
+        self._prepare(plan, stage=not self.receives_synchronously(meta, plan.memory_kinds()))
     except Exception:
       if not self.is_one_sided():
         # The producer is already sending: take its bytes so it does not block.
-        self._drain(obj_id, tensor_transport_metadata, communicator_metadata)
+        self._drain(obj_id, meta, communicator_metadata)
       raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
     try:
       with _dlpack.gc_paused(len(plan.plans)):
-        request.handle = self._start(obj_id, tensor_transport_metadata, communicator_metadata, plan)
+        try:
+          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
+        except StageCallerMemory:  # nothing was written: plan again, caller memory staged
+          plan.return_regions()
+          plan = request.plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
+          plan.allocate(self.reads_parts, stage=True)
+          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
     except BaseException as e:
       request.done = True  # the backend released (or parked) what it took
       plan.quarantine()
@@ -363,6 +402,22 @@ class DlpackTransport(TensorTransportManager):
       return request
     self._check_producer(obj_id, tensor_transport_metadata.producer, failed=True)  # before the backend's error
     raise error
+
+  def receives_synchronously(self, meta: DlpackTransportMetadata, kinds: set[MemoryKind]) -> bool:
+    """True if every write into this object's receive memory (of memory
+    `kinds`) ends before `start_receive` / `wait_receive` return or raise, so
+    a fetch that failed or was given up cannot write later. Only then are
+    bytes received straight into caller memory (numpy/torch targets,
+    `Slice(into=...)` buffers); otherwise they are staged in rdt_jax's memory
+    and copied into the caller's after the transfer succeeded
+    (`rdt_jax.transports._plan`).
+
+    The default: True for two-sided backends (their receive blocks until the
+    bytes are in), False for one-sided ones. A one-sided backend that may say
+    True for an object it then cannot read so must raise `StageCallerMemory`
+    from `start_receive` before writing anything.
+    """
+    return not self.is_one_sided()
 
   def _fetch_in_band(
       self, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
@@ -380,8 +435,8 @@ class DlpackTransport(TensorTransportManager):
     self._count(inline=1)
     return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer)
 
-  def _prepare(self, plan: ReceivePlan) -> None:
-    plan.allocate(self.reads_parts)
+  def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
+    plan.allocate(self.reads_parts, stage)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
 
   def _start(
@@ -573,7 +628,7 @@ class DlpackTransport(TensorTransportManager):
 
     try:
       return fn(*args)
-    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError):
+    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError, StageCallerMemory):
       raise
     except Exception:
       raise RayDirectTransportError(
@@ -652,8 +707,8 @@ class WholeArrayTransport(DlpackTransport):
   ) -> None:
     self.export_arrays(obj_id, arrays, leaves, meta)
 
-  def _prepare(self, plan: ReceivePlan) -> None:
-    pass  # the backend allocates the arrays it pulls
+  def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
+    pass  # the backend allocates the arrays it pulls, copied into targets after success
 
   def _start(
       self,

@@ -8,7 +8,18 @@ small leaves, every leaf a zero-copy view into it); device chunks share one
 pooled region per device (`_dlpack.device_pool`, registered once while the
 pool keeps it, released for reuse only after the bytes landed and the leaves
 were built); leaves with a numpy/torch target are received straight into the
-target's memory. Backends see only the resulting `Destination`s.
+target's memory, or staged (below). Backends see only the resulting
+`Destination`s.
+
+Caller memory (a numpy/torch target, an `rdt_jax.Slice(into=...)` buffer) is
+never written after its fetch returned or failed. A backend whose every write
+ends before its receive hooks return (`DlpackTransport.receives_synchronously`:
+node-local reads, collectives, in-band copies) receives straight into it
+(`Destination.caller` marks it). Any other receive (a NIXL READ, which a fetch
+may give up while it still runs) is *staged*: the leaf lands in rdt_jax's own
+pooled memory, which a READ given up in flight keeps out of reuse until it
+ended, and `build` copies it into the caller's buffer once the transfer
+succeeded.
 
 A leaf the consumer asks to reshard (a target sharding, or an
 `rdt_jax.Slice`) is planned as copies from each source chunk's part to each
@@ -69,6 +80,11 @@ class Destination:
       or a chunk going to a buffer laid out differently): only backends that
       read parts (`DlpackTransport.reads_parts`) are given such destinations,
       and the bytes after `nbytes` are not padding (never read past them).
+    caller: True if the memory is the caller's (a numpy/torch target or a
+      `Slice(into=...)` buffer): a backend may write it only while its
+      receive hooks run (see the module docstring), and must raise
+      `StageCallerMemory` from `start_receive`, before writing anything, if
+      it cannot.
   """
 
   pointer: int
@@ -80,11 +96,18 @@ class Destination:
   source: int = -1
   source_offset: int = 0
   part: bool = False
+  caller: bool = False
 
   @property
   def array(self) -> Any:
     """Deprecated, read-only alias of `keepalive` (kept for custom transports)."""
     return self.keepalive
+
+
+class StageCallerMemory(Exception):
+  """Raised by a backend's `start_receive`, before it wrote anything, when it
+  cannot finish every write into a `Destination.caller` destination before its
+  receive hooks return: the fetch is planned again with caller memory staged."""
 
 
 @dataclass(frozen=True)
@@ -126,15 +149,22 @@ class _LeafPlan:
   layout: _dlpack.TargetLayout | None = None  # set when resharded on receive
   into: Any = None  # a numpy/torch array a resharded leaf lands in
   piece_offsets: list[int] = field(default_factory=list)
+  staged: bool = False  # caller memory received into rdt_jax's memory, copied after success
 
   @property
   def in_place(self) -> bool:
     """True if the leaf is received straight into a numpy/torch target."""
     return (
-        self.target is not None
+        not self.staged
+        and self.target is not None
         and _dlpack.framework_of(self.target) != "jax"
         and self.spec.sharding is None
     )
+
+  @property
+  def into_direct(self) -> bool:
+    """True if a resharded leaf's pieces are received straight into `into`."""
+    return self.into is not None and not self.staged
 
 
 class ReceivePlan:
@@ -179,6 +209,10 @@ class ReceivePlan:
     self.destinations: list[Destination] = []
     self.reads_parts = True
 
+  def memory_kinds(self) -> set[MemoryKind]:
+    """The memory kinds of every leaf's receive memory."""
+    return {memory_kind(p.device) for p in self.plans}
+
   @property
   def nbytes(self) -> int:
     """Bytes the backend is asked to move (after `allocate`)."""
@@ -222,16 +256,20 @@ class ReceivePlan:
       _dlpack.check_x64(spec.dtype, spec.path)
     return _LeafPlan(spec, framework, device, target if target_fw else None)
 
-  def allocate(self, reads_parts: bool = True) -> list[Destination]:
+  def allocate(self, reads_parts: bool = True, stage: bool = False) -> list[Destination]:
     """Takes the receive memory of every chunk; returns (and keeps) the
     `Destination`s, in leaf order.
 
     One per chunk, except for resharded leaves when `reads_parts`: one per
     byte run of each (source chunk, target piece) intersection. Without
     `reads_parts` a resharded leaf's chunks are received whole into scratch
-    memory and cut on the host in `build`.
+    memory and cut on the host in `build`. With `stage`, leaves bound for
+    caller memory are received into this plan's own memory and copied into
+    the caller's buffer by `build` (see the module docstring).
     """
     self.reads_parts = reads_parts
+    for plan in self.plans:
+      plan.staged = stage and (plan.in_place or plan.into is not None)
     host_plans = [
         p for p in self.plans
         if memory_kind(p.device) == "host" and not p.in_place and (p.layout is None or not reads_parts)
@@ -241,7 +279,7 @@ class ReceivePlan:
       plan.host_offsets = leaf_offsets
     self._allocate_regions()
     for plan in self.plans:
-      if plan.layout is not None and plan.into is None:
+      if plan.layout is not None and not plan.into_direct:
         for piece in plan.layout.pieces:
           plan.piece_offsets.append(total)
           total += _dlpack.aligned(_piece_nbytes(piece, plan.spec))
@@ -288,7 +326,7 @@ class ReceivePlan:
   def _piece_memory(self, plan: _LeafPlan, p: int) -> tuple[int, tuple[int, int], bool, np.ndarray]:
     """(pointer, region, pooled, uint8 view) of piece `p`'s receive buffer."""
     nbytes = _piece_nbytes(plan.layout.pieces[p], plan.spec)  # type: ignore[union-attr]
-    if plan.into is not None:
+    if plan.into_direct:
       pointer = _dlpack.buffer_pointer(plan.into)
       return pointer, (pointer, nbytes), False, _dlpack.host_bytes(pointer, nbytes)
     assert self.host is not None
@@ -318,7 +356,7 @@ class ReceivePlan:
           self._check_fits(plan.spec, c, dst_off + n, piece_nbytes, f"piece {p}")
           out.append(Destination(
               pointer + dst_off, n, plan.device, view[dst_off : dst_off + n], region,
-              pooled, source + c, src_off, True,
+              pooled, source + c, src_off, True, caller=plan.into_direct,
           ))
     return out
 
@@ -341,7 +379,7 @@ class ReceivePlan:
       pointer = _dlpack.buffer_pointer(t)
       room = math.prod(int(n) for n in t.shape) * _dlpack.dtype_of(t).itemsize
       self._check_fits(plan.spec, i, nbytes, room, "its target")
-      return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes))
+      return Destination(pointer, nbytes, plan.device, t, (pointer, nbytes), caller=True)
     if memory_kind(plan.device) == "host":
       assert self.host is not None
       offset = plan.host_offsets[i]
@@ -450,6 +488,8 @@ class ReceivePlan:
         for view, piece in zip(views, layout.pieces):
           _dlpack.cut(view, piece, chunk_view, box)
     if plan.into is not None:
+      if plan.staged:
+        _copy_to_caller(plan.into, self._piece_memory(plan, 0)[3])
       _dlpack.mark_written(plan.into)  # raw writes: torch's autograd must see them
       return plan.into
     if layout.sharding is not None:
@@ -466,6 +506,14 @@ class ReceivePlan:
     if memory_kind(plan.device) == "device":
       region = plan.region
       assert region is not None
+      if plan.staged:  # one chunk: a target is never sharded
+        nbytes = spec.chunks[0].nbytes
+        _dlpack.copy_bytes(
+            _dlpack.buffer_pointer(plan.target), region.pointer + plan.device_offsets[0], nbytes, plan.device
+        )
+        _dlpack.wait_for_copies(plan.device)  # the region is reused once build returns
+        _dlpack.mark_written(plan.target)
+        return plan.target
       views = [
           region.view(off, chunk.nbytes) for off, chunk in zip(plan.device_offsets, spec.chunks)
       ]
@@ -475,6 +523,11 @@ class ReceivePlan:
         _dlpack.host_chunk(self.host, off, spec.dtype, chunk)
         for off, chunk in zip(plan.host_offsets, spec.chunks)
     ]
+    if plan.staged:  # one chunk: a target is never sharded
+      offset = plan.host_offsets[0]
+      _copy_to_caller(plan.target, self.host[offset : offset + spec.chunks[0].nbytes])
+      _dlpack.mark_written(plan.target)
+      return plan.target
     if plan.framework == "jax" and spec.sharding is None:
       return _JaxPending(views[0], plan.device)  # made in build(), batched
     leaf = _dlpack.rebuild_host(views, spec, plan.framework, plan.device)
@@ -483,6 +536,12 @@ class ReceivePlan:
       _dlpack.copy_into(plan.target, leaf)
       return plan.target
     return leaf
+
+
+def _copy_to_caller(target: Any, staged: np.ndarray) -> None:
+  """Copies the bytes of a staged leaf (a uint8 view of host memory) into
+  the caller's host buffer `target`, byte for byte (any dtype)."""
+  np.copyto(_dlpack.host_bytes(_dlpack.buffer_pointer(target), staged.nbytes), staged)
 
 
 def _piece_nbytes(piece: _dlpack.Box, spec: LeafSpec) -> int:

@@ -15,6 +15,13 @@ rest of the process after the kernel refuses the first read (`EPERM`: Yama's
 `ptrace_scope` or a container policy forbids it), which then goes through NIXL.
 This module only copies bytes; `rdt_jax.transports.nixl.read` decides when it
 is used, and checks staleness first (`rdt_jax.transports.nixl.staleness`).
+
+The producer is named by pid and start time (`rdt_jax._process.Identity`). A
+pid names one process until that process exits; then the kernel may give it
+to another. So the read checks the start time before the first system call
+and again after the last: a producer that exited during the read (its pid
+possibly reused, the bytes possibly another process's) fails the read, never
+delivers it.
 """
 
 from __future__ import annotations
@@ -134,13 +141,26 @@ def read(origin: _process.Identity, pairs: Sequence[tuple[int, int, int]]) -> No
   Raises:
     PermissionError: the kernel refused (this process then stops trying:
       `enabled()` turns False, and the caller reads through NIXL instead).
-    ProcessLookupError: the producer exited, or its pid now names another
-      process (nothing was read from it).
+    ProcessLookupError: the producer exited, or its pid names another
+      process, before or during the read (what was read is not to be used).
     OSError: part of the producer's memory could not be read.
   """
+  _check_same_process(origin, "before")
+  _read_all(origin[2], pairs)
+  _check_same_process(origin, "during")
+
+
+def _check_same_process(origin: _process.Identity, when: str) -> None:
+  """Raises ProcessLookupError unless pid `origin[2]` still names the process
+  `origin` (same start time): it exited, and its pid may now be another's."""
   if not _process.alive(origin):
-    raise ProcessLookupError(errno.ESRCH, f"producer process {origin[2]} has exited")
-  pid = origin[2]
+    raise ProcessLookupError(
+        errno.ESRCH, f"producer process {origin[2]} has exited ({when} the read; its pid may now name another process)"
+    )
+
+
+def _read_all(pid: int, pairs: Sequence[tuple[int, int, int]]) -> None:
+  """Copies every pair from `pid` (see `read`), in several threads if large."""
   total = sum(n for _, _, n in pairs)
   try:
     if _faults.ON:

@@ -9,6 +9,12 @@
   remains the path for device memory, other hosts, and processes the kernel
   does not let read each other.
 
+A NIXL READ may still run after its fetch gave up (it is parked with its
+memory, `inflight`), so it never reads into caller memory (`Destination.caller`:
+`NixlRead.start` raises `StageCallerMemory`, and the fetch is planned again
+with that memory staged in rdt_jax's own buffers); a node-local read has ended
+when `start` returns or raises, so it reads into caller memory directly.
+
 Both call the same staleness check (`staleness.FreedObjects.check`) before
 reading, and both read the same descriptor pairs (`read_pairs`, merged by
 `coalesce`). `NixlTransport._read_strategy` picks one per object.
@@ -22,7 +28,7 @@ from typing import Any, Protocol
 
 from rdt_jax import _dlpack, _faults
 from rdt_jax._metadata import MetadataError
-from rdt_jax.transports._plan import Destination, memory_kind
+from rdt_jax.transports._plan import Destination, MemoryKind, StageCallerMemory, memory_kind
 from rdt_jax.transports.nixl import node_local
 from rdt_jax.transports.nixl.agent import READ_NOTIF
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
@@ -206,6 +212,14 @@ class NixlRead:
     self._count = count
 
   def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> PostedRead:
+    """Posts one READ of the object (see `ReadStrategy.start`).
+
+    Raises:
+      StageCallerMemory: if a destination is caller memory (nothing was
+        read): a READ given up in flight could land there later.
+    """
+    if any(d.caller for d in dests):
+      raise StageCallerMemory(f"a NIXL READ of object {obj_id} would write into caller memory")
     self._freed.check(obj_id, meta)
     agent = self._agent()
     local_type = _mem_type(dests, obj_id)
@@ -279,12 +293,13 @@ class NodeLocalRead:
     self._count = count
 
   @staticmethod
-  def applies(meta: NixlTransportMetadata, dests: list[Destination]) -> bool:
-    """True if this strategy may read the object: host memory on both sides,
-    a producer on this host, and node-local reads enabled here."""
+  def applies(meta: NixlTransportMetadata, kinds: set[MemoryKind]) -> bool:
+    """True if this strategy may read the object into receive memory of
+    `kinds`: host memory on both sides, a producer on this host, and
+    node-local reads enabled here."""
     if meta.tensor_device is None or memory_kind(_dlpack.Device(meta.tensor_device)) != "host":  # type: ignore[arg-type]
       return False
-    if any(memory_kind(d.device) != "host" for d in dests):
+    if kinds - {"host"}:
       return False
     return node_local.can_read(meta.origin)
 

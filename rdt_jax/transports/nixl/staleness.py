@@ -24,15 +24,34 @@ being readable once the consumer's view of the producer's agent is rebuilt
 (`views.RemoteViews`), and the READ fails with NIXL_ERR_NOT_FOUND. A
 node-local read (`node_local`) has no such defence: it reads whatever the
 producer's memory holds at that address, or fails if it is unmapped.
+
+Bounded: a producer's record is forgotten (`FreedObjects.forget`) once no
+read from it ran for `producer_idle_s()` seconds, or once a producer on this
+host has exited (checked by pid and start time). A record forgotten while
+its producer lives is rebuilt from the next metadata of it the consumer
+reads.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from rdt_jax import _process, _settings
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 
-__all__ = ["FreedObjects", "live_ranges"]
+__all__ = ["FreedObjects", "live_ranges", "producer_idle_s"]
+
+
+@functools.cache
+def producer_idle_s() -> float:
+  """Seconds without a read from a producer after which a consumer forgets
+  what it keeps for it: the setting `RDT_JAX_NIXL_PRODUCER_IDLE_S`, read once
+  per process."""
+  return float(_settings.value("RDT_JAX_NIXL_PRODUCER_IDLE_S"))
 
 
 def live_ranges(serials: list[int]) -> list[tuple[int, int]]:
@@ -50,14 +69,34 @@ def _in_ranges(n: int, ranges: list[tuple[int, int]]) -> bool:
   return any(a <= n <= b for a, b in ranges)
 
 
+@dataclass
+class _Producer:
+  """What a consumer knows of one producer."""
+
+  serial: int  # the newest export serial seen
+  live: list[tuple[int, int]]  # the producer's live serials then
+  origin: _process.Identity | None  # the producer's process, where known
+  used: float  # time.monotonic() of the last read from it
+
+
 class FreedObjects:
   """Consumer: what it knows of each producer's live objects (see the module
-  docstring), and the check every read strategy makes."""
+  docstring), and the check every read strategy makes.
 
-  def __init__(self) -> None:
-    self._lock = threading.Lock()
-    # producer agent -> (newest export serial seen, that producer's live serials then)
-    self._latest: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+  Args:
+    lock: the transport's lock.
+    changed: called (lock held) when a producer is added or forgotten.
+  """
+
+  def __init__(self, lock: threading.RLock | None = None, changed: Callable[[], None] | None = None) -> None:
+    self._lock = lock or threading.RLock()
+    self._changed = changed or (lambda: None)
+    self._producers: dict[str, _Producer] = {}
+
+  def __len__(self) -> int:
+    """Producers this consumer keeps a record of."""
+    with self._lock:
+      return len(self._producers)
 
   def check(self, obj_id: str, meta: NixlTransportMetadata) -> None:
     """Learns from `meta`, then refuses to read an object its producer is
@@ -69,13 +108,35 @@ class FreedObjects:
     """
     remote = meta.agent_name
     assert remote is not None
+    now = time.monotonic()
     with self._lock:
-      latest = self._latest.get(remote)
-      if latest is None or meta.serial > latest[0]:
-        latest = self._latest[remote] = (meta.serial, list(meta.live))
-    if meta.serial and not _in_ranges(meta.serial, latest[1]):
+      known = self._producers.get(remote)
+      if known is None:
+        known = self._producers[remote] = _Producer(meta.serial, list(meta.live), meta.origin, now)
+        self._changed()
+      elif meta.serial > known.serial:
+        known.serial, known.live = meta.serial, list(meta.live)
+      known.used = now
+      live = known.live
+    if meta.serial and not _in_ranges(meta.serial, live):
       raise RuntimeError(
           f"Object {obj_id} was freed by its producer (agent {remote}) before "
           "this read: its transport metadata is stale. Keep the ObjectRef alive "
           "until every consumer has fetched it."
       )
+
+  def idle_or_gone(self, idle_s: float, now: float) -> list[str]:
+    """Producers not read for `idle_s` seconds, or on this host and exited."""
+    with self._lock:
+      records = list(self._producers.items())
+    return [
+        remote for remote, p in records
+        if now - p.used >= idle_s
+        or (p.origin is not None and _process.same_host(p.origin) and not _process.alive(p.origin))
+    ]
+
+  def forget(self, remote: str) -> None:
+    """Drops the record of producer `remote` (`idle_or_gone` chose it)."""
+    with self._lock:
+      if self._producers.pop(remote, None) is not None:
+        self._changed()

@@ -21,20 +21,25 @@ docs/performance.md has the measurements behind each choice.
 from __future__ import annotations
 
 import threading
-from typing import Any
+import time
+from typing import Any, Final
 
 from rdt_jax import _compat, _dlpack
 from rdt_jax.transports._base import Destination, DlpackTransport
+from rdt_jax.transports._plan import MemoryKind, memory_kind
 from rdt_jax.transports.nixl import agent as _agent
 from rdt_jax.transports.nixl.export import Exports
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 from rdt_jax.transports.nixl.read import READ_FIX, NixlRead, NodeLocalRead, ReadRefused, ReadStrategy
 from rdt_jax.transports.nixl.registrations import Registrations, nixl_error
-from rdt_jax.transports.nixl.staleness import FreedObjects
+from rdt_jax.transports.nixl.staleness import FreedObjects, producer_idle_s
 from rdt_jax.transports.nixl.views import RemoteViews
 
 __all__ = ["NixlTransport"]
+
+#: Seconds between two looks for producers to forget (idle or exited).
+FORGET_CHECK_S: Final = 1.0
 
 
 class NixlTransport(DlpackTransport):
@@ -61,9 +66,11 @@ class NixlTransport(DlpackTransport):
     self._exports = Exports(self.agent, self._lock, self._registrations, self._update_poller)
     self._views = RemoteViews(self.agent, self._lock, self._update_poller)
     self._inflight = InFlight(self.agent, self._lock, self._registrations, self._views, self._update_poller)
-    freed = FreedObjects()
-    self._nixl_read = NixlRead(self.agent, self._registrations, self._views, self._inflight, freed, self._count)
-    self._node_local_read = NodeLocalRead(freed, self._count)
+    self._freed = FreedObjects(self._lock, self._update_poller)
+    self._nixl_read = NixlRead(self.agent, self._registrations, self._views, self._inflight, self._freed, self._count)
+    self._node_local_read = NodeLocalRead(self._freed, self._count)
+    self._polling = False
+    self._next_forget = 0.0
 
   @staticmethod
   def is_one_sided() -> bool:
@@ -96,17 +103,34 @@ class NixlTransport(DlpackTransport):
     """Progress-thread work after each poll."""
     self._inflight.reap()
     self._registrations.retry_stuck()
+    self._forget_producers()
+
+  def _forget_producers(self) -> None:
+    """At most every `FORGET_CHECK_S`: forgets each producer idle for
+    `producer_idle_s()` or exited (its record of freed objects and its view,
+    which disconnects), unless a READ from it is in flight or parked."""
+    now = time.monotonic()
+    if now < self._next_forget:
+      return
+    self._next_forget = now + FORGET_CHECK_S
+    with self._lock:
+      for remote in self._freed.idle_or_gone(producer_idle_s(), now):
+        if self._views.forget(remote):
+          self._freed.forget(remote)
 
   def _update_poller(self) -> None:
     """Runs the progress thread while anything needs it (lock held): objects
-    exported, parked READs or failed deregistrations to retry, or a
+    exported, parked READs or failed deregistrations to retry, a
     connection to another agent (UCX completes a connection's wire-up only
     while both sides progress; a consumer that progressed only inside its own
-    waits left a producer's reverse wire-up pending)."""
+    waits left a producer's reverse wire-up pending), or a producer to
+    forget once idle. With none of these it stops."""
     if self._poller is not None:
-      self._poller.set_active(
-          bool(len(self._exports) or len(self._inflight) or self._registrations.has_stuck() or self._views)
+      self._polling = bool(
+          len(self._exports) or len(self._inflight) or self._registrations.has_stuck() or self._views
+          or len(self._freed)
       )
+      self._poller.set_active(self._polling)
 
   # ---- counters (tests, soak and chaos reports)
 
@@ -133,6 +157,28 @@ class NixlTransport(DlpackTransport):
     with self._lock:
       return len(self._inflight)
 
+  def counters(self) -> dict[str, int]:
+    """Everything this process holds for transfers, as counts: what a
+    long-running process must see return to its baseline once its peers are
+    gone or idle (`DlpackTransport.counters`, plus `objects` exported,
+    `registrations` outside the pools, `pooled_registrations`, `stuck`
+    deregistrations to retry, READs `inflight` and `parked`, `views` (remote
+    agents loaded), `producers` tracked for staleness, and `polling`: 1 while
+    the progress poll runs)."""
+    with self._lock:
+      return {
+          **super().counters(),
+          "objects": len(self._exports),
+          "registrations": self._registrations.count(),
+          "pooled_registrations": self._registrations.count_pooled(),
+          "stuck": int(self._registrations.has_stuck()),
+          "inflight": self._views.inflight(),
+          "parked": len(self._inflight),
+          "views": len(self._views),
+          "producers": len(self._freed),
+          "polling": int(self._polling),
+      }
+
   @property
   def parked_total(self) -> int:
     """READs ever parked in this process."""
@@ -157,9 +203,15 @@ class NixlTransport(DlpackTransport):
   def _read_strategy(self, meta: NixlTransportMetadata, dests: list[Destination]) -> ReadStrategy:
     """The one choice of how to read an object: node-local where it applies
     (`read.NodeLocalRead.applies`), else a NIXL READ."""
-    if NodeLocalRead.applies(meta, dests):
+    if NodeLocalRead.applies(meta, {memory_kind(d.device) for d in dests}):
       return self._node_local_read
     return self._nixl_read
+
+  def receives_synchronously(self, meta: NixlTransportMetadata, kinds: set[MemoryKind]) -> bool:
+    """True where the object is read node-locally (the copy ends inside
+    `start_receive`); a NIXL READ may outlive a fetch given up, so caller
+    memory is staged for it."""
+    return NodeLocalRead.applies(meta, kinds)
 
   def start_receive(
       self,

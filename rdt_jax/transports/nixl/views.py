@@ -16,6 +16,10 @@ A READ that ended in error (a producer's host unreachable, a link down) may
 leave UCX's connection to that producer failed for good; the view is then
 marked broken (`mark_broken`) and rebuilt at the next READ from it once none
 is in flight, so a consumer reconnects when the network comes back.
+
+A view is removed (`forget`, which disconnects) when the transport forgets
+its producer (idle, or exited: `staleness.FreedObjects.idle_or_gone`), never
+while a READ from it is in flight or parked.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ class RemoteViews:
   def __bool__(self) -> bool:
     """True while connected to any other agent."""
     return bool(self._views)
+
+  def __len__(self) -> int:
+    """Producers' agents loaded into this agent."""
+    with self._lock:
+      return len(self._views)
+
+  def forget(self, remote: str) -> bool:
+    """Removes the view of `remote` (disconnects) unless a READ from it is in
+    flight or parked; True if none is left."""
+    with self._lock:
+      if self._inflight.get(remote):
+        return False
+      if remote in self._views:
+        self.drop(remote)
+        self._changed()
+      return True
 
   def open_read(self, meta: NixlTransportMetadata) -> str:
     """Brings the view of `meta`'s producer up to what `meta` needs (see the
