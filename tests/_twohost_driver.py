@@ -174,7 +174,6 @@ class Checks:
     self.a = on("a", transport).remote()
     self.b = on("b", transport).remote()
     self.group = None
-    self.freed_after_consumer_killed: tuple[tuple[int, int], float] = ((-1, -1), 0.0)
     if not self.one_sided:
       from ray.experimental.collective import create_collective_group
 
@@ -342,8 +341,9 @@ class Checks:
     """A consumer is killed while its `FAULT_BYTES` read runs: its caller gets
     the actor's death within `DEATH_BOUND_S`; the producer is unaffected
     (another consumer reads the same object exactly, the next transfer works).
-    Whether the producer then frees the object once the ref is dropped is
-    `producer_frees_after_consumer_killed`'s check (the detail has it)."""
+    The detail records whether the producer freed the object within
+    `FREE_BOUND_S` of the ref being dropped (`freed_s`, None if not): that is
+    measured, not asserted (docs/faults.md, "A dead consumer")."""
     consumer = on("a", self.transport).remote()
     ray.get(consumer.identity.remote())
     outcome, producer, ref = self._read_then(FAULT_BYTES, 23, lambda p, c: ray.kill(c), consumer=consumer)
@@ -354,21 +354,11 @@ class Checks:
     t0 = time.monotonic()
     while (counts := ray.get(producer.counts.remote())) != (0, 0) and time.monotonic() < t0 + FREE_BOUND_S:
       time.sleep(0.5)
-    self.freed_after_consumer_killed = (counts, time.monotonic() - t0)
     ray.kill(producer)
     return {"error": outcome["error"], "seconds": round(outcome["seconds"], 3),
             "after_act_s": outcome["after_act_s"],
             "freed_s": round(time.monotonic() - t0, 3) if counts == (0, 0) else None,
             "next": self._across(self.b, self.a, 1 << 20, 24)}
-
-  def producer_frees_after_consumer_killed(self) -> dict:
-    """After `consumer_killed_mid_read`, the producer held no object or
-    registration within `FREE_BOUND_S` of the driver dropping the ref."""
-    counts, seconds = self.freed_after_consumer_killed
-    assert counts == (0, 0), (
-        f"the producer still held (registrations, objects) {counts} {seconds:.0f} s after the ref was dropped"
-    )
-    return {"freed_s": round(seconds, 3)}
 
   def link_down_held(self) -> dict:
     """The link goes down mid-read and stays down past the read's timeout
@@ -445,7 +435,7 @@ READ_START_S = 0.3
 CHECKS = {
     "jax_nixl": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "no_node_local_reads", "driver_get",
                  "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed", "producer_killed_mid_read",
-                 "consumer_killed_mid_read", "producer_frees_after_consumer_killed", "link_flap", "link_down_held",
+                 "consumer_killed_mid_read", "link_flap", "link_down_held",
                  "raylet_killed"],
     "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf", "driver_get_refused",
                  "target_refused"],

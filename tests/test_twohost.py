@@ -61,23 +61,7 @@ def results(cluster):
   return get
 
 
-#: Checks known to fail at times, with why.
-KNOWN = {
-    ("jax_nixl", "producer_frees_after_consumer_killed"): (
-        "after a consumer is killed mid-read, the producer sometimes still exports the object 20 s after the "
-        "driver dropped the ref (whether Ray's free or the producer's is missing is not yet known); seen in "
-        "every run of this module so far, and in 1 of 3 runs of the check alone"
-    ),
-}
-
-
-@pytest.mark.parametrize(
-    ("transport", "check"),
-    [
-        pytest.param(t, c, marks=[pytest.mark.xfail(reason=KNOWN[t, c], strict=False)] if (t, c) in KNOWN else [])
-        for t, checks in CHECKS.items() for c in checks
-    ],
-)
+@pytest.mark.parametrize(("transport", "check"), [(t, c) for t, checks in CHECKS.items() for c in checks])
 def test_across_two_hosts(results, transport, check):
   got = results(transport)
   assert check in got, f"the driver did not report {check}; its stderr:\n{got['_stderr']}"
