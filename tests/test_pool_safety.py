@@ -222,3 +222,19 @@ def test_back_to_back_objects_reuse_one_host_buffer_with_the_collector_idle():
     if was_enabled:
       gc.enable()
   assert len(pool._buffers) == 1 and len(seen) == 1
+
+
+def test_one_read_into_host_and_device_memory_is_refused_by_name():
+  """A READ has one memory type for all its local descriptors: a cuda object
+  with a host target for one leaf (or the reverse) is refused, never read with
+  device pointers described as host memory."""
+  pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
+  from rdt_jax.transports._plan import Destination
+  from rdt_jax.transports.nixl.read import _mem_type
+
+  host = Destination(0x1000, 8, CPU, None, (0x1000, 8))
+  device = Destination(0x2000, 8, CUDA0, None, (0x2000, 8))
+  assert _mem_type([host, host], "obj") == "DRAM"
+  assert _mem_type([device], "obj") == "VRAM"
+  with pytest.raises(ValueError, match="object obj into host and device memory at once"):
+    _mem_type([host, device], "obj")
