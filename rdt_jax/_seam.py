@@ -35,7 +35,10 @@ public extension points tried first):
   by `install()`, and at `import rdt_jax` where Ray is already imported
   (`install_name_check()`), so a class defined before `register()` says so.
 * `RDTManager.fetch_and_get_rdt_objects` (wrapped): its bare "No metadata
-  found" assertion becomes `rdt_jax.UnknownObjectError`, saying why.
+  found" assertion becomes `rdt_jax.UnknownObjectError`, saying why; and
+  when it raises (one fetch of a batch failed or timed out, and Ray drops
+  the others unfinished), every rdt_jax fetch it started and did not finish
+  is given up at once (`track_fetch`), not when its request is collected.
 * `ray._private.state.state` (`get_actor_info`): whether an object's producer
   actor is dead, asked once per fetch (`actor_dead`); and
   `ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS` (`rdt_fetch_timeout_s`).
@@ -772,11 +775,17 @@ def _wrap_fetch_and_get() -> None:
     return
 
   def fetch_and_get_rdt_objects(self: Any, object_ids: list[str], *args: Any, **kwargs: Any) -> Any:
+    outer = getattr(_batch, "started", None)
+    started: list[Any] = []
+    _batch.started = started
     try:
       return original(self, object_ids, *args, **kwargs)
-    except AssertionError as e:
+    except BaseException as e:
+      for request in started:
+        with contextlib.suppress(Exception):  # the original error is the one to raise
+          request.give_up()
       text = str(e)
-      if not text.startswith(_NO_METADATA):
+      if not isinstance(e, AssertionError) or not text.startswith(_NO_METADATA):
         raise
       obj_id = text[len(_NO_METADATA):]
       raise UnknownObjectError(
@@ -787,9 +796,25 @@ def _wrap_fetch_and_get() -> None:
           "every consumer has fetched the object, and fetch it through that ref.",
           obj_id,
       ) from None
+    finally:
+      _batch.started = outer
+      started.clear()
 
   _mark(fetch_and_get_rdt_objects, original)
   cls.fetch_and_get_rdt_objects = fetch_and_get_rdt_objects  # type: ignore[method-assign]
+
+
+#: The rdt_jax fetches started by the `fetch_and_get_rdt_objects` call running
+#: in this thread (`started`), so the wrapper can give up those Ray drops.
+_batch = threading.local()
+
+
+def track_fetch(request: Any) -> None:
+  """Notes a fetch request an rdt_jax transport started (it has `give_up()`);
+  kept only while Ray's batched fetch that started it runs in this thread."""
+  started = getattr(_batch, "started", None)
+  if started is not None:
+    started.append(request)
 
 
 # --------------------------------------------------------------------------

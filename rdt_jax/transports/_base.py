@@ -92,6 +92,22 @@ class DlpackFetchRequest(FetchRequest):
   inline: bool = False
   producer: str | None = None
 
+  def __post_init__(self) -> None:
+    _seam.track_fetch(self)
+
+  def give_up(self) -> None:
+    """Releases an unfinished fetch now: the backend retires or parks its
+    transfer, the plan's memory is quarantined. Called for every fetch of a
+    batched `ray.get` that Ray dropped when another one failed or timed out,
+    so none stays in flight until the request happens to be collected."""
+    if self.done:
+      return
+    self.done = True
+    if self.transport is not None:
+      self.transport._abandon(self.handle)
+    if self.plan is not None:
+      self.plan.quarantine()
+
   def __del__(self) -> None:
     if self.transport is not None and not self.done:
       self.transport._abandon(self.handle)
