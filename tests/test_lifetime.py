@@ -83,13 +83,15 @@ def _pair(transport: str, env: dict[str, str]):
 
 
 def _close(group, *actors) -> None:
+  # Actors first: a consumer still blocked in a receive would keep Ray's
+  # destroy_collective_group (a task on every member) waiting for ever.
+  for a in actors:
+    ray.kill(a)
   if group is not None:
     try:
       destroy_collective_group(group)
     except ValueError:
       pass  # Ray destroyed it after the failed transfer
-  for a in actors:
-    ray.kill(a)
 
 
 def _produce(producer, transport: str, nbytes: int):
