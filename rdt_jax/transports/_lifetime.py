@@ -36,7 +36,10 @@ __all__ = ["ProducerDiedError", "await_kill", "check_producer", "producer_id"]
 #: timeout, for the kill Ray sends after a failed send (`await_kill`).
 KILL_GRACE_S = 10.0
 
-_dead: set[str] = set()
+#: Producers known dead, most recent last; at most `MAX_DEAD_REMEMBERED` (a
+#: forgotten one is asked about again, so the bound costs a lookup, not safety).
+MAX_DEAD_REMEMBERED = 4096
+_dead: dict[str, None] = {}
 _lock = threading.Lock()
 
 
@@ -65,7 +68,9 @@ def check_producer(obj_id: str, producer: str | None) -> None:
     dead = producer in _dead
   if not dead and _seam.actor_dead(producer):
     with _lock:
-      _dead.add(producer)
+      _dead[producer] = None
+      while len(_dead) > MAX_DEAD_REMEMBERED:
+        del _dead[next(iter(_dead))]
     dead = True
   if dead:
     raise ProducerDiedError(
