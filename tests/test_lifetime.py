@@ -173,14 +173,13 @@ def test_in_band_object_refused_like_the_others_once_its_producer_died(transport
 
 # ---- producer killed or freed: jax_gloo, as Ray's GLOO tests
 
-#: These pass run alone (`pytest tests/test_lifetime.py -k gloo`) but failed in
-#: both full-suite runs on the 2-core host: the consumer's receive was still
+#: These passed whenever this module's gloo cases ran on their own, but failed
+#: in both full-suite runs on the 2-core host: the consumer's receive was still
 #: blocked 90 s after the producer died or forgot the object (Ray's abort of the
-#: failed send, which kills both actors, had not arrived). Not yet understood;
-#: skipped in the suite rather than left to fail it.
+#: failed send, which kills both actors, had not arrived). Skipped until that is
+#: understood, rather than left to hang the suite.
 GLOO_IN_SUITE = pytest.mark.skip(
-    reason="jax_gloo lifetime cases hang in the full suite (Ray's abort of a failed send not seen within 90 s); "
-    "run alone with -k gloo"
+    reason="jax_gloo lifetime cases hung in full-suite runs (Ray's abort of a failed send not seen within 90 s)"
 )
 
 
