@@ -52,6 +52,15 @@ public extension points tried first):
   `SerializationContext._register_cloudpickle_reducer`): an rdt_jax ref
   nested in a value waits for its transport metadata if its object is ready,
   else raises `rdt_jax.RefNotReadyError` naming the fix.
+* `RDTManager._abort_transport` and `RDTManager.shutdown` (wrapped), and
+  `RDTManager._unmonitored_transfers` (drained): Ray's failure monitor, the
+  driver thread that aborts a failed or timed-out transfer (for a two-sided
+  one, by killing both actors), dies on the first exception it meets and is
+  never restarted in that process: an abort whose `ray.kill` finds the
+  actor's handle gone, or, after `ray.shutdown()` and `ray.init()`, a ref of
+  the ended session still queued. Later failed transfers then hang. The
+  abort wrapper finishes what Ray's abort left undone (each actor killed
+  on its own, errors logged); the shutdown wrapper empties the queue.
 * `util.transport_manager_info`, `util.get_tensor_transport_manager`,
   `global_worker.rdt_manager`
   (`is_managed_object`, `get_rdt_metadata`), `global_worker.mode`,
@@ -63,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import pickle
 import sys
 import threading
@@ -84,6 +94,8 @@ SUPPORTED_RAY: Final = ">=2.59,<2.61"
 #: Set to 1 to let `register()` run on a Ray minor outside SUPPORTED_RAY
 #: (warning instead of refusal); the shape checks still apply.
 ALLOW_UNTESTED_ENV: Final = "RDT_JAX_ALLOW_UNTESTED_RAY"
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.RLock()
 _installed = False
@@ -187,6 +199,9 @@ def _check_ray_shapes() -> list[str]:
       _uses(mgr.__init__, "RDTManager.__init__",
             ("actor_id_to_transports_registered", "_managed_rdt_metadata", "_lock")),
       _params(mgr, "_trigger_fetch", ("self", "obj_id", "use_object_store")),
+      _params(mgr, "_abort_transport", ("self", "failed_ref", "ref_info_map", "exception")),
+      _params(mgr, "shutdown", ("self",)),
+      _uses(mgr.__init__, "RDTManager.__init__ (failure monitor)", ("_unmonitored_transfers",)),
       _params(mgr, "fetch_and_get_rdt_objects", ("self", "object_ids")),
       _params(mgr, "set_target_device_for_ref", ("self", "ref", "target_device")),
       _params(mgr, "get_rdt_metadata", ("self", "obj_id")),
@@ -534,6 +549,52 @@ def _wrap_serialize_rdt_objects() -> None:
 
   _mark(serialize_rdt_objects, original)
   SerializationContext.serialize_rdt_objects = serialize_rdt_objects  # type: ignore[method-assign]
+
+
+def _kill_quietly(actor: Any) -> None:
+  import ray
+
+  try:
+    ray.kill(actor)
+  except Exception as e:  # already gone, or its handle released: nothing left to stop
+    logger.info("rdt_jax: could not kill actor %s after a failed transfer: %s", actor, e)
+
+
+def _wrap_failure_monitor() -> None:
+  from ray.experimental.rdt.rdt_manager import RDTManager
+
+  original_abort = RDTManager._abort_transport
+  if getattr(original_abort, "_rdt_jax", False):
+    return
+  original_shutdown = RDTManager.shutdown
+
+  def _abort_transport(self: Any, failed_ref: Any, ref_info_map: dict[str, Any], exception: Exception) -> None:
+    ref_info = ref_info_map.get(failed_ref.hex())
+    try:
+      original_abort(self, failed_ref, ref_info_map, exception)
+    except Exception as e:
+      # Ray's abort stopped half way (the monitor thread would die with it):
+      # stop both actors of the transfer one by one, as it meant to.
+      logger.warning("rdt_jax: Ray's abort of a failed transfer raised %s: %s; finishing it", type(e).__name__, e)
+      if ref_info is not None:
+        from ray.experimental.rdt.rdt_manager import RDTSource
+
+        if ref_info.src_actor != RDTSource.DRIVER:
+          _kill_quietly(ref_info.src_actor)
+        _kill_quietly(ref_info.dst_actor)
+
+  def shutdown(self: Any) -> None:
+    original_shutdown(self)
+    # The monitor thread has stopped: what it did not take yet belongs to the
+    # ended session, and would end the next session's monitor.
+    queue = self._unmonitored_transfers
+    while not queue.empty():
+      queue.get_nowait()
+
+  _mark(_abort_transport, original_abort)
+  _mark(shutdown, original_shutdown)
+  RDTManager._abort_transport = _abort_transport  # type: ignore[method-assign]
+  RDTManager.shutdown = shutdown  # type: ignore[method-assign]
 
 
 def _register_transports_on_actor(self: Any, info: dict[str, Any]) -> None:
@@ -1018,4 +1079,5 @@ def install() -> None:
     _wrap_set_target_device()
     _wrap_deserialize_objects()
     _wrap_object_ref_reducer()
+    _wrap_failure_monitor()
     _installed = True

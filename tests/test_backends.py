@@ -319,7 +319,8 @@ def test_transfer_fails_fast_when_the_producer_died(actors):
   wait_meta(ref)
   ray.kill(doomed)
   start = time.monotonic()
-  with pytest.raises(Exception, match=r"producer may have died"):
+  # The lifetime check names the dead producer (docs/concepts.md: one error for every path).
+  with pytest.raises(ray.exceptions.RayError, match=r"has died: the object died with it"):
     ray.get(wide.fingerprint.remote(ref), timeout=60)
   assert time.monotonic() - start < 30
 

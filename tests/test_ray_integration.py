@@ -53,6 +53,43 @@ def test_a_changed_signature_is_reported(monkeypatch):
   assert any("serialize_rdt_objects" in p and "no longer takes" in p for p in problems)
 
 
+def test_rays_failure_monitor_survives_an_abort_that_raises(monkeypatch):
+  """Ray's abort of a failed two-sided transfer kills both actors with
+  `ray.kill`; one that raises (the handle already gone) no longer ends Ray's
+  failure monitor: the other actor is still killed."""
+  from ray.experimental.rdt import rdt_manager as rm
+
+  killed = []
+
+  def kill(actor, *args, **kwargs):
+    killed.append(actor)
+    if actor == "src":
+      raise ValueError("Failed to find a corresponding actor handle")
+
+  monkeypatch.setattr(ray, "kill", kill)
+  monkeypatch.setattr(rm.RDTManager, "__init__", lambda self: None)
+  info = rm.TransferMetadata(
+      src_actor="src", dst_actor="dst", send_ref=None, recv_ref=None, communicator_meta=None,
+      backend="JAX_GLOO", obj_id="x", timeout=0.0,
+  )
+
+  class Ref:
+    def hex(self):
+      return "ab"
+
+  rm.RDTManager._abort_transport(rm.RDTManager(), Ref(), {"ab": info}, RuntimeError("send failed"))
+  assert killed[0] == "src" and killed[-1] == "dst"
+
+
+def test_shutdown_drops_what_rays_failure_monitor_had_not_taken():
+  """A transfer queued for Ray's failure monitor when Ray shut down would end
+  the next session's monitor thread ("owner is unknown"): shutdown drops it."""
+  manager = ray._private.worker.global_worker.rdt_manager
+  manager._unmonitored_transfers.put("a transfer of the ended session")
+  manager.shutdown()
+  assert manager._unmonitored_transfers.empty()
+
+
 BREAK_TRIGGER_FETCH = """
 from ray.experimental.rdt import rdt_manager
 del rdt_manager.RDTManager._trigger_fetch

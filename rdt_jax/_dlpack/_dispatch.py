@@ -155,7 +155,7 @@ def convert_leaf(x: Any, framework: Framework, path: str = "") -> Any:
   return _interop.convert(x, src, framework, path)
 
 
-def to_jax_exact(x: Any, path: str = "") -> Any:
+def to_jax_exact(x: Any, path: str = "", own: bool = False) -> Any:
   """`x` as a `jax.Array` of exactly its dtype, for backends that move jax
   arrays (`jax_transfer`).
 
@@ -163,11 +163,19 @@ def to_jax_exact(x: Any, path: str = "") -> Any:
   64-bit leaf stays 64-bit even where this process has `jax_enable_x64` off:
   the array only carries the bytes to a receiver, whose own setting decides
   what it may become there.
+
+  With `own`, a numpy or torch leaf never shares memory with the result: it
+  is copied whenever the conversion was zero-copy (which depends on the
+  buffer's alignment), so later writes into `x` never reach the result.
   """
   import jax
 
   with jax.enable_x64(True):
-    return convert_leaf(x, "jax", path)
+    out = convert_leaf(x, "jax", path)
+    fw = framework_of(x)
+    if own and fw in ("numpy", "torch") and out.size and _jax.pointer(out) == buffer_pointer(x):
+      out = out.copy()
+    return out
 
 
 def block_until_ready(leaves: list[Any]) -> None:

@@ -460,7 +460,9 @@ class TransferTransport(WholeArrayTransport):
       meta: TransferTransportMetadata,
   ) -> None:
     offered = [
-        _dlpack.to_jax_exact(a, d.spec.path)
+        # Owned copies of numpy and torch leaves: what a consumer reads is the
+        # value at return, whatever the buffer's alignment (docs/concepts.md).
+        _dlpack.to_jax_exact(a, d.spec.path, own=True)
         for a, d in zip(arrays, leaves)
         if d.spec.nbytes  # a pull of only empty arrays never completes
     ]
