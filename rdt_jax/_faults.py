@@ -55,6 +55,8 @@ POINTS: Final = {
     "nixl.release": "on the consumer, before a READ's handle is released",
     "nixl.park": "on the consumer, when a READ is given up; a delay keeps it looking in "
     "flight that long unless it is ended by removing its producer's agent",
+    "weights.copied": "on a WeightSubscriber, after a node-local pull copied a packed version's bytes, "
+    "before it checks that the version is still kept",
     "cma.read": "on the consumer, before a node-local read (rdt_jax.transports.nixl.node_local); "
     "fail stands for the kernel refusing it (EPERM, as under Yama's ptrace_scope)",
 }

@@ -5,9 +5,18 @@ them into live parameters.
 object of its transport and hands out a `WeightsHandle`: the version, the
 object's ref, the publisher's actor and a digest of the value's structure.
 `WeightSubscriber` (in a generator) pulls a handle's version into its
-template with `rdt_jax.set_target_for_ref` and `ray.get`: torch and numpy
-leaves are written in place, jax leaves arrive with the template's sharding,
-`rdt_jax.Slice` leaves receive one index range.
+template: torch and numpy leaves are written in place, jax leaves arrive
+with the template's sharding, `rdt_jax.Slice` leaves receive one index range.
+
+Two ways a version travels, chosen by the publisher per structure:
+
+* packed (`jax_nixl`, every array leaf in host memory): the leaves are
+  copied into one pooled buffer per version, and subscribers copy their
+  leaves out of it, node-locally straight from the publisher's memory or
+  through one NIXL READ (`rdt_jax._weights_packed`); per step each side
+  pays a copy per leaf and no per-leaf registration, metadata or plan;
+* as a pytree (device leaves, or `jax_transfer`): one RDT object of the
+  tree, pulled with `rdt_jax.set_target_for_ref` and `ray.get`.
 
 The rules of the stream, in one place:
 
@@ -36,9 +45,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _seam, _targets
+from rdt_jax import _dlpack, _faults, _seam, _targets
+from rdt_jax import _weights_packed as _packed
+from rdt_jax._metadata import MetadataError
 
 __all__ = ["StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]
 
@@ -93,6 +105,9 @@ class WeightsHandle:
     actor: the handle of the actor the publisher lives in.
     structure: a digest of the value's structure (leaf paths, shapes,
       dtypes); a subscriber checks its template once per structure.
+    packed: for a packed version (see `rdt_jax._weights_packed`), where its
+      bytes lie in the publisher's process and the value's non-array
+      leaves; None for a version sent as a pytree.
   """
 
   version: int
@@ -100,6 +115,7 @@ class WeightsHandle:
   publisher: str
   actor: Any
   structure: str
+  packed: _packed.PackedSource | None = None
 
 
 # --------------------------------------------------------------------------
@@ -131,6 +147,11 @@ def _entry(path: str, x: Any) -> LeafEntry:
 def structure_of(tree: Any) -> tuple[LeafEntry, ...]:
   """Every array leaf of a value to publish, as `LeafEntry`s in leaf order."""
   return tuple(_entry(path, x) for path, x in _flatten(tree) if _dlpack.is_array(x))
+
+
+def _array_paths(tree: Any) -> list[str]:
+  """The pytree path of every array leaf of `tree`, in leaf order."""
+  return [path for path, x in _flatten(tree) if _dlpack.is_array(x)]
 
 
 def _digest(structure: tuple[LeafEntry, ...]) -> str:
@@ -196,7 +217,8 @@ _publishers: Final[weakref.WeakValueDictionary[str, WeightPublisher]] = weakref.
 def _query(_actor: Any, publisher: str, structure: str | None) -> tuple[tuple[int, ...] | None, Any]:
   """Runs in the publisher's process (Ray's system concurrency group): the
   versions publisher `publisher` keeps (None if it is closed or gone) and,
-  if asked, the structure behind digest `structure`."""
+  if asked, the structure behind digest `structure` (its `LeafEntry`s and,
+  if it is published packed, its `PackedLayoutInfo`)."""
   pub = _publishers.get(publisher)
   if pub is None:
     return None, None
@@ -210,15 +232,22 @@ class WeightPublisher:
   `@ray.remote(enable_tensor_transport=True)`; `rdt_jax.register()` called
   in the driver before the actor was created).
 
-  Each `publish` stores the value as one RDT object of `transport` (the
-  trainer's arrays are sent from where they are; nothing is copied at
-  publish) and keeps it readable until `keep` newer versions exist. The
-  arrays of a kept version are held by rdt_jax: the trainer may go on
-  training with new arrays, or donate the published ones to its next jitted
-  step. A held array is not donated (jax copies it into a new buffer, without
-  an error): the published bytes never change, and the step pays one
-  allocation and copy of each donated leaf while its version is kept
-  (docs/weight_sync.md gives the measured cost).
+  Each `publish` makes the value readable until `keep` newer versions
+  exist, in one of two ways:
+
+  * packed (`jax_nixl` with `pack=True`, every array leaf in host memory):
+    the leaves are copied into one pooled host buffer per version (one copy
+    of the parameters per kept version, `keep` buffers in all), read by
+    subscribers without per-leaf work; the trainer's arrays are not held, so
+    it may change or donate them at once;
+  * as a pytree (`pack=False`, a leaf in device memory, or `jax_transfer`):
+    one RDT object of the tree, its arrays sent from where they are (nothing
+    copied at publish) and held by rdt_jax while the version is kept. A held
+    jax array is not donated (jax copies it into a new buffer, without an
+    error): the published bytes never change, and the step pays one
+    allocation and copy of each donated leaf while its version is kept.
+
+  docs/weight_sync.md gives the measured cost of each.
 
   Args:
     transport: a one-sided rdt_jax transport (`"jax_nixl"`, or
@@ -226,13 +255,15 @@ class WeightPublisher:
     keep: how many versions stay readable (at least 1). A version leaves the
       window when the `keep`-th newer one is published; its memory is freed
       then, and pulls of it raise `StaleWeightsError`.
+    pack: publish host-resident versions packed (`jax_nixl` only).
 
   Raises:
     ValueError: for `keep` < 1 or a two-sided transport.
     RuntimeError: outside a Ray actor.
   """
 
-  def __init__(self, transport: str = "jax_nixl", keep: int = 2):
+  def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True):
+    keep = int(keep)
     if keep < 1:
       raise ValueError(f"keep={keep}: a publisher keeps at least one version readable.")
     if transport in ("jax_gloo", "jax_nccl"):
@@ -251,8 +282,11 @@ class WeightPublisher:
     self._actor = actor
     self._id = uuid.uuid4().hex
     self._lock = threading.Lock()
-    self._kept: list[tuple[int, Any, str]] = []  # (version, ref, structure digest), oldest first
-    self._structures: dict[str, tuple[LeafEntry, ...]] = {}
+    self._kept: list[tuple[int, Any, str, Any]] = []  # (version, ref, structure digest, packed buffer)
+    # digest -> (structure, packed layout or None)
+    self._structures: dict[str, tuple[tuple[LeafEntry, ...], _packed.PackedLayoutInfo | None]] = {}
+    self.pack = bool(pack)
+    self._stream = _packed.Stream(keep) if transport == "jax_nixl" and self.pack else None
     self._closed = False
     _publishers[self._id] = self
 
@@ -260,7 +294,7 @@ class WeightPublisher:
   def versions(self) -> tuple[int, ...]:
     """The versions kept readable, oldest first."""
     with self._lock:
-      return tuple(v for v, _, _ in self._kept)
+      return tuple(v for v, _, _, _ in self._kept)
 
   @property
   def version(self) -> int | None:
@@ -273,12 +307,17 @@ class WeightPublisher:
     keys included) as `version`.
 
     Returns once the version is readable; frees the version that leaves the
-    `keep` window.
+    `keep` window. With `jax_nixl` and every array leaf in host memory the
+    version is packed: its leaves are copied into one pooled host buffer
+    (the publisher keeps `keep` such buffers; docs/weight_sync.md). Leaves
+    in device memory, or `jax_transfer`, send the tree as it is.
 
     Args:
-      tree: the parameters. Their bytes must not change while the version is
-        kept: jax arrays never do (donating them is safe, see the class
-        docstring); torch or numpy arrays must not be written in place.
+      tree: the parameters. A packed version is a copy: the trainer may
+        change or donate its arrays at once. Otherwise their bytes must not
+        change while the version is kept: jax arrays never do (donating them
+        is safe, see the class docstring); torch or numpy arrays must not be
+        written in place.
       version: an int greater than every version published before.
 
     Returns:
@@ -296,27 +335,67 @@ class WeightPublisher:
       raise RuntimeError("This WeightPublisher is closed; create a new one to publish again.")
     if newest is not None and version <= newest:
       raise ValueError(f"Version {version} is not newer than the last published version {newest}: versions increase.")
-    structure = structure_of(tree)
-    digest = _digest(structure)
-    ref = ray.put(tree, _tensor_transport=self.transport)
+    if not _packed.EMPTY < version <= np.iinfo(np.int64).max:
+      raise ValueError(f"Version {version} is outside the int64 range versions take.")
+    packed = None
+    buffer = None
+    if self._stream is not None:
+      new_structure: list[tuple[LeafEntry, ...]] = []
+
+      def digest_of(t: Any) -> str:
+        new_structure.append(structure_of(t))
+        return _digest(new_structure[0])
+
+      info, digest, arrays, rest = self._stream.structure(tree, digest_of, _array_paths)
+      if new_structure:
+        with self._lock:
+          self._structures[digest] = (new_structure[0], None if info is None else info.info)
+      if info is not None:
+        buffer = _dlpack.host_pool.acquire(info.info.layout.total)
+        try:
+          info.packer.pack(arrays, _dlpack.host_pointer(buffer))
+        except _dlpack.NotHostMemory:
+          buffer = None  # a leaf moved to device memory since: send this version as a pytree
+        else:
+          packed = self._stream.source(version, buffer, rest)
+    else:
+      structure = structure_of(tree)
+      digest = _digest(structure)
+      with self._lock:
+        self._structures.setdefault(digest, (structure, None))
+    if packed is None and self._stream is not None and digest not in self._structures:
+      with self._lock:
+        self._structures[digest] = (structure_of(tree), None)
+    ref = ray.put(buffer if packed is not None else tree, _tensor_transport=self.transport)
     with self._lock:
-      self._structures[digest] = structure
-      self._kept.append((version, ref, digest))
-      dropped = self._kept[: -self.keep]
-      del self._kept[: -self.keep]
-      live = {d for _, _, d in self._kept}
+      dropped = self._drop_oldest(self.keep - 1)
+      self._kept.append((version, ref, digest, buffer))
+      if self._stream is not None and packed is not None:
+        self._stream.table.add(version)
+      live = {d for _, _, d, _ in self._kept}
       for d in [d for d in self._structures if d not in live]:
         del self._structures[d]
-    for _, old, _ in dropped:
+    for _, old, _, _ in dropped:
       _seam.free_now(old.hex())
-    return WeightsHandle(version, ref, self._id, self._actor, digest)
+    return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
+
+  def _drop_oldest(self, room: int) -> list[tuple[int, Any, str, Any]]:
+    """Drops the oldest kept versions until at most `room` are left (lock
+    held): out of the kept-versions table first, so no subscriber reads a
+    version whose buffer may be reused; the caller frees their objects."""
+    dropped = self._kept[: max(0, len(self._kept) - room)]
+    del self._kept[: len(dropped)]
+    if self._stream is not None:
+      for v, _, _, _ in dropped:
+        self._stream.table.drop(v)
+    return dropped
 
   def close(self) -> None:
     """Frees every kept version; later pulls of them raise `StaleWeightsError`."""
     with self._lock:
       self._closed = True
-      dropped, self._kept = self._kept, []
-    for _, ref, _ in dropped:
+      dropped = self._drop_oldest(0)
+    for _, ref, _, _ in dropped:
       _seam.free_now(ref.hex())
     _publishers.pop(self._id, None)
 
@@ -324,7 +403,7 @@ class WeightPublisher:
     with self._lock:
       if self._closed:
         return None, None
-      return tuple(v for v, _, _ in self._kept), None if structure is None else self._structures.get(structure)
+      return tuple(v for v, _, _, _ in self._kept), None if structure is None else self._structures.get(structure)
 
 
 # --------------------------------------------------------------------------
@@ -366,6 +445,15 @@ def _in_place(leaf: Any) -> Any:
   return None if fw in (None, "jax") else leaf
 
 
+def _unflatten(info: _packed.PackedLayoutInfo, arrays: list[Any], rest: tuple[Any, ...]) -> Any:
+  """The pulled value: the published tree with `arrays` at its array leaves
+  and `rest` at the others."""
+  positions = set(info.array_positions)
+  it_arrays, it_rest = iter(arrays), iter(rest)
+  leaves = [next(it_arrays) if i in positions else next(it_rest) for i in range(len(positions) + len(rest))]
+  return info.treedef.unflatten(leaves)
+
+
 class WeightSubscriber:
   """Pulls published versions into a generator's parameters.
 
@@ -405,6 +493,7 @@ class WeightSubscriber:
     self._fits: set[str] = set()  # structures a pull of which succeeded with this target
     self._flat_target: dict[str, Any] = {}
     self._staging: Any = None
+    self._plans: dict[str, _packed.PackedPlan] = {}  # packed structures pulled, by digest
 
   @property
   def version(self) -> int | None:
@@ -443,7 +532,11 @@ class WeightSubscriber:
           "pull a newer handle.",
           handle.version, current,
       )
+    if handle.packed is not None:
+      return self._pull_packed(handle, deadline, current)
     structure = self._ask(handle, deadline, want_structure=handle.structure not in self._checked, current=current)
+    if isinstance(structure, tuple) and len(structure) == 2 and isinstance(structure[0], tuple):
+      structure = structure[0]  # (structure, packed layout)
     if handle.structure not in self._checked:
       if structure is None:
         raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
@@ -490,6 +583,116 @@ class WeightSubscriber:
           handle.version, current, tuple(kept or ()),
       )
     return structure
+
+  # ---- packed versions (rdt_jax._weights_packed)
+
+  def _plan(self, handle: WeightsHandle, deadline: float | None, current: int | None) -> _packed.PackedPlan:
+    """The plan of `handle`'s structure: made at its first pull, after the
+    publisher says the version is kept and sends the structure's layout, and
+    the template is checked against it."""
+    plan = self._plans.get(handle.structure)
+    if plan is not None:
+      return plan
+    answer = self._ask(handle, deadline, want_structure=True, current=current)
+    if not (isinstance(answer, tuple) and len(answer) == 2 and answer[1] is not None):
+      raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
+    structure, info = answer
+    check_template(self._flat, structure)
+    self._checked.add(handle.structure)
+    plan = _packed.PackedPlan(info, structure, dict(self._flat), self.atomic)
+    if len(self._plans) >= 4:  # structures change rarely: keep the last few
+      self._plans.pop(next(iter(self._plans)))
+    self._plans[handle.structure] = plan
+    return plan
+
+  def _pull_packed(self, handle: WeightsHandle, deadline: float | None, current: int | None) -> Any:
+    """A pull of a packed version (`WeightSubscriber.pull`)."""
+    source = handle.packed
+    assert source is not None
+    plan = self._plan(handle, deadline, current)
+    plan.check_targets()
+    if source.digest != source.expected_digest(handle.version):
+      raise MetadataError(handle.ref.hex(), "packed", "does not match its digest (the handle was corrupted)")
+    if source.nbytes != plan.info.layout.total:
+      raise MetadataError(handle.ref.hex(), "packed.nbytes",
+                          f"is {source.nbytes}, but the structure's layout takes {plan.info.layout.total} bytes")
+    staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+    if deadline is not None and time.monotonic() > deadline:
+      raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
+    if not (_packed.can_read_directly(source) and self._pull_directly(handle, plan, staging, current)):
+      self._pull_through_ray(handle, plan, staging, deadline, current)
+    leaves = plan.commit(staging)
+    value = _unflatten(plan.info, leaves, source.rest)
+    self._version = handle.version
+    return value
+
+  def _pull_directly(self, handle: WeightsHandle, plan: _packed.PackedPlan, staging: Any,
+                     current: int | None) -> bool:
+    """Copies a version from its publisher's memory on this host, checking
+    its kept-versions table before and after. False if the kernel refused
+    the copy (nothing was written; read through Ray instead)."""
+    source = handle.packed
+    assert source is not None
+    obj_id = handle.ref.hex()
+    try:
+      kept = _packed.read_table(source)
+    except PermissionError:
+      return False
+    except OSError as e:
+      raise _packed.dead_publisher_error(obj_id, handle.actor, e) from None
+    if handle.version not in kept:
+      raise self._stale(handle, kept, current, after_read=False)
+    writes_template = not self.atomic and plan.writes_in_place
+    if writes_template:
+      self._version = None  # torn from here until the pull succeeds
+    try:
+      try:
+        _packed.read_version(plan, source, staging)
+      except PermissionError:
+        if writes_template:
+          self._version = current  # refused before a byte moved
+        return False
+      if _faults.ON:
+        _faults.hit("weights.copied")
+      kept = _packed.read_table(source)
+    except BaseException as e:
+      if writes_template:
+        e.add_note(f"rdt_jax: the pull of version {handle.version} failed while it copied into the template: "
+                   "the template may hold some of its bytes, and the subscriber's version is None until the "
+                   "next successful pull.")
+      if isinstance(e, OSError):
+        raise _packed.dead_publisher_error(obj_id, handle.actor, e) from None
+      raise
+    if handle.version not in kept:
+      raise self._stale(handle, kept, current, after_read=True)
+    return True
+
+  def _pull_through_ray(self, handle: WeightsHandle, plan: _packed.PackedPlan, staging: Any,
+                        deadline: float | None, current: int | None) -> None:
+    """Fetches a version's packed buffer with `ray.get` (one NIXL READ) and
+    copies the leaves out of it once the publisher says it still keeps the
+    version; nothing is written into the template before."""
+    try:
+      buffer = ray.get(handle.ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except ray.exceptions.GetTimeoutError:
+      raise
+    except Exception:
+      self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
+      raise
+    self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
+    if _dlpack.framework_of(buffer) != "numpy" or buffer.nbytes != plan.info.layout.total:
+      raise MetadataError(handle.ref.hex(), "value", "is not the version's packed buffer")
+    plan.copy_local(_dlpack.host_pointer(buffer), 0 if staging is None else _dlpack.host_pointer(staging))
+
+  def _stale(self, handle: WeightsHandle, kept: set[int], current: int | None, after_read: bool) -> StaleWeightsError:
+    when = "was freed while it was being read (its bytes may be another version's)" if after_read else (
+        "is no longer kept by its publisher")
+    versions = sorted(kept)
+    return StaleWeightsError(
+        f"Version {handle.version} {when}; the publisher keeps versions {versions or 'none'}, this subscriber "
+        f"held version {current}. Pull a newer handle (or publish with a larger keep).",
+        handle.version, current, tuple(versions),
+    )
 
   def _target(self) -> Any:
     if not self.atomic:

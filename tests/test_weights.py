@@ -5,11 +5,18 @@ A trainer holds parameters sharded over 4 forced host devices (a typed PRNG
 key among them) and publishes versions; generators pull them into torch
 tensors in place, or as jax arrays on a 2-device mesh of their own. Every
 check compares bytes (sha256 of each leaf) with what the trainer published.
+
+Host parameters published through `jax_nixl` are packed versions
+(`rdt_jax._weights_packed`): on this host generators copy them from the
+trainer's memory (node-local, the default), or, with node-local reads off
+(`READ_PATH`), fetch them with one NIXL READ. `jax_transfer` versions travel
+as pytrees.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import time
 
@@ -20,7 +27,7 @@ import pytest
 import ray
 
 import rdt_jax
-from conftest import OUT_OF_BAND_ENV, worker_env
+from conftest import OUT_OF_BAND_ENV, wait_for, worker_env
 
 rdt_jax.register()
 
@@ -64,23 +71,26 @@ def make_params(version: int) -> dict:
 
 @ray.remote(enable_tensor_transport=True)
 class Trainer:
-  def __init__(self, keep: int = 2):
-    self.pub = rdt_jax.WeightPublisher(transport="jax_nixl", keep=keep)
+  def __init__(self, keep: int = 2, transport: str = "jax_nixl", pack: bool = True):
+    self.pub = rdt_jax.WeightPublisher(transport=transport, keep=keep, pack=pack)
     self.params: dict | None = None
 
   def publish(self, version: int, params_version: int | None = None):
     self.params = make_params(version if params_version is None else params_version)
     return self.pub.publish(self.params, version=version)
 
-  def donate_step(self) -> dict:
-    """A jitted step donating the current (published) parameters."""
+  def donate_step(self) -> tuple[bool, bool]:
+    """A jitted step donating the current (published) parameters: whether
+    its values are right, and whether the donation took the inputs'
+    buffers (they are deleted then)."""
     old = self.params
     arrays = {"layer": old["layer"], "emb": old["emb"]}
     step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x + 1, p), donate_argnums=0)
     new = step(arrays)
     jax.block_until_ready(new)
     self.params = {**old, **new}
-    return tree_shas(new) == tree_shas({"layer": make_params(2)["layer"], "emb": (make_params(1)["emb"] + 1)})
+    right = tree_shas(new) == tree_shas({"layer": make_params(2)["layer"], "emb": (make_params(1)["emb"] + 1)})
+    return right, all(x.is_deleted() for x in jax.tree_util.tree_leaves(arrays))
 
   def shas(self, version: int) -> dict:
     return tree_shas(make_params(version))
@@ -144,7 +154,8 @@ class Generator:
 
   def pull(self, handle, timeout: float | None = None) -> dict:
     params = self.sub.pull(handle, timeout=timeout)
-    out = {"version": self.sub.version, "shas": tree_shas(params), "rng_impl": str(jax.random.key_impl(params["rng"]))}
+    out = {"version": self.sub.version, "shas": tree_shas(params), "rng_impl": str(jax.random.key_impl(params["rng"])),
+           "step": params["step"]}
     if self.kind == "torch":
       t = self.sub.template
       out["in_place"] = params["layer"]["w"] is t["layer"]["w"] and self._addresses() == self.addresses
@@ -175,13 +186,18 @@ class Generator:
     return self.sub.version
 
 
-def trainer(keep: int = 2, **env: str):
-  return Trainer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote(keep)
+def trainer(keep: int = 2, transport: str = "jax_nixl", pack: bool = True, **env: str):
+  return Trainer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote(keep, transport, pack)
 
 
 def generator(kind: str = "torch", atomic: bool = False, template: str = "ok", **env: str):
   flags = TWO if kind == "jax" else FOUR
   return Generator.options(runtime_env=worker_env(XLA_FLAGS=flags, **env)).remote(kind, atomic, template)
+
+
+# Out of band and through NIXL's READ (no node-local read): the fault points
+# of the READ path fire for every pull.
+READ_PATH = dict(OUT_OF_BAND_ENV)
 
 
 def expected(shas: dict) -> dict:
@@ -226,18 +242,25 @@ def test_template_check_names_the_leaf():
 # ---- between actors
 
 
-def test_versions_reach_torch_in_place_and_jax_on_another_mesh():
-  t = trainer()
-  gens = [generator("torch"), generator("jax")]
+@pytest.mark.parametrize(
+    ("transport", "env"),
+    [("jax_nixl", {}), ("jax_nixl", READ_PATH), ("jax_transfer", {})],
+    ids=["packed-node-local", "packed-nixl-read", "pytree-jax_transfer"],
+)
+def test_versions_reach_torch_in_place_and_jax_on_another_mesh(transport, env):
+  t = trainer(transport=transport, **env)
+  gens = [generator("torch", **env), generator("jax", **env)]
   for version in (1, 2, 5):
     handle = ray.get(t.publish.remote(version))
     assert handle.version == version
+    assert (handle.packed is not None) == (transport == "jax_nixl")
     want = expected(ray.get(t.shas.remote(version)))
     torch_result, jax_result = ray.get([g.pull.remote(handle) for g in gens])
     for result in (torch_result, jax_result):
       assert result["version"] == version
       assert pulled(result) == want
       assert result["rng_impl"] == "threefry2x32"
+      assert result["step"] == version  # a non-array leaf travels too
     assert torch_result["in_place"]
     assert jax_result["w_devices"] == 2 and jax_result["w_spec"] == (None, "y")
   for a in [t, *gens]:
@@ -287,27 +310,60 @@ def test_first_pull_checks_the_template_naming_the_leaf():
     ray.kill(a)
 
 
-# Out of band and through NIXL's READ (no node-local read): the fault points
-# of the READ path fire for every pull.
-READ_PATH = dict(OUT_OF_BAND_ENV)
-
-
 @pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
-def test_failed_pull_leaves_torn_or_unchanged(atomic):
+def test_a_failed_read_changes_nothing(atomic):
+  """A packed version fetched through NIXL is copied into the template only
+  after its READ completed and the publisher still kept it: a READ that
+  fails leaves the template and the version as they were, in both modes."""
   t = trainer(**READ_PATH)
-  # The READ of the second pull completes (bytes written), then the pull fails.
   g = generator("torch", atomic=atomic, RDT_JAX_FAULTS="nixl.complete:fail@2*1", **READ_PATH)
   first = ray.get(t.publish.remote(1))
   assert ray.get(g.pull.remote(first))["version"] == 1
   r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(2))))
   assert "injected fault at nixl.complete" in r["error"], r
+  assert r["version"] == 1 and r["template_unchanged"], r
+  # The next pull succeeds.
+  result = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
+  assert result["version"] == 3 and pulled(result) == expected(ray.get(t.shas.remote(3)))
+  ray.kill(t)
+  ray.kill(g)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+def test_failed_node_local_pull_leaves_torn_or_unchanged(atomic):
+  """A node-local pull copies straight into the template (`atomic=False`):
+  one that fails after its copy leaves version None (torn: version 2's bytes
+  arrived); `atomic=True` copies into staging first and changes nothing."""
+  t = trainer()
+  g = generator("torch", atomic=atomic, RDT_JAX_FAULTS="weights.copied:fail@2*1")
+  assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+  r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(2))))
+  assert "injected fault at weights.copied" in r["error"], r
   if atomic:
     assert r["version"] == 1 and r["template_unchanged"], r
   else:
-    assert r["version"] is None and not r["template_unchanged"], r  # torn: bytes of version 2 arrived
-  # The next pull succeeds and the version is true again.
+    assert r["version"] is None and not r["template_unchanged"], r
   result = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
   assert result["version"] == 3 and pulled(result) == expected(ray.get(t.shas.remote(3)))
+  ray.kill(t)
+  ray.kill(g)
+
+
+def test_a_version_freed_during_a_node_local_pull_is_stale():
+  """The publisher drops a version (two newer ones published, keep=2) while
+  a generator copies it: the pull's second look at the publisher's table of
+  kept versions refuses it, naming both versions; the template is torn."""
+  t = trainer()
+  g = generator("torch", RDT_JAX_FAULTS="weights.copied:delay=4@2*1")
+  assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+  handle = ray.get(t.publish.remote(2))
+  pending = g.try_pull.remote(handle)
+  time.sleep(1.5)  # the copy is done; the pull waits in the injected delay
+  ray.get([t.publish.remote(3), t.publish.remote(4)])
+  r = ray.get(pending, timeout=ERROR_BOUND_S)
+  assert r["stale"] and r["attrs"] == (2, 1), r
+  assert "was freed while it was being read" in r["error"] and "[3, 4]" in r["error"], r
+  assert r["version"] is None, r
   ray.kill(t)
   ray.kill(g)
 
@@ -323,6 +379,20 @@ def test_trainer_killed_mid_pull_is_an_error_within_the_bound():
   r = ray.get(call, timeout=ERROR_BOUND_S * 2)
   assert r["error"] is not None and r["elapsed"] < ERROR_BOUND_S, r
   assert r["version"] is None  # in place: the pull had started
+  ray.kill(g)
+
+
+def test_trainer_killed_before_a_node_local_pull_is_the_lifetime_error():
+  t = trainer()
+  g = generator("torch")
+  pid = ray.get(t.__ray_call__.remote(lambda self: os.getpid()))
+  assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+  handle = ray.get(t.publish.remote(2))
+  ray.kill(t)
+  assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30)  # gone before the pull starts
+  r = ray.get(g.try_pull.remote(handle), timeout=ERROR_BOUND_S * 2)
+  assert "has died: the object died with it" in r["error"] and r["elapsed"] < ERROR_BOUND_S, r
+  assert r["version"] == 1 and r["template_unchanged"], r  # refused before any byte moved
   ray.kill(g)
 
 
@@ -349,14 +419,19 @@ def test_generator_killed_and_restarted_pulls_the_next_version():
     ray.kill(a)
 
 
-def test_donated_step_never_changes_a_published_version():
-  t = trainer()
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "pytree"])
+def test_donated_step_never_changes_a_published_version(pack):
+  t = trainer(pack=pack)
   g = generator("torch")
   handle = ray.get(t.publish.remote(1))
+  assert (handle.packed is not None) == pack
   # The published arrays are donated to a jitted step: no error, the step's
-  # values are right, and version 1's bytes stay (its buffers are held, so
-  # XLA writes the step's outputs into new buffers).
-  assert ray.get(t.donate_step.remote())
+  # values are right, and version 1's bytes stay. A packed version is a
+  # copy, so the donation takes the input buffers; a pytree version holds
+  # the leaves it reads in place (XLA then writes the step's outputs into
+  # new buffers) and copied its small leaves at publish.
+  right, donated = ray.get(t.donate_step.remote())
+  assert right and (donated or not pack)
   result = ray.get(g.pull.remote(handle))
   assert pulled(result) == expected(ray.get(t.shas.remote(1)))
   ray.kill(t)

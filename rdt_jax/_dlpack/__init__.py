@@ -26,6 +26,7 @@ from rdt_jax._dlpack._devices import jax_device as jax_device
 from rdt_jax._dlpack._devices import parse_device as parse_device
 from rdt_jax._dlpack._dispatch import block_until_ready as block_until_ready
 from rdt_jax._dlpack._dispatch import buffer_pointer as buffer_pointer
+from rdt_jax._dlpack._dispatch import buffer_pointers as buffer_pointers
 from rdt_jax._dlpack._dispatch import check_x64 as check_x64
 from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
 from rdt_jax._dlpack._dispatch import copy_into as copy_into
@@ -39,6 +40,7 @@ from rdt_jax._dlpack._dispatch import is_array as is_array
 from rdt_jax._dlpack._dispatch import is_c_contiguous as is_c_contiguous
 from rdt_jax._dlpack._dispatch import is_writable as is_writable
 from rdt_jax._dlpack._dispatch import mark_written as mark_written
+from rdt_jax._dlpack._dispatch import mark_written_many as mark_written_many
 from rdt_jax._dlpack._dispatch import rebuild_device as rebuild_device
 from rdt_jax._dlpack._dispatch import rebuild_host as rebuild_host
 from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
@@ -59,6 +61,10 @@ from rdt_jax._dlpack._memory import host_layout as host_layout
 from rdt_jax._dlpack._memory import host_pointer as host_pointer
 from rdt_jax._dlpack._memory import host_pool as host_pool
 from rdt_jax._dlpack._memory import pack_host_chunks as pack_host_chunks
+from rdt_jax._dlpack._packing import NotHostMemory as NotHostMemory
+from rdt_jax._dlpack._packing import PackedLayout as PackedLayout
+from rdt_jax._dlpack._packing import Packer as Packer
+from rdt_jax._dlpack._packing import jax_placement as jax_placement
 from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
 from rdt_jax._dlpack._pool import Region as Region
 from rdt_jax._dlpack._pool import device_pool as device_pool
@@ -105,6 +111,7 @@ __all__ = [  # noqa: RUF022
     # Questions about one array, answered by its framework (the one dispatch point).
     "block_until_ready",
     "buffer_pointer",
+    "buffer_pointers",
     "check_x64",
     "describe",
     "device_of",
@@ -115,6 +122,7 @@ __all__ = [  # noqa: RUF022
     "is_c_contiguous",
     "is_writable",
     "mark_written",
+    "mark_written_many",
     # Conversions between frameworks, and copies into a given array.
     "convert_leaf",
     "copy_into",
@@ -145,6 +153,11 @@ __all__ = [  # noqa: RUF022
     "device_pool",
     "pack_layout",
     "region_source",
+    # Packing many host leaves into one buffer (weight streams).
+    "NotHostMemory",
+    "PackedLayout",
+    "Packer",
+    "jax_placement",
     # Resharding on receive: slices, target layouts, byte runs between boxes.
     "Box",
     "Slice",

@@ -26,11 +26,29 @@ _MODULES: Final[dict[str, ModuleType]] = {
 }
 
 
+#: framework_of's answer per type. A type is a framework's array type only
+#: if that framework is imported, and a type's bases never change, so an
+#: answer never goes stale; the cache is bounded by the types ever asked about.
+_FRAMEWORK_OF_TYPE: dict[type, Framework | None] = {}
+
+
 def framework_of(x: Any) -> Framework | None:
   """Returns which framework's array `x` is, or None if it is not an array.
 
   Never imports a framework.
   """
+  cls = type(x)
+  try:
+    return _FRAMEWORK_OF_TYPE[cls]
+  except KeyError:
+    pass
+  fw = _framework_of_type(x)
+  if len(_FRAMEWORK_OF_TYPE) < 4096:
+    _FRAMEWORK_OF_TYPE[cls] = fw
+  return fw
+
+
+def _framework_of_type(x: Any) -> Framework | None:
   if isinstance(x, np.ndarray):
     return "numpy"
   jax_array = loaded_type("jax", "Array")
@@ -95,6 +113,11 @@ def buffer_pointer(x: Any) -> int:
   return int(_module_of(x).pointer(x))
 
 
+def buffer_pointers(xs: list[Any]) -> list[int]:
+  """`buffer_pointer` of each array of `xs`."""
+  return [int(_MODULES[framework_of(x) or ""].pointer(x)) for x in xs]
+
+
 def device_of(x: Any) -> Device:
   """The device an array lives on (its first device, if sharded)."""
   return _module_of(x).device(x)
@@ -124,6 +147,11 @@ def mark_written(x: Any) -> None:
   such record."""
   if framework_of(x) == "torch":
     _torch.mark_written(x)
+
+
+def mark_written_many(xs: list[Any]) -> None:
+  """`mark_written` of every array of `xs`, torch tensors in one call."""
+  _torch.mark_written_many([x for x in xs if framework_of(x) == "torch"])
 
 
 def check_x64(dtype: np.dtype, path: str) -> None:

@@ -1,26 +1,32 @@
-"""`rdt-jax bench --weight-sync`: a trainer's versions into generators' tensors.
+"""`rdt-jax bench --weight-sync`: a trainer's versions into a fleet of generators.
 
 A trainer actor makes new arrays every step (a jitted update of every leaf,
-with or without `donate_argnums`) and publishes them; 1 or 2 generator
-actors hold torch tensors of the same shapes and take every version into
-them in place. Per tree shape (one 256 MiB leaf; 1,000 leaves of 64 MiB in
-all; 10,000 leaves with `--weight-sync-leaves 10000`) and generator count,
-three paths run in turn:
+with or without `donate_argnums`) and publishes them to 1, 2 or 4 generator
+actors of three kinds, in turn: `torch` (torch tensors written in place),
+`jax` (jax arrays on a 2-device mesh of its own, each leaf sharded over it)
+and `slice` (half of each leaf's rows, into torch tensors: generator i takes
+half i % 2). Per tree shape (one 256 MiB leaf; 1,000 and 10,000 leaves of
+64 MiB in all) and generator count, four paths run in turn:
 
-* `rdt`: `WeightPublisher.publish` (jax_nixl) and `WeightSubscriber.pull`
-  into the torch tensors;
-* `rdt_donate`: the same, the trainer's step donating its (published) input
-  arrays;
+* `rdt`: `WeightPublisher.publish` (jax_nixl; host leaves, so packed) and
+  `WeightSubscriber.pull`;
+* `rdt_donate`: the same, the trainer's step donating its input arrays;
+* `pytree`: `WeightPublisher(pack=False)`: each version one RDT object of
+  the tree, as `examples/weight_sync.py` ran before versions were packed;
 * `store`: the object store with NumPy: the trainer `ray.put`s its arrays
-  as NumPy, each generator `ray.get`s them and copies them into its tensors.
+  as NumPy, each generator `ray.get`s them and copies them into its
+  tensors (torch), `jax.device_put`s them with its shardings (jax), or
+  copies its half (slice).
 
 Per step it records the trainer's step time, the publish (or `ray.put`)
 time in the trainer, and the pull: the longest of the generators' times
-from the start of `pull` (or `ray.get`) until its tensors hold the version. The first step of each
-run is reported apart (first pull: registration, plans, template check);
-the steady state is the median of the others. Each pull is checked against
-the trainer's bytes (a checksum of each leaf's first 4 KiB, taken outside
-the timed part). Writes
+from the start of `pull` (or `ray.get`) until its leaves hold the version.
+The first step of each run is reported apart (first pull: registration,
+plans, template check); the steady state is the median of the others. Each
+pull is checked against the trainer's bytes (a checksum of the first 4 KiB
+of each leaf, or of the generator's half, taken outside the timed part). The
+same run measures one host copy of the payload (`memcpy_ms`, a numpy copy
+into a warm buffer), the rate the targets are stated at. Writes
 `bench-weight-sync.json` and `bench-weight-sync.md` under `--out`.
 """
 
@@ -41,21 +47,32 @@ import ray
 
 import rdt_jax
 
-PATHS = ("rdt", "rdt_donate", "store")
+PATHS = ("rdt", "rdt_donate", "pytree", "store")
+KINDS = ("torch", "jax", "slice")
+TWO_DEVICES = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
 
 
 def _leaf_shapes(case: str) -> list[tuple[int, ...]]:
-  """Leaf shapes (float32) of a case: "1x256MiB", or "<n>x64MiB" (n leaves, 64 MiB in all)."""
-  if case == "1x256MiB":
-    return [((256 << 20) // 4 // 1024, 1024)]
-  n = int(case.split("x")[0])
-  return [((64 << 20) // 4 // n,)] * n
+  """Leaf shapes (float32) of a case: "1x<M>MiB" (one 2-D leaf of M MiB), or
+  "<n>x<M>MiB" (n 1-D leaves, M MiB in all)."""
+  count, size = case.split("x")
+  nbytes = int(size.removesuffix("MiB")) << 20
+  if int(count) == 1:
+    return [(nbytes // 4 // 1024, 1024)]
+  n = int(count)
+  rows = nbytes // 4 // n
+  return [(rows - rows % 2,)] * n
+
+
+def _half(shape: tuple[int, ...], which: int) -> slice:
+  h = shape[0] // 2
+  return slice(which * h, (which + 1) * h)
 
 
 def _checksum(arrays: list[Any]) -> str:
   h = hashlib.blake2b(digest_size=8)
   for a in arrays:
-    h.update(np.ascontiguousarray(a).view(np.uint8)[:4096].tobytes())
+    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8)[:4096].tobytes())
   return h.hexdigest()
 
 
@@ -71,10 +88,12 @@ class _Trainer:
     self.update = jax.jit(lambda p: [x + 1.0 for x in p], donate_argnums=donate)
     self.path = path
     self.version = 0
-    self.publisher = rdt_jax.WeightPublisher(transport="jax_nixl", keep=2) if path != "store" else None
+    self.publisher = None
+    if path != "store":
+      self.publisher = rdt_jax.WeightPublisher(transport="jax_nixl", keep=2, pack=path != "pytree")
 
-  def step(self) -> tuple[Any, float, float, str]:
-    """One jitted step, then publish; (handle or [ref], step s, publish s, checksum)."""
+  def step(self) -> tuple[Any, float, float, dict[str, str]]:
+    """One jitted step, then publish; (handle or [ref], step s, publish s, checksums)."""
     import jax
 
     t0 = time.perf_counter()
@@ -87,59 +106,117 @@ class _Trainer:
     else:
       out = [ray.put([np.asarray(x) for x in self.params])]
     t2 = time.perf_counter()
-    return out, t1 - t0, t2 - t1, _checksum([np.asarray(x) for x in self.params])
+    host = [np.asarray(x) for x in self.params]
+    sums = {"full": _checksum(host)}
+    for which in (0, 1):
+      sums[f"half{which}"] = _checksum([a[_half(a.shape, which)] for a in host])
+    return out, t1 - t0, t2 - t1, sums
 
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Generator:
-  def setup(self, case: str) -> None:
+  def setup(self, case: str, kind: str, index: int) -> None:
     import torch
 
-    self.tensors = [torch.empty(s) for s in _leaf_shapes(case)]
-    self.subscriber = rdt_jax.WeightSubscriber(self.tensors)
+    shapes = _leaf_shapes(case)
+    self.kind = kind
+    self.which = index % 2
+    if kind == "torch":
+      self.tensors = [torch.empty(s) for s in shapes]
+      template: Any = self.tensors
+    elif kind == "slice":
+      self.tensors = [torch.empty((s[0] // 2, *s[1:])) for s in shapes]
+      template = [rdt_jax.Slice((_half(s, self.which),), into=t) for s, t in zip(shapes, self.tensors)]
+    else:
+      import jax
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  def pull(self, handle: Any) -> tuple[float, str]:
+      mesh = Mesh(np.array(jax.devices()[:2]), ("y",))
+      self.shardings = [NamedSharding(mesh, PartitionSpec("y")) for _ in shapes]
+      template = self.shardings
+    self.subscriber = rdt_jax.WeightSubscriber(template)
+
+  def _sum(self, leaves: list[Any]) -> tuple[str, str]:
+    key = "full" if self.kind != "slice" else f"half{self.which}"
+    return key, _checksum([rdt_jax.to_numpy(x) for x in leaves])
+
+  def pull(self, handle: Any) -> tuple[float, tuple[str, str]]:
     t0 = time.perf_counter()
-    self.subscriber.pull(handle)
-    return time.perf_counter() - t0, _checksum([t.numpy() for t in self.tensors])
+    leaves = self.subscriber.pull(handle)
+    dt = time.perf_counter() - t0
+    return dt, self._sum(leaves if self.kind == "jax" else self.tensors)
 
-  def get_copy(self, refs: list) -> tuple[float, str]:
+  def get_copy(self, refs: list) -> tuple[float, tuple[str, str]]:
     t0 = time.perf_counter()
     arrays = ray.get(refs[0])
-    for t, a in zip(self.tensors, arrays):
-      t.numpy()[...] = a  # the object store's arrays are read-only: copy through numpy
-    return time.perf_counter() - t0, _checksum([t.numpy() for t in self.tensors])
+    if self.kind == "jax":
+      import jax
+
+      leaves = [jax.device_put(a, s) for a, s in zip(arrays, self.shardings)]
+      jax.block_until_ready(leaves)
+    else:
+      for t, a in zip(self.tensors, arrays):
+        # The object store's arrays are read-only: copy through numpy.
+        t.numpy()[...] = a if self.kind == "torch" else a[_half(a.shape, self.which)]
+      leaves = self.tensors
+    dt = time.perf_counter() - t0
+    return dt, self._sum(leaves)
 
 
 def add_arguments(parser: Any) -> None:
-  group = parser.add_argument_group("--weight-sync (a trainer's versions into generators' tensors)")
+  group = parser.add_argument_group("--weight-sync (a trainer's versions into generators)")
   group.add_argument("--weight-sync", action="store_true",
                      help="run only the weight-sync case (see rdt_jax.bench._weights)")
-  group.add_argument("--weight-sync-leaves", type=int, default=1000,
-                     help="leaves of the many-leaf tree, 64 MiB in all (default 1000; 10000 is slow)")
-  group.add_argument("--weight-sync-generators", default="1,2", help="generator counts (default 1,2)")
+  group.add_argument("--weight-sync-leaves", default="1000,10000",
+                     help="leaf counts of the many-leaf trees, --weight-sync-mb in all (default 1000,10000)")
+  group.add_argument("--weight-sync-mb", type=int, default=64, help="size of the many-leaf trees (default 64)")
+  group.add_argument("--weight-sync-big-mb", type=int, default=256,
+                     help="size of the one-leaf tree (default 256; 0 leaves it out)")
+  group.add_argument("--weight-sync-generators", default="1,2,4", help="generator counts (default 1,2,4)")
+  group.add_argument("--weight-sync-paths", default=",".join(PATHS), help=f"paths (default {','.join(PATHS)})")
+
+
+def _memcpy_ms(nbytes: int, reps: int = 5) -> float:
+  src = np.ones(nbytes, np.uint8)
+  dst = np.empty_like(src)
+  np.copyto(dst, src)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    times.append(time.perf_counter() - t0)
+  return _ms(statistics.median(times))
 
 
 def run(args: Any) -> dict[str, Any]:
   """Runs the case, writes `bench-weight-sync.{json,md}` under `args.out`."""
-  steps = (args.reps or (4 if args.quick else 8)) + 1
+  steps = (args.reps or (4 if args.quick else 6)) + 1
   counts = [int(n) for n in str(args.weight_sync_generators).split(",") if n]
-  cases = ["1x256MiB", f"{args.weight_sync_leaves}x64MiB"]
+  paths = [p for p in str(args.weight_sync_paths).split(",") if p]
+  unknown = sorted(set(paths) - set(PATHS))
+  if unknown:
+    raise SystemExit(f"unknown --weight-sync-paths {unknown}; choose from {', '.join(PATHS)}")
+  cases = [f"1x{args.weight_sync_big_mb}MiB"] if args.weight_sync_big_mb else []
+  cases += [f"{n}x{args.weight_sync_mb}MiB" for n in str(args.weight_sync_leaves).split(",") if n]
   rdt_jax.register()
   started = not ray.is_initialized()
   if started:
     ray.init(num_cpus=max(counts) + 2, include_dashboard=False, logging_level=logging.WARNING)
   rows: list[dict[str, Any]] = []
   t_start = time.perf_counter()
+  memcpy = {case: _memcpy_ms(sum(int(np.prod(s)) * 4 for s in _leaf_shapes(case))) for case in cases}
   try:
     trainer = _Trainer.remote()  # type: ignore[attr-defined]
-    gens = [_Generator.remote() for _ in range(max(counts))]  # type: ignore[attr-defined]
+    gens = [
+        _Generator.options(runtime_env=TWO_DEVICES).remote()  # type: ignore[attr-defined]
+        for _ in range(max(counts))
+    ]
+    kinds = [KINDS[i % len(KINDS)] for i in range(len(gens))]
     for case in cases:
-      ray.get([g.setup.remote(case) for g in gens])
       for n in counts:
-        for path in PATHS:
+        for path in paths:
           ray.get(trainer.setup.remote(case, path))
-          ray.get([g.setup.remote(case) for g in gens])  # a new subscriber per run
+          ray.get([g.setup.remote(case, kinds[i], i) for i, g in enumerate(gens[:n])])  # a new subscriber per run
           samples = []
           for _ in range(steps):
             out, step_s, publish_s, want = ray.get(trainer.step.remote())
@@ -148,11 +225,11 @@ def run(args: Any) -> dict[str, Any]:
             else:
               got = ray.get([g.pull.remote(out) for g in gens[:n]])
             pull_s = max(s for s, _ in got)
-            if any(c != want for _, c in got):
+            if any(want[key] != value for _, (key, value) in got):
               raise RuntimeError(f"{case} {path}: a generator's bytes differ from the trainer's")
             samples.append({"step_s": step_s, "publish_s": publish_s, "pull_s": pull_s})
             del out
-          rows.append(_row(case, n, path, samples))
+          rows.append(_row(case, n, path, samples, ",".join(kinds[:n])))
           print(_format_row(rows[-1]), flush=True)
   finally:
     if started:
@@ -160,7 +237,7 @@ def run(args: Any) -> dict[str, Any]:
   result = {
       "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "host": {"platform": platform.platform(), "python": platform.python_version()},
-      "steps": steps, "wall_s": round(time.perf_counter() - t_start, 1), "rows": rows,
+      "steps": steps, "wall_s": round(time.perf_counter() - t_start, 1), "memcpy_ms": memcpy, "rows": rows,
   }
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -174,14 +251,14 @@ def _ms(x: float) -> float:
   return round(x * 1e3, 2)
 
 
-def _row(case: str, n: int, path: str, samples: list[dict[str, float]]) -> dict[str, Any]:
+def _row(case: str, n: int, path: str, samples: list[dict[str, float]], kinds: str) -> dict[str, Any]:
   first, steady = samples[0], samples[1:]
 
   def med(key: str) -> float:
     return _ms(statistics.median(s[key] for s in steady))
 
   return {
-      "case": case, "generators": n, "path": path,
+      "case": case, "generators": n, "kinds": kinds, "path": path,
       "first_publish_ms": _ms(first["publish_s"]), "first_pull_ms": _ms(first["pull_s"]),
       "step_ms": med("step_s"), "publish_ms": med("publish_s"), "pull_ms": med("pull_s"),
       "sync_ms": _ms(statistics.median(s["publish_s"] + s["pull_s"] for s in steady)),
@@ -190,9 +267,21 @@ def _row(case: str, n: int, path: str, samples: list[dict[str, float]]) -> dict[
 
 
 def _format_row(r: dict[str, Any]) -> str:
-  return (f"{r['case']:>10} x{r['generators']} {r['path']:<10} first {r['first_publish_ms']:8.1f} + "
+  return (f"{r['case']:>12} x{r['generators']} {r['path']:<10} first {r['first_publish_ms']:8.1f} + "
           f"{r['first_pull_ms']:8.1f} ms  steady step {r['step_ms']:7.1f} publish {r['publish_ms']:7.1f} "
           f"pull {r['pull_ms']:7.1f} ms")
+
+
+#: The steady-state targets (issue text): publish + pull against the object
+#: store, per tree; `None` where no ratio is set.
+TARGETS = {"1x": 1.0, "10000x": 0.5}
+
+
+def _target(case: str) -> float | None:
+  for prefix, ratio in TARGETS.items():
+    if case.startswith(prefix):
+      return ratio
+  return None
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -201,7 +290,8 @@ def markdown(result: dict[str, Any]) -> str:
       "# rdt-jax bench --weight-sync",
       "",
       f"{result['when']}, {result['host']['platform']}, Python {result['host']['python']}; "
-      f"{result['steps']} steps per run, the first reported apart, medians of the others; {result['wall_s']} s.",
+      f"{result['steps']} steps per run, the first reported apart, medians of the others; {result['wall_s']} s. "
+      "Generators by kind: torch in place, jax on a 2-device mesh, slice = half of each leaf into torch.",
       "",
       "| tree | generators | path | trainer step ms | first publish + pull ms | publish ms | pull ms "
       "| publish + pull ms | vs store |",
@@ -211,8 +301,33 @@ def markdown(result: dict[str, Any]) -> str:
     base = store.get((r["case"], r["generators"]))
     ratio = f"{r['sync_ms'] / base:.2f}x" if base else "-"
     lines.append(
-        f"| {r['case']} | {r['generators']} | {r['path']} | {r['step_ms']} | "
+        f"| {r['case']} | {r['generators']} ({r['kinds']}) | {r['path']} | {r['step_ms']} | "
         f"{r['first_publish_ms']} + {r['first_pull_ms']} | {r['publish_ms']} | {r['pull_ms']} | "
         f"{r['sync_ms']} | {ratio} |"
+    )
+  lines += [
+      "",
+      "## Targets (steady state, `rdt` and `rdt_donate` against `store`)",
+      "",
+      "The fixed cost is publish + pull less two host copies of the payload (the publisher's packing copy and "
+      "the generator's copy), each at the copy rate measured in this run (`memcpy`).",
+      "",
+      "| tree | generators | path | publish + pull ms | store ms | ratio | target | met | memcpy ms "
+      "| fixed cost ms |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for r in result["rows"]:
+    if r["path"] not in ("rdt", "rdt_donate"):
+      continue
+    base = store.get((r["case"], r["generators"]))
+    target = _target(r["case"])
+    copy = result.get("memcpy_ms", {}).get(r["case"])
+    fixed = round(r["sync_ms"] - 2 * copy, 2) if copy is not None else "-"
+    against: float | None = r["sync_ms"] / base if base else None
+    met = "-" if target is None or against is None else ("yes" if against <= target else "no")
+    lines.append(
+        f"| {r['case']} | {r['generators']} | {r['path']} | {r['sync_ms']} | {base if base else '-'} | "
+        f"{f'{against:.2f}x' if against is not None else '-'} | {f'{target}x' if target else '-'} | {met} | "
+        f"{copy if copy is not None else '-'} | {fixed} |"
     )
   return "\n".join(lines) + "\n"

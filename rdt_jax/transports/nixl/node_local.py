@@ -105,15 +105,25 @@ def _split(pairs: Sequence[tuple[int, int, int]], parts: int) -> list[list[tuple
   return [p for p in out if p]
 
 
-def _read_run(pid: int, pairs: list[tuple[int, int, int]]) -> None:
-  readv = _readv()
-  assert readv is not None
+#: One system call's arguments: (local iovecs, remote iovecs, count, bytes).
+_Batch = tuple[ctypes.Array, ctypes.Array, int, int]
+
+
+def _batches(pairs: Sequence[tuple[int, int, int]]) -> list[_Batch]:
+  out = []
   for start in range(0, len(pairs), IOV_MAX):
     batch = pairs[start : start + IOV_MAX]
     local = (_Iovec * len(batch))(*[_Iovec(a, n) for a, _, n in batch])
     remote = (_Iovec * len(batch))(*[_Iovec(b, n) for _, b, n in batch])
-    want = sum(n for _, _, n in batch)
-    got = readv(pid, local, len(batch), remote, len(batch), 0)  # type: ignore[operator]
+    out.append((local, remote, len(batch), sum(n for _, _, n in batch)))
+  return out
+
+
+def _read_run(pid: int, batches: list[_Batch]) -> None:
+  readv = _readv()
+  assert readv is not None
+  for local, remote, count, want in batches:
+    got = readv(pid, local, count, remote, count, 0)  # type: ignore[operator]
     if got == want:
       continue
     err = ctypes.get_errno() if got < 0 else errno.EFAULT
@@ -122,6 +132,23 @@ def _read_run(pid: int, pairs: list[tuple[int, int, int]]) -> None:
     if err == errno.ESRCH:
       raise ProcessLookupError(err, f"producer process {pid} has exited")
     raise OSError(err, f"process_vm_readv of pid {pid} read {got} of {want} bytes: {os.strerror(err)}")
+
+
+class Prepared:
+  """A read's descriptor pairs made into system-call arguments once, for a
+  read repeated with the same addresses (a weight stream's pulls): reading
+  then costs the system calls alone, whatever the number of pairs.
+
+  Args:
+    pairs: (local address, remote address, nbytes) to copy.
+  """
+
+  def __init__(self, pairs: Sequence[tuple[int, int, int]]):
+    pairs = [p for p in pairs if p[2]]
+    self.nbytes = sum(n for _, _, n in pairs)
+    self.count = len(pairs)
+    runs = [pairs] if self.nbytes < PARALLEL_MIN_BYTES or THREADS == 1 else _split(pairs, THREADS)
+    self.runs = [_batches(run) for run in runs]
 
 
 _pool: list[ThreadPoolExecutor] = []
@@ -134,9 +161,10 @@ def _executor() -> ThreadPoolExecutor:
     return _pool[0]
 
 
-def read(origin: _process.Identity, pairs: Sequence[tuple[int, int, int]]) -> None:
+def read(origin: _process.Identity, pairs: Sequence[tuple[int, int, int]] | Prepared) -> None:
   """Copies each (local address, remote address, nbytes) of producer
-  `origin` into this process; returns when every byte is in place.
+  `origin` into this process (or the pairs of a `Prepared` read); returns
+  when every byte is in place.
 
   Raises:
     PermissionError: the kernel refused (this process then stops trying:
@@ -145,8 +173,9 @@ def read(origin: _process.Identity, pairs: Sequence[tuple[int, int, int]]) -> No
       process, before or during the read (what was read is not to be used).
     OSError: part of the producer's memory could not be read.
   """
+  prepared = pairs if isinstance(pairs, Prepared) else Prepared(pairs)
   _check_same_process(origin, "before")
-  _read_all(origin[2], pairs)
+  _read_all(origin[2], prepared)
   _check_same_process(origin, "during")
 
 
@@ -159,19 +188,20 @@ def _check_same_process(origin: _process.Identity, when: str) -> None:
     )
 
 
-def _read_all(pid: int, pairs: Sequence[tuple[int, int, int]]) -> None:
-  """Copies every pair from `pid` (see `read`), in several threads if large."""
-  total = sum(n for _, _, n in pairs)
+def _read_all(pid: int, prepared: Prepared) -> None:
+  """Copies every pair of `prepared` from `pid` (see `read`), in several
+  threads if large."""
   try:
     if _faults.ON:
       try:
         _faults.hit("cma.read")
       except _faults.InjectedFault as e:
         raise PermissionError(errno.EPERM, str(e)) from None
-    if total < PARALLEL_MIN_BYTES or THREADS == 1:
-      _read_run(pid, list(pairs))
+    runs = prepared.runs
+    if len(runs) <= 1:
+      for run in runs:
+        _read_run(pid, run)
       return
-    runs = _split(pairs, THREADS)
     futures = [_executor().submit(_read_run, pid, run) for run in runs[1:]]
     try:
       _read_run(pid, runs[0])

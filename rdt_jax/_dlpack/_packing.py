@@ -1,0 +1,163 @@
+"""Many host leaves in one buffer: the weight stream's per-step copy.
+
+A trainer publishes the same structure (leaf count, shapes, dtypes) every
+step, in new arrays. Describing, registering and planning each leaf anew
+every step costs tens of microseconds per leaf; copying every leaf into one
+host buffer at fixed offsets (`PackedLayout`) costs a pointer lookup and a
+`memmove` per leaf, and leaves one buffer to send.
+
+`Packer.pack` makes the checks of `describe` once per leaf placement, not
+per step: a single-device jax array whose sharding object it has seen on a
+host leaf before (jit outputs of one function share theirs) is copied after
+a pointer lookup alone; any other leaf goes through `describe`, which checks
+it in full and names it in any error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rdt_jax._dlpack._dispatch import block_until_ready, describe, framework_of
+from rdt_jax._dlpack._errors import UnsupportedLeafError
+from rdt_jax._dlpack._memory import aligned
+from rdt_jax._dlpack._sharding import is_sharding
+
+__all__ = ["NotHostMemory", "PackedLayout", "Packer", "jax_placement"]
+
+
+class NotHostMemory(UnsupportedLeafError):
+  """A leaf to pack lives in device memory; the caller sends it another way."""
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+  """Where each leaf's bytes lie in a packed buffer.
+
+  Attributes:
+    offsets: each leaf's first byte, on a 64-byte boundary.
+    sizes: each leaf's byte count (0 for an empty leaf).
+    total: the buffer's size.
+  """
+
+  offsets: tuple[int, ...]
+  sizes: tuple[int, ...]
+  total: int
+
+  @classmethod
+  def of(cls, sizes: Sequence[int]) -> PackedLayout:
+    """Leaves of `sizes` bytes one after the other, each 64-byte aligned."""
+    offsets, at = [], 0
+    for n in sizes:
+      offsets.append(at)
+      at += aligned(int(n))
+    return cls(tuple(offsets), tuple(int(n) for n in sizes), at)
+
+
+def _host_source(x: Any, path: str) -> tuple[int, int, Any]:
+  """A leaf's (host pointer, nbytes, what keeps the bytes alive), checked in
+  full (`describe`). A sharded jax array on cpu devices is gathered into one
+  host copy.
+
+  Raises:
+    NotHostMemory: the leaf lives in device memory.
+    UnsupportedLeafError: naming the leaf, for anything `describe` refuses.
+  """
+  leaf = describe(x, path)
+  if leaf.spec.device != "cpu":
+    raise NotHostMemory(
+        path, f"lives in {leaf.spec.device} memory", "Pack only host leaves; send device leaves as they are."
+    )
+  if len(leaf.pointers) == 1:
+    return leaf.pointers[0], leaf.spec.nbytes, x
+  gathered = np.ascontiguousarray(np.asarray(x))
+  return int(gathered.ctypes.data), int(gathered.nbytes), gathered
+
+
+class Packer:
+  """Copies the array leaves of one structure into host buffers, step after step.
+
+  Args:
+    layout: where each leaf goes (`PackedLayout.of` the leaves' sizes).
+    paths: each leaf's pytree path, for errors.
+  """
+
+  def __init__(self, layout: PackedLayout, paths: Sequence[str]):
+    if len(paths) != len(layout.sizes):
+      raise ValueError(f"{len(paths)} paths for a layout of {len(layout.sizes)} leaves")
+    self.layout = layout
+    self.paths = tuple(paths)
+    # id -> sharding object of a checked single-device host jax leaf (a jitted
+    # function's outputs keep theirs from call to call)
+    self._host_shardings: dict[int, Any] = {}
+    self._max_known = max(1024, 4 * len(paths))
+
+  def pack(self, leaves: Sequence[Any], base: int) -> None:
+    """Copies each leaf's bytes to `base` plus its offset; returns when every
+    byte is in place (jax leaves are waited for first).
+
+    Args:
+      leaves: arrays of the layout's sizes, in layout order.
+      base: the address of a host buffer of at least `layout.total` bytes.
+
+    Raises:
+      NotHostMemory: a leaf lives in device memory (nothing is copied from it).
+      UnsupportedLeafError: naming the leaf: deleted, or another size than
+        the layout's, or anything `describe` refuses.
+    """
+    if len(leaves) != len(self.layout.sizes):
+      raise ValueError(f"{len(leaves)} leaves for a layout of {len(self.layout.sizes)}")
+    try:
+      block_until_ready(list(leaves))
+    except Exception:
+      for x, path in zip(leaves, self.paths):
+        describe(x, path)  # names a deleted leaf
+      raise
+    memmove = ctypes.memmove
+    known = self._host_shardings
+    for x, offset, size, path in zip(leaves, self.layout.offsets, self.layout.sizes, self.paths):
+      if not size:
+        continue
+      pointer = None
+      sharding = getattr(x, "sharding", None)
+      if sharding is not None and known.get(id(sharding)) is sharding:
+        try:
+          pointer = x.unsafe_buffer_pointer()
+        except Exception:  # deleted since: describe names it
+          pointer = None
+      keep: Any = None
+      if pointer is None:
+        pointer, nbytes, keep = _host_source(x, path)
+        if nbytes != size:
+          raise UnsupportedLeafError(
+              path, f"has {nbytes} bytes where the structure it was published with has {size}",
+              "Publish leaves of the structure's shapes and dtypes.",
+          )
+        if framework_of(x) == "jax" and keep is x and sharding is not None:
+          if len(known) >= self._max_known:  # new sharding objects every step: start over
+            known.clear()
+          known[id(sharding)] = sharding
+      memmove(base + offset, pointer, size)
+      del keep
+
+
+def jax_placement(target: Any) -> Any:
+  """Where a jax leaf received for template leaf `target` goes: None for the
+  first cpu device (a leaf can then alias received host memory), else a
+  sharding: `target` itself if it is one, the sharding of a jax array or
+  typed key `target`. None also for anything else (no jax template)."""
+  if target is None:
+    return None
+  sharding = target if is_sharding(target) else getattr(target, "sharding", None)
+  if sharding is None or framework_of(target) not in (None, "jax"):
+    return None
+  devices = sharding.device_set
+  if len(devices) == 1:
+    device = next(iter(devices))
+    if device.platform == "cpu" and device.id == 0 and getattr(sharding, "memory_kind", None) in (None, "device"):
+      return None
+  return sharding

@@ -1,0 +1,480 @@
+"""Packed versions: a weight stream whose steady state costs the bytes.
+
+A trainer publishes the same structure every step in new arrays. Sent as a
+pytree, each version pays per leaf: describing, registering and planning
+every leaf, metadata listing every leaf, rebuilding every leaf. A packed
+version pays per leaf only a pointer lookup and a copy on each side:
+
+* the publisher copies every array leaf of a host-resident version into one
+  pooled host buffer (`rdt_jax._dlpack.Packer`; leaf offsets fixed per
+  structure) and stores that one buffer as the version's RDT object;
+* a subscriber learns the structure's layout at its first pull (from the
+  publisher, with the structure check) and keeps a plan per structure: where
+  each leaf's bytes go (straight into the template's numpy and torch
+  arrays, or into a pooled buffer from which new jax arrays are made);
+* on the publisher's host it copies the bytes itself (`process_vm_readv`,
+  the system-call arguments prepared once per plan and publisher buffer),
+  checking before and after the copy that the version is still kept by
+  reading the publisher's table of kept versions (`KeptTable`): no call to
+  the publisher, no Ray object fetch;
+* elsewhere it fetches the version's one-leaf object with `ray.get` (NIXL,
+  one READ) and copies the leaves out of it.
+
+A packed pull writes the template only after the bytes arrived and the
+version was still kept after they did, except a node-local pull with
+`atomic=False`, which copies straight into the template (`version` is then
+None if that copy fails or the version was freed during it).
+
+The table of kept versions is what makes the node-local check safe: the
+publisher removes a version from it before the version's buffer can be
+reused (its RDT object is freed only after), and a reader that finds the
+version in the table both before and after its copy copied bytes no
+publish could have touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+import zlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from rdt_jax import _dlpack, _process, _seam, _state
+from rdt_jax.transports import _lifetime
+from rdt_jax.transports.nixl import node_local
+
+__all__ = [
+    "KeptTable", "PackedLayoutInfo", "PackedPlan", "PackedSource", "PublishedStructure", "Stream",
+    "can_read_directly", "dead_publisher_error", "read_table", "read_version",
+]
+
+#: A slot of the kept-versions table that holds no version.
+EMPTY: Final = np.iinfo(np.int64).min
+#: Prepared node-local reads kept per plan (one per publisher buffer seen).
+PREPARED_KEPT: Final = 8
+
+
+# --------------------------------------------------------------------------
+# What crosses: the layout of a structure, and where a version lies.
+
+
+@dataclass(frozen=True)
+class PackedLayoutInfo:
+  """A packed structure as its subscribers need it (sent once per structure).
+
+  Attributes:
+    layout: each array leaf's offset and size in a version's buffer.
+    treedef: the published value's pytree structure (array leaves and other
+      leaves in order).
+    array_positions: the leaf indices of `treedef` that are array leaves
+      (the others travel in each handle's `rest`).
+    shapes: each array leaf's packed shape (a typed key's: its key data's).
+  """
+
+  layout: _dlpack.PackedLayout
+  treedef: Any
+  array_positions: tuple[int, ...]
+  shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class PackedSource:
+  """Where a packed version's bytes lie in its publisher's process, for
+  subscribers on the same host.
+
+  Attributes:
+    origin: the publisher's process (`rdt_jax._process.Identity`).
+    buffer: the address of the version's packed buffer.
+    nbytes: its size.
+    table: the address of the publisher's `KeptTable`.
+    slots: the table's length.
+    rest: the value's non-array leaves, in `treedef` order.
+    digest: CRC-32 of the fields above (catches corruption, not forgery).
+  """
+
+  origin: _process.Identity | None
+  buffer: int
+  nbytes: int
+  table: int
+  slots: int
+  rest: tuple[Any, ...] = ()
+  digest: int = 0
+
+  def expected_digest(self, version: int) -> int:
+    values = array("q", (self.buffer, self.nbytes, self.table, self.slots, version))
+    return zlib.crc32(f"{self.origin}".encode(), zlib.crc32(values))
+
+
+# --------------------------------------------------------------------------
+# Publisher
+
+
+class KeptTable:
+  """The versions a publisher keeps, in memory its subscribers on the same
+  host read directly.
+
+  One int64 slot per kept version (`EMPTY` when free). Each slot changes with
+  one aligned 8-byte store, so a reader sees a version either present or not.
+  A version leaves the table before its buffer can be reused.
+  """
+
+  def __init__(self, slots: int):
+    self._slots = np.full(slots, EMPTY, np.int64)
+    self.address = _dlpack.host_pointer(self._slots)
+    self.slots = slots
+
+  def add(self, version: int) -> None:
+    free = np.flatnonzero(self._slots == EMPTY)
+    if not free.size:
+      raise RuntimeError("no free slot in the kept-versions table: drop a version first")
+    self._slots[int(free[0])] = version
+
+  def drop(self, version: int) -> None:
+    for i in np.flatnonzero(self._slots == version):
+      self._slots[int(i)] = EMPTY
+
+  def clear(self) -> None:
+    for i in range(self.slots):
+      self._slots[i] = EMPTY
+
+
+@dataclass
+class PublishedStructure:
+  """What a publisher knows of one structure it publishes packed."""
+
+  info: PackedLayoutInfo
+  packer: _dlpack.Packer
+  key_positions: frozenset[int]  # array positions (indices into the array leaves) holding typed PRNG keys
+
+
+def _signature(arrays: Sequence[Any]) -> list[Any]:
+  """What must not change for a structure's layout to hold: each array
+  leaf's type, shape and dtype (a jax array's abstract value says both, and
+  one jitted function's outputs share theirs from call to call)."""
+  return [getattr(x, "aval", None) or (type(x), tuple(x.shape), x.dtype) for x in arrays]
+
+
+class Stream:
+  """The publisher's side of packed versions: one structure at a time.
+
+  Args:
+    keep: how many versions are kept (the table's length).
+  """
+
+  def __init__(self, keep: int):
+    self.table = KeptTable(keep)
+    self._structure: PublishedStructure | None = None
+    self._treedef: Any = None
+    self._signature: list[Any] | None = None
+    self._digest: str | None = None
+
+  def split(self, tree: Any) -> tuple[Any, list[Any], list[int], list[Any]]:
+    """(treedef, array leaves, their positions, the other leaves) of `tree`."""
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    positions = [i for i, x in enumerate(leaves) if _dlpack.is_array(x) or _dlpack.is_prng_key(x)]
+    arrays = [leaves[i] for i in positions]
+    taken = set(positions)
+    rest = [x for i, x in enumerate(leaves) if i not in taken]
+    return treedef, arrays, positions, rest
+
+  def structure(
+      self, tree: Any, digest_of: Callable[[Any], str], paths_of: Callable[[Any], list[str]]
+  ) -> tuple[PublishedStructure | None, str, list[Any], tuple[Any, ...]]:
+    """The packed structure of `tree` (None if it cannot be packed: a leaf in
+    device memory), its digest, its array leaves (typed keys as their key
+    data) and its other leaves. Checks a new structure in full; a structure
+    seen at the last publish costs a signature comparison.
+
+    Args:
+      digest_of: the structure digest of `tree` (computed for a new structure only).
+      paths_of: the pytree path of each array leaf of `tree`, in order.
+    """
+    treedef, arrays, positions, rest = self.split(tree)
+    signature = _signature(arrays)
+    if self._structure is None or treedef != self._treedef or signature != self._signature:
+      self._structure = None
+      self._digest = digest_of(tree)
+      self._treedef, self._signature = treedef, signature
+      self._structure = self._build(treedef, arrays, positions, paths_of(tree))
+    assert self._digest is not None
+    if self._structure is None:
+      return None, self._digest, arrays, tuple(rest)
+    keys = self._structure.key_positions
+    data = [_dlpack.prng_key_parts(x)[0] if i in keys else x for i, x in enumerate(arrays)]
+    return self._structure, self._digest, data, tuple(rest)
+
+  @staticmethod
+  def _build(treedef: Any, arrays: list[Any], positions: list[int], paths: list[str]) -> PublishedStructure | None:
+    keys = frozenset(i for i, x in enumerate(arrays) if _dlpack.is_prng_key(x))
+    sizes, shapes = [], []
+    for i, x in enumerate(arrays):
+      leaf = _dlpack.describe(_dlpack.prng_key_parts(x)[0] if i in keys else x, paths[i])
+      if leaf.spec.device != "cpu":
+        return None
+      sizes.append(leaf.spec.nbytes)
+      shapes.append(leaf.spec.shape)
+    layout = _dlpack.PackedLayout.of(sizes)
+    if not layout.total:
+      return None
+    info = PackedLayoutInfo(layout, treedef, tuple(positions), tuple(shapes))
+    return PublishedStructure(info, _dlpack.Packer(layout, paths), keys)
+
+  def source(self, version: int, buffer: np.ndarray, rest: tuple[Any, ...]) -> PackedSource:
+    """The `PackedSource` of a version packed into `buffer`."""
+    src = PackedSource(_process.identity(), _dlpack.host_pointer(buffer), int(buffer.nbytes),
+                       self.table.address, self.table.slots, rest)
+    return dataclasses.replace(src, digest=src.expected_digest(version))
+
+
+# --------------------------------------------------------------------------
+# Subscriber
+
+
+@dataclass
+class _Leaf:
+  """Where one array leaf of a packed version goes on this subscriber."""
+
+  index: int  # in the structure's array leaves
+  path: str
+  kind: str  # "in_place": written into `array`; "new": a new array from the pool buffer
+  runs: list[tuple[int, int, int]]  # (destination offset, source offset in the version, nbytes)
+  array: Any = None  # in_place: the array written (template leaf, or a Slice's `into`)
+  pointer: int = 0  # in_place: its address when the plan was made
+  returned: Any = None  # in_place: what the pulled tree holds (the template leaf, or `into`)
+  shape: tuple[int, ...] = ()  # new: the arriving array's shape
+  dtype: np.dtype | None = None  # new: its dtype (uint32 key data for a key)
+  staged: int = 0  # new (or atomic in_place): the offset of its bytes in the pool buffer
+  place: Any = None  # new: a sharding or jax device to put it on, or None
+  impl: str | None = None  # new: the key implementation of a typed PRNG key leaf
+  framework: str = "jax"  # new, from a Slice without `into`: the receive mode's framework
+
+
+class PackedPlan:
+  """A subscriber's plan for one packed structure and template.
+
+  Args:
+    info: the structure's layout.
+    entries: the published structure (`_weights.LeafEntry`s, array leaves in order).
+    template: the subscriber's flattened template, by path.
+    atomic: whether in-place leaves are staged and committed after the checks.
+
+  Raises:
+    UnsupportedLeafError: naming the leaf, for a template leaf that cannot
+      receive (a 64-bit leaf as jax with x64 off, a non-contiguous or
+      read-only in-place array).
+  """
+
+  def __init__(self, info: PackedLayoutInfo, entries: Sequence[tuple[str, str, tuple[int, ...], str]],
+               template: dict[str, Any], atomic: bool):
+    self.info = info
+    self.atomic = atomic
+    self.leaves: list[_Leaf] = []
+    staged = 0
+    layout = info.layout
+    for i, (path, kind, shape, what) in enumerate(entries):
+      leaf = self._leaf(i, path, kind, shape, what, template[path], layout.offsets[i], layout.sizes[i])
+      if leaf.kind == "new" or atomic:
+        leaf.staged = staged
+        staged += _dlpack.aligned(sum(n for _, _, n in leaf.runs))
+      self.leaves.append(leaf)
+    self.staging_bytes = staged
+    self._in_place = [leaf for leaf in self.leaves if leaf.kind == "in_place"]
+    self._new = [leaf for leaf in self.leaves if leaf.kind != "in_place"]
+    self._written = [leaf.array for leaf in self._in_place]
+    self._pointers = [leaf.pointer for leaf in self._in_place]
+    #: True if a pull writes into the template while it copies (in place, not atomic).
+    self.writes_in_place = bool(self._in_place) and not atomic
+    self._direct = [(leaf.pointer + d, s, n) for leaf in self.leaves if leaf.kind == "in_place" and not atomic
+                    for d, s, n in leaf.runs]
+    self._prepared: OrderedDict[tuple[int, int], node_local.Prepared] = OrderedDict()
+    self._lock = threading.Lock()
+
+  def _leaf(self, i: int, path: str, kind: str, shape: tuple[int, ...], what: str, target: Any,
+            offset: int, size: int) -> _Leaf:
+    if kind == "key":
+      return _Leaf(i, path, "new", [(0, offset, size)] if size else [], shape=self.info.shapes[i],
+                   dtype=np.dtype(np.uint32), place=_dlpack.jax_placement(target), impl=what)
+    dtype = _dlpack.np_dtype_from_name(what)
+    into, box = target, _dlpack.full_box(tuple(shape))
+    if isinstance(target, _dlpack.Slice):
+      box = target.box(tuple(shape), path)
+      into = target.into
+    full = _dlpack.full_box(tuple(shape))
+    runs = [(d, offset + s, n) for s, d, n in _dlpack.copy_runs(full, box, box, dtype.itemsize)] if size else []
+    out_shape = _dlpack.box_shape(box)
+    fw = _dlpack.framework_of(into)
+    returned = target.into if isinstance(target, _dlpack.Slice) else target
+    if fw is not None and fw != "jax":
+      if tuple(into.shape) != out_shape or _dlpack.dtype_of(into) != dtype:
+        raise _dlpack.UnsupportedLeafError(
+            path, f"has a Slice into an array of shape {tuple(into.shape)}, dtype {_dlpack.dtype_of(into).name}; "
+            f"the slice has shape {out_shape}, dtype {dtype.name}",
+            "Give `into` the slice's shape and the published dtype.")
+      if not (_dlpack.is_c_contiguous(into) and _dlpack.is_writable(into)):
+        raise _dlpack.UnsupportedLeafError(
+            path, "is a template array that is not C-contiguous and writable",
+            "Give a contiguous, writable array.")
+      if _dlpack.device_of(into).kind == "cpu" and fw != "cupy":
+        return _Leaf(i, path, "in_place", runs, array=into, pointer=_dlpack.buffer_pointer(into),
+                     returned=returned)
+      # Device memory: the bytes arrive on the host, then are copied in.
+      return _Leaf(i, path, "new", runs, array=into, returned=returned, shape=out_shape, dtype=dtype,
+                   framework="copy")
+    framework = "jax"
+    if isinstance(target, _dlpack.Slice) and into is None:
+      mode = _state.receive_mode()
+      framework = "jax" if mode == "source" else mode
+    if framework == "jax":
+      _dlpack.check_x64(dtype, path)
+    return _Leaf(i, path, "new", runs, shape=out_shape, dtype=dtype, place=_dlpack.jax_placement(into),
+                 framework=framework)
+
+  # ---- per pull
+
+  def check_targets(self) -> None:
+    """Raises if an in-place target's memory moved since the plan was made
+    (a torch tensor given new storage): the plan would write freed memory."""
+    if _dlpack.buffer_pointers(self._written) == self._pointers:
+      return
+    for leaf in self._in_place:
+      if _dlpack.buffer_pointer(leaf.array) != leaf.pointer:
+        raise _dlpack.UnsupportedLeafError(
+            leaf.path, "is a template array whose memory moved since the subscriber's first pull",
+            "Keep the template's arrays in place (copy into them, never rebind their storage), "
+            "or create a new WeightSubscriber.")
+
+  def pairs(self, staging: int) -> list[tuple[int, int, int]]:
+    """(local address, source offset, nbytes) of every run, with the pool
+    buffer at `staging`."""
+    out = list(self._direct)
+    for leaf in self.leaves:
+      if leaf.kind == "new" or self.atomic:
+        at = staging + leaf.staged
+        out.extend((at + d, s, n) for d, s, n in leaf.runs)
+    return out
+
+  def prepared(self, remote: int, staging: int) -> node_local.Prepared:
+    """The node-local read of a version at publisher address `remote` into
+    the pool buffer at `staging`, prepared once per pair of addresses."""
+    key = (remote, staging)
+    with self._lock:
+      found = self._prepared.get(key)
+      if found is not None:
+        self._prepared.move_to_end(key)
+        return found
+    found = node_local.Prepared([(local, remote + s, n) for local, s, n in self.pairs(staging)])
+    with self._lock:
+      self._prepared[key] = found
+      while len(self._prepared) > PREPARED_KEPT:
+        self._prepared.popitem(last=False)
+    return found
+
+  def copy_local(self, source: int, staging: int) -> None:
+    """Copies every run from a version's buffer in this process at `source`."""
+    memmove = ctypes.memmove
+    for local, s, n in self.pairs(staging):
+      memmove(local, source + s, n)
+
+  def commit(self, buffer: np.ndarray | None) -> list[Any]:
+    """Makes the pulled array leaves, in structure order, after the bytes
+    arrived: new arrays from the pool `buffer`, in-place leaves marked
+    written (atomic: copied from the pool buffer into the template first)."""
+    out: list[Any] = [None] * len(self.leaves)
+    host_jax: list[tuple[int, np.ndarray, Any]] = []
+    if self._in_place:
+      if self.atomic:
+        assert buffer is not None
+        staging = _dlpack.host_pointer(buffer)
+        for leaf in self._in_place:
+          for d, _, n in leaf.runs:
+            ctypes.memmove(leaf.pointer + d, staging + leaf.staged + d, n)
+      _dlpack.mark_written_many(self._written)
+      for leaf in self._in_place:
+        out[leaf.index] = leaf.returned
+    for leaf in self._new:
+      assert buffer is not None and leaf.dtype is not None
+      n = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+      view = buffer[leaf.staged : leaf.staged + n].view(leaf.dtype).reshape(leaf.shape)
+      if leaf.framework == "copy":
+        _dlpack.copy_into(leaf.array, view)
+        _dlpack.mark_written(leaf.array)
+        out[leaf.index] = leaf.returned
+      elif leaf.framework in ("numpy", "torch"):
+        out[leaf.index] = _dlpack.rebuild_view(view, leaf.framework, _dlpack.Device("cpu"), leaf.path)  # type: ignore[arg-type]
+      elif leaf.place is None:
+        host_jax.append((leaf.index, view, leaf))
+      else:
+        out[leaf.index] = _finish_jax(_put(view, leaf.place), leaf)
+    if host_jax:
+      made = _dlpack.host_to_jax_many([v for _, v, _ in host_jax], _dlpack.Device("cpu"))
+      for (i, _, leaf), x in zip(host_jax, made):
+        out[i] = _finish_jax(x, leaf)
+    return out
+
+
+def _put(view: np.ndarray, place: Any) -> Any:
+  """`view` (in a pooled buffer) placed with `place`. Where jax aliases the
+  host memory instead of copying it, the array holds `view`, so the pool
+  does not reuse the buffer while it lives."""
+  import jax
+
+  return jax.device_put(view, place)
+
+
+def _finish_jax(x: Any, leaf: _Leaf) -> Any:
+  return _dlpack.wrap_prng_key(x, leaf.impl) if leaf.impl is not None else x
+
+
+# --------------------------------------------------------------------------
+# Node-local pulls
+
+
+def read_table(source: PackedSource) -> set[int]:
+  """The versions the publisher keeps now, read from its table.
+
+  Raises:
+    ProcessLookupError: the publisher's process exited.
+    OSError: its memory could not be read.
+  """
+  assert source.origin is not None
+  out = np.empty(source.slots, np.int64)
+  node_local.read(source.origin, [(_dlpack.host_pointer(out), source.table, out.nbytes)])
+  return {int(v) for v in out if v != EMPTY}
+
+
+def can_read_directly(source: PackedSource | None) -> bool:
+  """True if this process may copy a packed version from its publisher's
+  memory itself (same host, node-local reads on: `node_local.can_read`)."""
+  return source is not None and node_local.can_read(source.origin)
+
+
+def read_version(plan: PackedPlan, source: PackedSource, staging: np.ndarray | None) -> None:
+  """Copies a version's runs from the publisher's buffer into their destinations.
+
+  Raises:
+    ProcessLookupError, OSError, PermissionError: as `node_local.read`.
+  """
+  assert source.origin is not None
+  base = 0 if staging is None else _dlpack.host_pointer(staging)
+  node_local.read(source.origin, plan.prepared(source.buffer, base))
+
+
+def dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:
+  """The lifetime error for a node-local pull that failed: Ray's error that
+  the publisher's actor died if it did, else `error` as it was."""
+  from ray.exceptions import RayDirectTransportError
+
+  try:
+    _lifetime.check_producer(obj_id, _seam.actor_id(actor))
+  except _lifetime.ProducerDiedError as e:
+    return RayDirectTransportError(str(e))
+  return error
