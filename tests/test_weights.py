@@ -419,6 +419,77 @@ def test_generator_killed_and_restarted_pulls_the_next_version():
     ray.kill(a)
 
 
+@ray.remote(enable_tensor_transport=True)
+class SmallTrainer:
+  """Publishes small versions fast (2 leaves, 64 KiB) and reports what it holds."""
+
+  def __init__(self):
+    self.pub = rdt_jax.WeightPublisher(keep=2)
+
+  def publish(self, version: int):
+    tree = {"w": jnp.full((128, 64), version, jnp.float32), "b": jnp.full((64,), -version, jnp.float32)}
+    return self.pub.publish(tree, version=version)
+
+  def held(self) -> dict:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    c = get_tensor_transport_manager("JAX_NIXL").counters()
+    return {"objects": c["objects"], "registrations": c["registrations"], "versions": len(self.pub.versions),
+            "pool_bytes": rdt_jax._dlpack.host_pool.pooled_bytes()}
+
+
+@ray.remote(enable_tensor_transport=True)
+class SmallGenerator:
+  def __init__(self):
+    import torch
+
+    self.template = {"w": torch.zeros((128, 64)), "b": torch.zeros(64)}
+    self.sub = rdt_jax.WeightSubscriber(self.template)
+
+  def pull(self, handle) -> bool:
+    self.sub.pull(handle)
+    return bool((self.template["w"] == handle.version).all() and (self.template["b"] == -handle.version).all())
+
+  def held(self) -> dict:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    c = get_tensor_transport_manager("JAX_NIXL").counters()
+    return {"pool_bytes": rdt_jax._dlpack.host_pool.pooled_bytes(), "plans": len(self.sub._plans),
+            "views": c["views"], "inflight": c["inflight"], "registrations": c["registrations"]}
+
+
+def test_hundred_versions_with_generators_killed_at_random_leave_nothing_behind():
+  """100 versions to two generators, one killed at random (seeded) now and
+  then and replaced: every pull is exact, and what the trainer and the
+  generators hold stays bounded by the keep window, not the version count."""
+  import random
+
+  rand = random.Random(0)
+  t = SmallTrainer.remote()
+  gens = [SmallGenerator.remote(), SmallGenerator.remote()]
+  held = []
+  kills = 0
+  for version in range(1, 101):
+    if version > 1 and kills < 3 and rand.random() < 0.04:
+      victim = rand.randrange(2)
+      ray.kill(gens[victim])
+      gens[victim] = SmallGenerator.remote()
+      kills += 1
+    handle = ray.get(t.publish.remote(version))
+    assert ray.get([g.pull.remote(handle) for g in gens]) == [True, True], version
+    if version in (10, 100):
+      held.append((ray.get(t.held.remote()), ray.get([g.held.remote() for g in gens])))
+  assert kills >= 1
+  (trainer_10, gens_10), (trainer_100, gens_100) = held
+  assert trainer_100["objects"] == trainer_100["versions"] == 2, trainer_100
+  assert trainer_100["registrations"] <= 2 and trainer_100["pool_bytes"] <= trainer_10["pool_bytes"], held
+  for g in gens_100:
+    assert g["plans"] == 1 and g["inflight"] == 0 and g["registrations"] == 0, gens_100
+    assert g["pool_bytes"] <= max(x["pool_bytes"] for x in gens_10), held
+  for a in [t, *gens]:
+    ray.kill(a)
+
+
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "pytree"])
 def test_donated_step_never_changes_a_published_version(pack):
   t = trainer(pack=pack)
