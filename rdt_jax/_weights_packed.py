@@ -200,11 +200,11 @@ class Stream:
     """
     treedef, arrays, positions, rest = self.split(tree)
     signature = _signature(arrays)
-    if self._structure is None or treedef != self._treedef or signature != self._signature:
-      self._structure = None
-      self._digest = digest_of(tree)
-      self._treedef, self._signature = treedef, signature
+    if self._digest is None or treedef != self._treedef or signature != self._signature:
+      self._digest = self._signature = None
       self._structure = self._build(treedef, arrays, positions, paths_of(tree))
+      self._digest = digest_of(tree)
+      self._treedef, self._signature = treedef, signature  # checked: packable or not, known until it changes
     assert self._digest is not None
     if self._structure is None:
       return None, self._digest, arrays, tuple(rest)
@@ -469,12 +469,16 @@ def read_version(plan: PackedPlan, source: PackedSource, staging: np.ndarray | N
 
 
 def dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:
-  """The lifetime error for a node-local pull that failed: Ray's error that
-  the publisher's actor died if it did, else `error` as it was."""
+  """The error of a node-local pull that failed to read the publisher's
+  memory: Ray's `RayDirectTransportError` with the lifetime error if the
+  publisher's actor died, else with what the read reported."""
   from ray.exceptions import RayDirectTransportError
 
   try:
     _lifetime.check_producer(obj_id, _seam.actor_id(actor))
   except _lifetime.ProducerDiedError as e:
     return RayDirectTransportError(str(e))
-  return error
+  return RayDirectTransportError(
+      f"The node-local read of packed object {obj_id} from its publisher's process failed: {error}. "
+      "The publishing actor may be exiting; pull a newer version once it runs again."
+  )
