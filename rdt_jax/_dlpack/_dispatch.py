@@ -114,8 +114,11 @@ def buffer_pointer(x: Any) -> int:
 
 
 def buffer_pointers(xs: list[Any]) -> list[int]:
-  """`buffer_pointer` of each array of `xs`."""
-  return [int(_MODULES[framework_of(x) or ""].pointer(x)) for x in xs]
+  """`buffer_pointer` of each array of `xs` (arrays of one type: one dispatch)."""
+  if xs and all(type(x) is type(xs[0]) for x in xs):
+    pointer = _module_of(xs[0]).pointer
+    return [pointer(x) for x in xs]
+  return [int(_module_of(x).pointer(x)) for x in xs]
 
 
 def device_of(x: Any) -> Device:
