@@ -256,6 +256,16 @@ class _Leaf:
   place: Any = None  # new: a sharding or jax device to put it on, or None
   impl: str | None = None  # new: the key implementation of a typed PRNG key leaf
   framework: str = "jax"  # new, from a Slice without `into`: the receive mode's framework
+  layout: Any = None  # new, placed with a sharding: its `TargetLayout` (one staged piece per distinct shard)
+  pieces: list[tuple[int, tuple[int, ...]]] | None = None  # (offset in the leaf's staging, shape) per piece
+
+  @property
+  def span(self) -> int:
+    """Bytes this leaf takes in the pool buffer."""
+    if self.pieces is not None and self.dtype is not None:
+      itemsize = self.dtype.itemsize
+      return sum(_dlpack.aligned(int(np.prod(shape)) * itemsize) for _, shape in self.pieces)
+    return _dlpack.aligned(sum(n for _, _, n in self.runs))
 
 
 class PackedPlan:
@@ -284,7 +294,7 @@ class PackedPlan:
       leaf = self._leaf(i, path, kind, shape, what, template[path], layout.offsets[i], layout.sizes[i])
       if leaf.kind == "new" or atomic:
         leaf.staged = staged
-        staged += _dlpack.aligned(sum(n for _, _, n in leaf.runs))
+        staged += leaf.span
       self.leaves.append(leaf)
     self.staging_bytes = staged
     self._in_place = [leaf for leaf in self.leaves if leaf.kind == "in_place"]
@@ -335,8 +345,19 @@ class PackedPlan:
       framework = "jax" if mode == "source" else mode
     if framework == "jax":
       _dlpack.check_x64(dtype, path)
-    return _Leaf(i, path, "new", runs, shape=out_shape, dtype=dtype, place=_dlpack.jax_placement(into),
-                 framework=framework)
+    place = _dlpack.jax_placement(into)
+    if framework != "jax" or place is None or not size or not _dlpack.is_cpu_sharding(place):
+      return _Leaf(i, path, "new", runs, shape=out_shape, dtype=dtype, place=place, framework=framework)
+    # Placed with a sharding: each distinct shard is staged on its own, so
+    # every device's array is made from its own host view without a copy.
+    layout = _dlpack.target_layout(box, place, path)
+    runs, pieces, at = [], [], 0
+    for piece in layout.pieces:
+      pieces.append((at, _dlpack.box_shape(piece)))
+      runs += [(at + d, offset + s, n) for s, d, n in _dlpack.copy_runs(full, piece, piece, dtype.itemsize)]
+      at += _dlpack.aligned(int(np.prod(_dlpack.box_shape(piece))) * dtype.itemsize)
+    return _Leaf(i, path, "new", runs, shape=out_shape, dtype=dtype, place=place, framework=framework,
+                 layout=layout, pieces=pieces)
 
   # ---- per pull
 
@@ -402,6 +423,15 @@ class PackedPlan:
         out[leaf.index] = leaf.returned
     for leaf in self._new:
       assert buffer is not None and leaf.dtype is not None
+      if leaf.layout is not None:
+        assert leaf.pieces is not None
+        views = [
+            buffer[leaf.staged + at : leaf.staged + at + int(np.prod(shape)) * leaf.dtype.itemsize]
+            .view(leaf.dtype).reshape(shape)
+            for at, shape in leaf.pieces
+        ]
+        out[leaf.index] = _dlpack.build_sharded(views, leaf.layout, leaf.path)
+        continue
       n = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
       view = buffer[leaf.staged : leaf.staged + n].view(leaf.dtype).reshape(leaf.shape)
       if leaf.framework == "copy":

@@ -64,6 +64,7 @@ from rdt_jax._dlpack._memory import pack_host_chunks as pack_host_chunks
 from rdt_jax._dlpack._packing import NotHostMemory as NotHostMemory
 from rdt_jax._dlpack._packing import PackedLayout as PackedLayout
 from rdt_jax._dlpack._packing import Packer as Packer
+from rdt_jax._dlpack._packing import is_cpu_sharding as is_cpu_sharding
 from rdt_jax._dlpack._packing import jax_placement as jax_placement
 from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
 from rdt_jax._dlpack._pool import Region as Region
@@ -157,6 +158,7 @@ __all__ = [  # noqa: RUF022
     "NotHostMemory",
     "PackedLayout",
     "Packer",
+    "is_cpu_sharding",
     "jax_placement",
     # Resharding on receive: slices, target layouts, byte runs between boxes.
     "Box",

@@ -27,7 +27,7 @@ from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._memory import aligned
 from rdt_jax._dlpack._sharding import is_sharding
 
-__all__ = ["NotHostMemory", "PackedLayout", "Packer", "jax_placement"]
+__all__ = ["NotHostMemory", "PackedLayout", "Packer", "is_cpu_sharding", "jax_placement"]
 
 
 class NotHostMemory(UnsupportedLeafError):
@@ -161,3 +161,9 @@ def jax_placement(target: Any) -> Any:
     if device.platform == "cpu" and device.id == 0 and getattr(sharding, "memory_kind", None) in (None, "device"):
       return None
   return sharding
+
+
+def is_cpu_sharding(sharding: Any) -> bool:
+  """True if every device of `sharding` is a cpu device (its arrays live in
+  host memory, so they can be made from host views without a copy)."""
+  return all(d.platform == "cpu" for d in sharding.device_set)
