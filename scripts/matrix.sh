@@ -11,7 +11,8 @@
 #   MATRIX_SUMMARY=docs/matrix/ray_matrix.md bash scripts/matrix.sh   # and write the docs table
 #
 # Legs:
-#   ray259  Python 3.11, Ray 2.59.0, jax 0.10.2, torch 2.13 (CPU)
+#   ray259  Python 3.11, Ray 2.59.0, jax 0.10.2, torch 2.13 (CPU): the
+#           modules that touch Ray (RAY_MODULES)
 #   py312   Python 3.12, Ray 2.60.0, the newest jax pip offers (0.12.x), no
 #           torch: PyPI's torch for 3.12 is a multi-GB CUDA build, and
 #           nixl-cu12 requires torch, so NIXL is installed without its
@@ -26,6 +27,10 @@ REPO=$PWD
 # custom transports (test_backends), mixed frameworks, receive_as, targets
 # and sharding (test_mixed), the DLPack layer (test_dlpack).
 MODULES=(tests/test_ray_integration.py tests/test_nixl.py tests/test_backends.py tests/test_mixed.py tests/test_dlpack.py)
+# The modules that touch Ray: the ray259 leg runs only these, as its jax,
+# jaxlib and torch are the main venv's (test_dlpack imports no Ray and runs
+# there in the full suite).
+RAY_MODULES=(tests/test_ray_integration.py tests/test_nixl.py tests/test_backends.py tests/test_mixed.py)
 
 py311() { PYENV_VERSION=${PY311_VERSION:-3.11.7} python3.11 "$@"; }
 py312() { PYENV_VERSION=${PY312_VERSION:-3.12.1} python3.12 "$@"; }
@@ -72,13 +77,15 @@ PY
   pip_q "$python" -m pip install -q --upgrade "jax<0.13" "jaxlib<0.13"
 }
 
-run_leg() {  # run_leg NAME DIR
+run_leg() {  # run_leg NAME DIR MODULE...
   local name=$1 dir=$2 start end rc=0
+  shift 2
+  local modules=("$@")
   echo "=== matrix leg $name: $("$dir/bin/python" -c 'import sys, ray, jax; print(f"Python {sys.version.split()[0]}, Ray {ray.__version__}, jax {jax.__version__}")')"
   start=$(date +%s)
   (
     cd "$REPO"
-    PYTHONPATH="$REPO" "$dir/bin/python" -m pytest "${MODULES[@]}" -q -p no:cacheprovider --timeout 600
+    PYTHONPATH="$REPO" "$dir/bin/python" -m pytest "${modules[@]}" -q -p no:cacheprovider --timeout 600
   ) || rc=$?
   end=$(date +%s)
   echo "=== matrix leg $name: exit $rc, tests $((end - start)) s"
@@ -86,18 +93,18 @@ run_leg() {  # run_leg NAME DIR
 }
 
 main() {
-  local legs=("$@") status=0 leg start dir
+  local legs=("$@") status=0 leg start dir modules
   [ ${#legs[@]} -gt 0 ] || legs=(ray259 py312)
   for leg in "${legs[@]}"; do
     start=$(date +%s)
     case $leg in
-      ray259) make_venv .venv-ray259 py311 install_ray259; dir=.venv-ray259 ;;
-      py312) make_venv .venv-py312 py312 install_py312; dir=.venv-py312 ;;
+      ray259) make_venv .venv-ray259 py311 install_ray259; dir=.venv-ray259; modules=("${RAY_MODULES[@]}") ;;
+      py312) make_venv .venv-py312 py312 install_py312; dir=.venv-py312; modules=("${MODULES[@]}") ;;
       *) echo "unknown leg $leg (ray259 | py312)" >&2; return 2 ;;
     esac
     echo "=== matrix leg $leg: venv ready in $(( $(date +%s) - start )) s"
     [ -z "${MATRIX_SETUP_ONLY:-}" ] || continue
-    run_leg "$leg" "$dir" || status=1
+    run_leg "$leg" "$dir" "${modules[@]}" || status=1
   done
   return $status
 }

@@ -295,12 +295,13 @@ class Checks:
     return {"error": error, "seconds": round(elapsed, 3)}
 
   def _read_then(self, nbytes: int, seed: int, act: Callable[[Any, Any], None], consumer: Any | None = None,
-                 timeout: float = 60.0) -> tuple[dict, Any, Any]:
+                 timeout: float = 60.0, producer: Any | None = None) -> tuple[dict, Any, Any]:
     """Starts a read of a `nbytes` mixed value made on a fresh producer on
-    host B by `consumer` (default: host A's actor), runs `act(producer,
-    consumer)` `READ_START_S` after the consumer's fetch began, and returns the
-    fetch's outcome (see `Node.fetch_outcome`), the producer and the ref."""
-    producer = on("b", self.transport).remote()
+    host B (`producer`, if the caller started it already) by `consumer`
+    (default: host A's actor), runs `act(producer, consumer)` `READ_START_S`
+    after the consumer's fetch began, and returns the fetch's outcome (see
+    `Node.fetch_outcome`), the producer and the ref."""
+    producer = producer or on("b", self.transport).remote()
     consumer = consumer or self.a
     ref = self.make(producer, mixed, nbytes, seed)
     marker = f"/dev/shm/rdtj-read-{os.getpid()}-{seed}"
@@ -344,9 +345,11 @@ class Checks:
     The detail records whether the producer freed the object within
     `FREE_BOUND_S` of the ref being dropped (`freed_s`, None if not): that is
     measured, not asserted (docs/faults.md, "A dead consumer")."""
-    consumer = on("a", self.transport).remote()
+    consumer, producer = on("a", self.transport).remote(), on("b", self.transport).remote()  # started together
     ray.get(consumer.identity.remote())
-    outcome, producer, ref = self._read_then(FAULT_BYTES, 23, lambda p, c: ray.kill(c), consumer=consumer)
+    outcome, producer, ref = self._read_then(
+        FAULT_BYTES, 23, lambda p, c: ray.kill(c), consumer=consumer, producer=producer
+    )
     assert "error" in outcome and outcome["seconds"] < DEATH_BOUND_S, outcome
     got = ray.get(self.a.fetch_outcome.remote([ref], 120), timeout=180)
     assert got.get("fingerprint") == tree_fingerprint(mixed(FAULT_BYTES, 23)), f"the producer's object: {got}"
@@ -386,11 +389,10 @@ class Checks:
   def raylet_killed(self) -> dict:
     """Host B's raylet is killed while host A reads `FAULT_BYTES` from a producer
     there: the read ends in an error within `DEATH_BOUND_S` (or the right
-    bytes). Host B's node is gone afterwards: the test restarts it and checks
-    the next transfer. Runs last."""
-    killer = on("b", self.transport).remote()
-    ray.get(killer.identity.remote())
-    outcome, _, _ = self._read_then(FAULT_BYTES, 27, lambda p, c: killer.kill_raylet.remote(0.0))
+    bytes). The producer itself kills it (a task; the READ needs none of the
+    producer's tasks), and dies with the node. Host B's node is gone
+    afterwards: the test restarts it and checks the next transfer. Runs last."""
+    outcome, _, _ = self._read_then(FAULT_BYTES, 27, lambda p, c: p.kill_raylet.remote(0.0))
     return self._check_outcome(outcome, FAULT_BYTES, 27, DEATH_BOUND_S)
 
   def link_flap(self) -> dict:

@@ -44,6 +44,14 @@ class Producer:
     return 1
 
 
+@pytest.fixture(scope="module")
+def producer():
+  """One producer for the cases that only need objects made (none kills it)."""
+  p = Producer.remote()
+  yield p
+  ray.kill(p)
+
+
 # ---- transport names Ray does not know
 
 
@@ -88,10 +96,9 @@ def test_a_typo_suggests_the_closest_name():
   assert (info.value.transport, info.value.suggestion) == ("jax_nixll", "jax_nixl")
 
 
-def test_a_typo_in_put_and_options_suggests_the_closest_name():
+def test_a_typo_in_put_and_options_suggests_the_closest_name(producer):
   with pytest.raises(rdt_jax.TransportNotRegisteredError, match=r"JAX-NIXL\. Did you mean 'jax_nixl'\?"):
     ray.put(np.ones(SMALL), _tensor_transport="jax-nixl")
-  producer = Producer.remote()
   with pytest.raises(rdt_jax.TransportNotRegisteredError, match=r"Did you mean 'jax_nixl'\?"):
     producer.plain.options(tensor_transport="jax_nicl").remote()
 
@@ -118,9 +125,9 @@ def test_a_method_with_a_transport_on_an_actor_without_the_flag_names_it():
     actor.value.options(tensor_transport="jax_nixl").remote()
 
 
-def test_a_consumer_without_the_flag_receives():
+def test_a_consumer_without_the_flag_receives(producer):
   """Receiving needs no flag: a ref as an argument registers rdt_jax there."""
-  producer, consumer = Producer.remote(), Plain.remote()
+  consumer = Plain.remote()
   assert ray.get(consumer.take.remote(producer.bare.remote())) == float(sum(range(SMALL)))
 
 
@@ -146,10 +153,10 @@ def test_jax_gloo_without_a_collective_group_names_the_call():
 # ---- objects this process does not know
 
 
-def test_get_of_an_object_this_process_forgot_says_why():
+def test_get_of_an_object_this_process_forgot_says_why(producer):
   """Simulates what a freed object leaves: a live ref whose RDT metadata this
   process no longer has (restored afterwards, so Ray frees it normally)."""
-  ref = Producer.remote().bare.remote()
+  ref = producer.bare.remote()
   ray.get(ref)
   manager = ray._private.worker.global_worker.rdt_manager
   with manager._lock:
@@ -170,8 +177,7 @@ def test_get_of_an_object_this_process_forgot_says_why():
 # ---- targets and receive modes
 
 
-def test_a_target_of_another_shape_or_dtype_names_leaf_and_fix():
-  producer = Producer.remote()
+def test_a_target_of_another_shape_or_dtype_names_leaf_and_fix(producer):
   ref = producer.make.remote()
   conftest.wait_meta(ref)
   with pytest.raises(ValueError) as info:
@@ -207,8 +213,8 @@ def test_receive_as_names_the_modes():
 # ---- receive_stats
 
 
-def test_receive_stats_counts_this_processes_fetches():
-  ref = Producer.remote().make.remote()
+def test_receive_stats_counts_this_processes_fetches(producer):
+  ref = producer.make.remote()
   ray.wait([ref])
   rdt_jax.receive_stats("jax_nixl", reset=True)
   assert ray.get(ref)["w"].tolist() == list(range(SMALL))

@@ -1,7 +1,10 @@
 """Forced faults on jax_nixl (`RDT_JAX_FAULTS`): every error path, bounded, leak-free.
 
-Each test starts the actor it faults with `RDT_JAX_FAULTS` in its
-runtime_env, so the fault fires at a chosen point of a real transfer. Each
+Each test faults an actor at a chosen point of a real transfer: the actor is
+started with `RDT_JAX_FAULTS` in its runtime_env, or, for the consumer-side
+faults that need no setting of their own, is the module's shared consumer
+with the test's rules set first (`_faults.configure`, the same rules; it was
+started with the first test's rules in its runtime_env). Each
 asserts that the caller sees a Ray error within `ERROR_BOUND_S` (or, for a
 fault the transport absorbs, the exact value), and that afterwards the faulted
 process is back to its baseline: no registrations, no READ in flight or
@@ -90,6 +93,10 @@ class Consumer:
   def ready(self) -> bool:
     return True
 
+  def faults(self, spec: str | None) -> None:
+    """Replaces this process's fault rules (`RDT_JAX_FAULTS`'s syntax)."""
+    _faults.configure(spec)
+
 
 def faulted(cls, spec: str, **env_vars: str):
   """A started actor of `cls` whose process injects the faults of `spec`."""
@@ -110,6 +117,23 @@ def producer():
   p = Producer.remote()
   yield p
   ray.kill(p)
+
+
+#: The first shared-consumer test's rules, given in the consumer's runtime_env.
+POST_FAIL = "nixl.post:fail*1"
+
+
+@pytest.fixture(scope="module")
+def shared_consumer():
+  c = faulted(Consumer, POST_FAIL)
+  yield c
+  ray.kill(c)
+
+
+def armed(consumer, spec: str):
+  """`consumer` with exactly the fault rules of `spec`, none acted yet."""
+  ray.get(consumer.faults.remote(spec))
+  return consumer
 
 
 def settled(actor) -> dict:
@@ -164,8 +188,8 @@ def test_bad_rules_are_refused(spec):
 # ---- consumer-side faults
 
 
-def test_post_failure_is_a_ray_error_and_leaves_nothing(producer):
-  consumer = faulted(Consumer, "nixl.post:fail*1")
+def test_post_failure_is_a_ray_error_and_leaves_nothing(producer, shared_consumer):
+  consumer = armed(shared_consumer, POST_FAIL)
   ref = producer.make.remote(8 << 20, 1)
   err, elapsed = expect_ray_error(consumer.sha.remote(ref))
   assert "injected fault at nixl.post" in str(err)
@@ -173,10 +197,11 @@ def test_post_failure_is_a_ray_error_and_leaves_nothing(producer):
   assert settled(consumer) | {"parked_total": 0} == {**BASELINE, "parked_total": 0}
   # The consumer keeps working (the rule acted once).
   assert ray.get(consumer.sha.remote(ref)) == sha(payload(8 << 20, 1))
-  ray.kill(consumer)
 
 
 def test_registration_failure_on_the_consumer_leaves_nothing_in_flight(producer):
+  # A new consumer: a shared one may hold a pooled receive buffer, registered
+  # already, that the fetch reuses without a registration.
   consumer = faulted(Consumer, "nixl.register:fail*1")
   ref = producer.make.remote(4 << 20, 2)
   err, _ = expect_ray_error(consumer.sha.remote(ref))
@@ -220,21 +245,21 @@ def test_a_parked_read_that_never_ends_is_ended_by_removing_the_agent(producer):
   ray.kill(consumer)
 
 
-def test_release_failure_parks_then_reclaims_and_the_value_is_exact(producer):
-  consumer = faulted(Consumer, "nixl.release:fail*1")
+def test_release_failure_parks_then_reclaims_and_the_value_is_exact(producer, shared_consumer):
+  consumer = armed(shared_consumer, "nixl.release:fail*1")
+  parked_before = settled(consumer)["parked_total"]
   ref = producer.make.remote(4 << 20, 4)
   assert ray.get(consumer.sha.remote(ref)) == sha(payload(4 << 20, 4))
   del ref
   c = settled(consumer)
-  assert c["parked_total"] == 1
+  assert c["parked_total"] - parked_before == 1
   assert {k: c[k] for k in BASELINE} == BASELINE
-  ray.kill(consumer)
 
 
-def test_get_timeout_fires_mid_transfer_and_releases(producer):
+def test_get_timeout_fires_mid_transfer_and_releases(producer, shared_consumer):
   # The object exists and its READ is posted; the wait sees it in flight for
   # 5 s (injected), so the 1 s ray.get timeout fires inside the transport.
-  consumer = faulted(Consumer, "nixl.wait:delay=5*1")
+  consumer = armed(shared_consumer, "nixl.wait:delay=5*1")
   ref = producer.make.remote(16 << 20, 5)
   wait_meta(ref)
   t0 = time.monotonic()
@@ -246,7 +271,6 @@ def test_get_timeout_fires_mid_transfer_and_releases(producer):
   print(f"1 s timeout mid-transfer: error after {elapsed:.2f} s")
   assert {k: v for k, v in settled(consumer).items() if k in BASELINE} == BASELINE
   assert ray.get(consumer.get_sha.remote([ref])) == sha(payload(16 << 20, 5))
-  ray.kill(consumer)
 
 
 def test_consumer_killed_at_completion():

@@ -3,6 +3,11 @@
 Every death case is bounded: the surviving side must see a Ray error within
 `DEATH_BOUND_S` seconds, keep working for later transfers, and hold no
 registered memory for the failed transfer.
+
+The actors a case does not kill are shared by the module: one producer, and
+sixteen consumers (the fan-out case uses all of them; the first is the
+consumer most cases read with). A case that kills an actor starts that actor
+itself.
 """
 
 from __future__ import annotations
@@ -89,6 +94,12 @@ class Consumer:
   def rss(self) -> int:
     return process_rss()
 
+  def faults(self, spec: str | None) -> None:
+    """Replaces this process's fault rules (`RDT_JAX_FAULTS`'s syntax)."""
+    from rdt_jax import _faults
+
+    _faults.configure(spec)
+
   def keep_metadata(self, refs) -> None:
     """Keeps a copy of a ref's transport metadata (descriptors included)."""
     manager = ray._private.worker.global_worker.rdt_manager
@@ -130,18 +141,51 @@ RAY_NUM_CPUS = 24
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
+#: Consumers of the fan-out case, shared with the other cases.
+FAN_OUT = 16
+
+
 @pytest.fixture(scope="module")
-def consumer():
-  return Consumer.remote()
+def consumers():
+  started = [Consumer.remote() for _ in range(FAN_OUT)]
+  ray.get([c.stats.remote() for c in started])
+  return started
 
 
+@pytest.fixture(scope="module")
+def consumer(consumers):
+  return consumers[0]
 
 
-def test_producer_killed_before_fetch(consumer):
-  producer = Producer.remote()
-  ref = producer.make.remote(8 << 20)
+@pytest.fixture(scope="module")
+def producer():
+  return Producer.remote()
+
+
+#: The slow consumer's rule: its next wait sees the READ in flight 5 s longer.
+SLOW_WAIT = "nixl.wait:delay=5*1"
+
+
+@pytest.fixture(scope="module")
+def slow_consumer():
+  """A consumer whose first wait keeps its READ looking in flight for 5 s
+  (`RDT_JAX_FAULTS`); `slow(...)` arms the rule again for the next case."""
+  c = Consumer.options(runtime_env=worker_env(RDT_JAX_FAULTS=SLOW_WAIT)).remote()
+  ray.get(c.stats.remote())  # started: the bounds below time the fetch only
+  return c
+
+
+def slow(consumer):
+  """`consumer` with the slow rule armed afresh (none of it acted yet)."""
+  ray.get(consumer.faults.remote(SLOW_WAIT))
+  return consumer
+
+
+def test_producer_killed_before_fetch(consumer, producer):
+  doomed = Producer.remote()
+  ref = doomed.make.remote(8 << 20)
   ray.wait([ref])
-  ray.kill(producer)
+  ray.kill(doomed)
   t0 = time.monotonic()
   with pytest.raises(ray.exceptions.RayError):
     ray.get(consumer.digest.remote(ref), timeout=DEATH_BOUND_S * 2)
@@ -151,10 +195,8 @@ def test_producer_killed_before_fetch(consumer):
   with pytest.raises(ray.exceptions.RayError):
     ray.get(ref, timeout=DEATH_BOUND_S)
   # The consumer keeps working, and holds nothing for the failed transfer.
-  fresh = Producer.remote()
-  assert transfers_exactly(fresh, consumer, 1 << 20, 1)
+  assert transfers_exactly(producer, consumer, 1 << 20, 1)
   assert ray.get(consumer.stats.remote()) == 0
-  ray.kill(fresh)
 
 
 def test_producer_killed_during_a_large_fetch(consumer):
@@ -176,8 +218,8 @@ def test_producer_killed_during_a_large_fetch(consumer):
   assert ray.get(consumer.stats.remote()) == 0
 
 
-def test_consumer_killed_during_a_fetch():
-  producer, doomed = Producer.remote(), Consumer.remote()
+def test_consumer_killed_during_a_fetch(producer, consumers):
+  doomed = Consumer.remote()
   ref = producer.make.remote(256 << 20)
   ray.wait([ref])
   result = doomed.digest.remote(ref)
@@ -190,10 +232,7 @@ def test_consumer_killed_during_a_fetch():
   del ref, result
   # The producer frees the object and keeps serving others.
   assert wait_for(lambda: ray.get(producer.stats.remote()) == (0, 0))
-  other = Consumer.remote()
-  assert transfers_exactly(producer, other, 1 << 20, 2)
-  ray.kill(other)
-  ray.kill(producer)
+  assert transfers_exactly(producer, consumers[1], 1 << 20, 2)
 
 
 DRIVER_SCRIPT = """
@@ -216,7 +255,7 @@ os._exit(0)
 """
 
 
-def test_driver_exits_with_transfers_in_flight(consumer):
+def test_driver_exits_with_transfers_in_flight(consumer, producer):
   env = dict(os.environ)
   env["RAY_ADDRESS_FOR_TEST"] = ray.get_runtime_context().gcs_address
   env["WORKER_PYTHONPATH"] = WORKER_PYTHONPATH
@@ -226,38 +265,35 @@ def test_driver_exits_with_transfers_in_flight(consumer):
   assert "exiting with transfers in flight" in out.stdout, out.stderr[-2000:]
   # This driver's cluster and actors are unaffected.
   t0 = time.monotonic()
-  producer = Producer.remote()
   assert transfers_exactly(producer, consumer, 1 << 20, 3)
   print(f"after a driver exited mid-transfer: next transfer done in {time.monotonic() - t0:.2f} s")
-  ray.kill(producer)
 
 
-def test_get_timeout_is_honoured():
+def test_get_timeout_is_honoured(producer, slow_consumer):
   # The object exists and its READ is posted; fault injection keeps the READ
   # looking in flight for 5 s, so the transport's own 1 s timeout fires
   # mid-transfer (test_fault_injection.py checks what it leaves behind).
-  producer = Producer.remote()
   ref = producer.make.remote(64 << 20)
   wait_meta(ref)
-  slow = Consumer.options(runtime_env=worker_env(RDT_JAX_FAULTS="nixl.wait:delay=5*1")).remote()
-  ray.get(slow.stats.remote())  # started: the bound below times the fetch only
+  consumer = slow(slow_consumer)
   t0 = time.monotonic()
   with pytest.raises(ray.exceptions.RayError, match="timed out"):
-    ray.get(slow.digest_within.remote([ref], 1.0), timeout=DEATH_BOUND_S)
+    ray.get(consumer.digest_within.remote([ref], 1.0), timeout=DEATH_BOUND_S)
   elapsed = time.monotonic() - t0
   print(f"1 s get timeout with the READ in flight: error after {elapsed:.2f} s")
   assert elapsed < 5
-  assert ray.get(slow.digest_within.remote([ref], 30.0)) == expected_digest(64 << 20)
-  ray.kill(slow)
-  ray.kill(producer)
+  assert ray.get(consumer.digest_within.remote([ref], 30.0)) == expected_digest(64 << 20)
 
 
-def test_abort_interrupts_the_wait_and_releases():
+def test_abort_interrupts_the_wait_and_releases(slow_consumer):
+  # A producer of its own: after this fetch's abort it was seen to keep the
+  # object after the ref was dropped, which the cases checking that the
+  # shared producer holds nothing would inherit.
   producer = Producer.remote()
   # A READ on one host may be DONE as soon as it is posted (UCX copies with
   # process_vm_readv at once): the injected delay keeps it looking in flight,
   # so the abort is what ends the wait.
-  consumer = Consumer.options(runtime_env=worker_env(RDT_JAX_FAULTS="nixl.wait:delay=5*1")).remote()
+  consumer = slow(slow_consumer)
   ref = producer.make.remote(64 << 20)
   wait_meta(ref)
   outcome, registrations = ray.get(consumer.fetch_then_abort.remote([ref]))
@@ -265,26 +301,19 @@ def test_abort_interrupts_the_wait_and_releases():
   assert registrations == 0
   assert ray.get(consumer.digest.remote(ref)) == expected_digest(64 << 20)
   ray.kill(producer)
-  ray.kill(consumer)
 
 
-def test_sixteen_consumers_on_one_producer():
-  producer = Producer.remote()
-  consumers = [Consumer.remote() for _ in range(16)]
-  ray.get([c.stats.remote() for c in consumers])
+def test_sixteen_consumers_on_one_producer(producer, consumers):
+  assert len(set(consumers)) == 16
   ref = producer.make.remote(4 << 20, 16)
   t0 = time.monotonic()
   got = ray.get([c.digest.remote(ref) for c in consumers], timeout=120)
   elapsed = time.monotonic() - t0
   assert got == [expected_digest(4 << 20, 16)] * 16
   print(f"16 consumers x 4 MiB: {elapsed:.3f} s")
-  for c in consumers:
-    ray.kill(c)
-  ray.kill(producer)
 
 
-def test_sixty_four_refs_in_one_get():
-  producer = Producer.remote()
+def test_sixty_four_refs_in_one_get(producer):
   refs = [producer.make.remote(256 << 10, i) for i in range(64)]
   t0 = time.monotonic()
   values = ray.get(refs, timeout=120)
@@ -293,11 +322,10 @@ def test_sixty_four_refs_in_one_get():
   print(f"64 refs x 256 KiB in one ray.get: {elapsed:.3f} s")
   del refs, values
   assert wait_for(lambda: ray.get(producer.stats.remote()) == (0, 0))
-  ray.kill(producer)
 
 
-def test_two_thousand_mixed_transfers_leave_nothing_behind():
-  producer, consumer = Producer.remote(), Consumer.remote()
+def test_two_thousand_mixed_transfers_leave_nothing_behind(producer, consumers):
+  consumer = consumers[2]
   sizes = [4 << 10, 64 << 10, 300 << 10, 1 << 20]
   for i in range(40):  # warm up agents, connections and the buffer pools
     ray.get(consumer.digests.remote(producer.make_many.remote(sizes, i)))
@@ -315,16 +343,13 @@ def test_two_thousand_mixed_transfers_leave_nothing_behind():
   print(f"RSS growth over 2,000 transfers: producer {growth_p >> 20} MiB, "
         f"consumer {growth_c >> 20} MiB")
   assert growth_p < 64 << 20 and growth_c < 64 << 20
-  ray.kill(producer)
-  ray.kill(consumer)
 
 
 @pytest.mark.parametrize("nbytes", [2 << 20, 4 << 10], ids=["in-place", "staged"])
-def test_stale_descriptor_read_fails(consumer, nbytes):
+def test_stale_descriptor_read_fails(consumer, producer, nbytes):
   # With the default settings. 2 MiB is read where it lies; 4 KiB is packed
   # into a pooled staging buffer, which the next object reuses: a stale read
   # there would return the next object's bytes.
-  producer = Producer.remote()
   ref = producer.make.remote(nbytes, 5)
   wait_meta(ref)
   ray.get(consumer.keep_metadata.remote([ref]))
@@ -335,4 +360,3 @@ def test_stale_descriptor_read_fails(consumer, nbytes):
   outcome = ray.get(consumer.stale_read.remote())
   assert outcome != "read succeeded" and "freed by its producer" in outcome, outcome
   assert ray.get(consumer.stats.remote()) == 0
-  ray.kill(producer)

@@ -224,23 +224,27 @@ class Side:
     return digest(value["w"]), digest(value["b"]), type(value["w"]).__name__, stats["inline"]
 
 
+@pytest.fixture(scope="module")
+def side_pair(ray_cluster):
+  """A producer and a consumer with a jax_gloo group between them, for every transport."""
+  producer, consumer = Side.options(runtime_env=worker_env()).remote(), Side.options(runtime_env=worker_env()).remote()
+  group = create_collective_group([producer, consumer], backend="torch_gloo")
+  yield producer, consumer
+  destroy_collective_group(group)
+  ray.kill(producer)
+  ray.kill(consumer)
+
+
 @pytest.mark.parametrize("transport", ["jax_nixl", "jax_gloo", "jax_transfer"])
-def test_small_object_in_band_through_ray(ray_cluster, transport):
+def test_small_object_in_band_through_ray(side_pair, transport):
   """In band on the one-sided transports; jax_gloo sends it (Ray's send task
   runs on the producer for every transfer of a two-sided transport)."""
-  producer, consumer = Side.options(runtime_env=worker_env()).remote(), Side.options(runtime_env=worker_env()).remote()
-  group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
-  try:
-    ref = getattr(producer, transport.removeprefix("jax_")).remote(11)
-    got = ray.get(consumer.take.remote(ref, transport), timeout=60)
-    want = (digest(jnp.asarray(sample((64,), "float32", 11))), digest(np.arange(3, dtype=np.int16)))
-    assert got[:2] == want
-    assert got[2] == "ArrayImpl" and got[3] == (0 if transport == "jax_gloo" else 1)
-  finally:
-    if group is not None:
-      destroy_collective_group(group)
-    ray.kill(producer)
-    ray.kill(consumer)
+  producer, consumer = side_pair
+  ref = getattr(producer, transport.removeprefix("jax_")).remote(11)
+  got = ray.get(consumer.take.remote(ref, transport), timeout=60)
+  want = (digest(jnp.asarray(sample((64,), "float32", 11))), digest(np.arange(3, dtype=np.int16)))
+  assert got[:2] == want
+  assert got[2] == "ArrayImpl" and got[3] == (0 if transport == "jax_gloo" else 1)
 
 
 def test_sharded_leaf_in_band_keeps_its_sharding(ray_cluster):
@@ -266,32 +270,38 @@ class Pair:
     return [torch.from_numpy(a), torch.from_numpy(b)] if framework == "torch" else [a, b]
 
 
+@pytest.fixture(scope="module")
+def pairs(ray_cluster):
+  """One `Pair` producer per in-band setting, shared by the cases."""
+  envs = {"on": {}, "off": {"RDT_JAX_INLINE_MAX_BYTES": "0"}}
+  started = {inline: Pair.options(runtime_env=worker_env(**env)).remote() for inline, env in envs.items()}
+  yield started
+  for producer in started.values():
+    ray.kill(producer)
+
+
 @pytest.mark.parametrize("inline", ["on", "off"])
 @pytest.mark.parametrize("framework", ["torch", "numpy"])
 @pytest.mark.parametrize("n", [3, 1 << 20], ids=["3-elements", "8-MiB"])
-def test_rays_set_target_api_on_every_ref(ray_cluster, inline, framework, n):
+def test_rays_set_target_api_on_every_ref(pairs, inline, framework, n):
   """`ray.experimental.set_target_for_ref` / `set_target_device_for_ref` on
   rdt_jax refs, in band (3 elements, in-band on) and out of band: the value
   lands in the given buffers, of either framework."""
-  env = {} if inline == "on" else {"RDT_JAX_INLINE_MAX_BYTES": "0"}
-  producer = Pair.options(runtime_env=worker_env(**env)).remote()
-  try:
-    ref = producer.two.remote(framework, n)
-    ray.wait([ref])
-    buffers = [torch.zeros(n, dtype=torch.int64) for _ in range(2)]
-    if framework == "numpy":
-      buffers = [b.numpy() for b in buffers]
-    transport_manager("jax_nixl").receive_stats(reset=True)
-    ray.experimental.set_target_for_ref(ref, buffers)
-    got = ray.get(ref, timeout=60)
-    assert all(g is b for g, b in zip(got, buffers))
-    assert int(buffers[1][-1]) == 2 * (n - 1) and int(buffers[0][1]) == 1
-    in_band = transport_manager("jax_nixl").receive_stats(reset=True)["inline"]
-    assert in_band == (1 if inline == "on" and n == 3 else 0)
-    ref = producer.two.remote(framework, n)
-    ray.experimental.set_target_device_for_ref(ref, "cpu")
-    got = ray.get(ref, timeout=60)
-    assert [type(g) for g in got] == [type(b) for b in buffers]
-    assert [digest(g) for g in got] == [digest(np.arange(n, dtype=np.int64)), digest(np.arange(n, dtype=np.int64) * 2)]
-  finally:
-    ray.kill(producer)
+  producer = pairs[inline]
+  ref = producer.two.remote(framework, n)
+  ray.wait([ref])
+  buffers = [torch.zeros(n, dtype=torch.int64) for _ in range(2)]
+  if framework == "numpy":
+    buffers = [b.numpy() for b in buffers]
+  transport_manager("jax_nixl").receive_stats(reset=True)
+  ray.experimental.set_target_for_ref(ref, buffers)
+  got = ray.get(ref, timeout=60)
+  assert all(g is b for g, b in zip(got, buffers))
+  assert int(buffers[1][-1]) == 2 * (n - 1) and int(buffers[0][1]) == 1
+  in_band = transport_manager("jax_nixl").receive_stats(reset=True)["inline"]
+  assert in_band == (1 if inline == "on" and n == 3 else 0)
+  ref = producer.two.remote(framework, n)
+  ray.experimental.set_target_device_for_ref(ref, "cpu")
+  got = ray.get(ref, timeout=60)
+  assert [type(g) for g in got] == [type(b) for b in buffers]
+  assert [digest(g) for g in got] == [digest(np.arange(n, dtype=np.int64)), digest(np.arange(n, dtype=np.int64) * 2)]

@@ -7,6 +7,12 @@ where it is turned on), with no race against the producer's process exit:
 each test fetches right after `ray.kill` returns, while the killed process
 may still be exiting. The jax_gloo cases port Ray's own GLOO tests
 (`test_send_fails`, `test_send_actor_dies_before_sending`) to rdt_jax.
+
+Actors that no case kills are shared by the module: one consumer per
+environment for the killed producers, and one live pair per environment (a
+jax_gloo group between them) for the freed objects, the live deliveries and
+the in-place writes. A killed producer, and both actors of a failed jax_gloo
+transfer (Ray kills them), are new for each object.
 """
 
 from __future__ import annotations
@@ -75,11 +81,36 @@ class Side:
     time.sleep(100)
 
 
-def _pair(transport: str, env: dict[str, str]):
-  producer = Side.options(runtime_env=worker_env(**env)).remote()
-  consumer = Side.options(runtime_env=worker_env(**env)).remote()
+def _pair(transport: str, env: dict[str, str], cls=Side):
+  producer = cls.options(runtime_env=worker_env(**env)).remote()
+  consumer = cls.options(runtime_env=worker_env(**env)).remote()
   group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
   return producer, consumer, group
+
+
+ENVS = {"default": {}, "nixl-read": {"RDT_JAX_NIXL_CMA": "0"}, "in-band": IN_BAND}
+
+
+def _env_name(env: dict[str, str]) -> str:
+  return next(name for name, e in ENVS.items() if e == env)
+
+
+@pytest.fixture(scope="module")
+def live():
+  """`live(env, cls)`: a pair of `cls` actors in `env` (in the default
+  environment with a jax_gloo group between them), shared by the module's
+  cases; no case kills them."""
+  pairs: dict[tuple[str, type], tuple] = {}
+
+  def get(env: dict[str, str], cls=Side) -> tuple:
+    key = (_env_name(env), cls)
+    if key not in pairs:  # jax_gloo is only ever used in the default environment
+      pairs[key] = _pair("jax_gloo" if not env else "jax_nixl", env, cls)
+    return pairs[key][:2]
+
+  yield get
+  for producer, consumer, group in pairs.values():
+    _close(group, producer, consumer)
 
 
 def _close(group, *actors) -> None:
@@ -114,23 +145,40 @@ def _died(error: BaseException) -> str:
   return "" if found is None else re.sub(r"[0-9a-f]{16,}", "<id>", found.group())
 
 
-def _killed(transport: str, nbytes: int, env: dict[str, str]) -> tuple[BaseException, BaseException | None, int]:
+Killed = tuple[BaseException, BaseException | None, int]
+
+
+def _killed(transport: str, nbytes: int, env: dict[str, str], consumer=None, producer=None) -> Killed:
   """Kills the producer of a created object, then fetches it at once from a
   consumer actor and (one-sided backends) from the driver. Also returns how
-  many fetches arrived in band at the consumer."""
-  producer, consumer, group = _pair(transport, env)
+  many of the consumer's fetches arrived in band meanwhile.
+
+  A one-sided backend's consumer survives the failed fetch: pass a live one,
+  and the new producer (in `env`) if it was started already. jax_gloo's pair
+  is new (Ray kills both actors of a failed transfer)."""
+  shared = consumer is not None
+  if shared:
+    producer, group = producer or Side.options(runtime_env=worker_env(**env)).remote(), None
+  else:
+    producer, consumer, group = _pair(transport, env)
   try:
+    inline_before = 0 if transport == "jax_gloo" else ray.get(consumer.inline_fetches.remote(transport))
     ref = _produce(producer, transport, nbytes)
     ray.kill(producer)
     in_actor = _failure(lambda: ray.get(consumer.take.remote(ref), timeout=90))
     in_driver = None if transport == "jax_gloo" else _failure(lambda: ray.get(ref, timeout=90))
-    inline = 0 if transport == "jax_gloo" else ray.get(consumer.inline_fetches.remote(transport))
+    inline = 0 if transport == "jax_gloo" else ray.get(consumer.inline_fetches.remote(transport)) - inline_before
     return in_actor, in_driver, inline
   finally:
-    _close(group, producer, consumer)
+    _close(group, producer, *([] if shared else [consumer]))
 
 
 # ---- producer killed: one-sided backends, every path
+
+
+def _new_producers(env: dict[str, str]) -> list:
+  """One new producer per size, all started at once."""
+  return [Side.options(runtime_env=worker_env(**env)).remote() for _ in SIZES]
 
 
 @pytest.mark.parametrize(
@@ -142,10 +190,12 @@ def _killed(transport: str, nbytes: int, env: dict[str, str]) -> tuple[BaseExcep
     ],
     ids=["jax_nixl-node-local", "jax_nixl-nixl-read", "jax_transfer"],
 )
-def test_killed_producer_one_error_for_every_size(transport, env):
+def test_killed_producer_one_error_for_every_size(live, transport, env):
   sentences = set()
-  for nbytes in SIZES:
-    in_actor, in_driver, inline = _killed(transport, nbytes, env)
+  consumer = live(env)[1]
+  producers = _new_producers(env)
+  for nbytes, producer in zip(SIZES, producers):
+    in_actor, in_driver, inline = _killed(transport, nbytes, env, consumer, producer)
     assert inline == 0  # out of band: in-band sending is off by default
     for error in (in_actor, in_driver):
       sentence = _died(error)
@@ -155,15 +205,17 @@ def test_killed_producer_one_error_for_every_size(transport, env):
 
 
 @pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
-def test_in_band_object_refused_like_the_others_once_its_producer_died(transport):
+def test_in_band_object_refused_like_the_others_once_its_producer_died(live, transport):
   """With in-band sending turned on, a 4 KiB object travels in band and a
   4 MiB one does not: both are refused with the same error once their
   producer is dead, whatever host the consumer is on (Ray's record of the
   actor decides, not the consumer's view of the producer's process)."""
   sentences = set()
   inlines = []
-  for nbytes in SIZES:
-    in_actor, in_driver, inline = _killed(transport, nbytes, IN_BAND)
+  consumer = live(IN_BAND)[1]
+  producers = _new_producers(IN_BAND)
+  for nbytes, producer in zip(SIZES, producers):
+    in_actor, in_driver, inline = _killed(transport, nbytes, IN_BAND, consumer, producer)
     inlines.append(inline)
     for error in (in_actor, in_driver):
       sentences.add(_died(error))
@@ -219,35 +271,29 @@ def test_gloo_killed_producer_ends_like_rays_gloo():
 
 @pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
 @pytest.mark.parametrize("env", [{}, IN_BAND], ids=["out-of-band", "in-band-on"])
-def test_freed_object_is_refused_for_every_size(transport, env):
+def test_freed_object_is_refused_for_every_size(live, transport, env):
   """Ray's free (what runs when the last reference goes: the owner forgets
   the object, the producer drops it) leaves nothing to fetch, whatever the
   size and path: `ray.get` raises `rdt_jax.UnknownObjectError`."""
   messages = set()
+  producer = live(env)[0]
   for nbytes in SIZES:
-    producer, consumer, group = _pair(transport, env)
-    try:
-      ref = _produce(producer, transport, nbytes)
-      ray._private.worker.global_worker.rdt_manager.free_object_primary_copy(ref.hex())
-      error = _failure(lambda ref=ref: ray.get(ref, timeout=60))
-      assert isinstance(error, rdt_jax.UnknownObjectError), f"{nbytes} bytes: {type(error).__name__}: {error}"
-      messages.add(str(error).replace(ref.hex(), "<id>"))
-    finally:
-      _close(group, producer, consumer)
+    ref = _produce(producer, transport, nbytes)
+    ray._private.worker.global_worker.rdt_manager.free_object_primary_copy(ref.hex())
+    error = _failure(lambda ref=ref: ray.get(ref, timeout=60))
+    assert isinstance(error, rdt_jax.UnknownObjectError), f"{nbytes} bytes: {type(error).__name__}: {error}"
+    messages.add(str(error).replace(ref.hex(), "<id>"))
   assert len(messages) == 1, messages
 
 
-def test_live_producer_still_delivers_every_size():
+def test_live_producer_still_delivers_every_size(live):
   """The check costs a lookup, not a value: with the producer alive every
   size arrives exactly, on every backend."""
+  producer, consumer = live({})
   for transport in ("jax_nixl", "jax_gloo", "jax_transfer"):
-    producer, consumer, group = _pair(transport, {})
-    try:
-      for nbytes in SIZES:
-        ref = _produce(producer, transport, nbytes)
-        assert ray.get(consumer.take.remote(ref), timeout=90) == digest(jax_bytes(nbytes, 1))
-    finally:
-      _close(group, producer, consumer)
+    for nbytes in SIZES:
+      ref = _produce(producer, transport, nbytes)
+      assert ray.get(consumer.take.remote(ref), timeout=90) == digest(jax_bytes(nbytes, 1)), (transport, nbytes)
 
 
 # ---- mutation after return: what a consumer sees, per transport and size
@@ -291,18 +337,13 @@ class Mutator:
     return int(rdt_jax.to_numpy(value["x"])[0])
 
 
-def _seen(transport: str, framework: str, nbytes: int, env: dict[str, str]) -> bool:
+def _seen(live, transport: str, framework: str, nbytes: int, env: dict[str, str]) -> bool:
   """True if a consumer that reads after the producer's in-place write sees it."""
-  producer = Mutator.options(runtime_env=worker_env(**env)).remote()
-  consumer = Mutator.options(runtime_env=worker_env(**env)).remote()
-  group = create_collective_group([producer, consumer], backend="torch_gloo") if transport == "jax_gloo" else None
-  try:
-    ref = getattr(producer, transport.removeprefix("jax_")).remote(framework, nbytes)
-    ray.wait([ref])
-    ray.get(producer.mutate.remote())
-    return ray.get(consumer.first_byte.remote(ref), timeout=90) == 7
-  finally:
-    _close(group, producer, consumer)
+  producer, consumer = live(env, Mutator)
+  ref = getattr(producer, transport.removeprefix("jax_")).remote(framework, nbytes)
+  ray.wait([ref])
+  ray.get(producer.mutate.remote())
+  return ray.get(consumer.first_byte.remote(ref), timeout=90) == 7
 
 
 #: (transport, in-band on) -> whether a write is seen, for a 4 KiB and a 4 MiB leaf
@@ -319,8 +360,8 @@ SEEN = {
 @pytest.mark.parametrize(
     ("transport", "in_band"), list(SEEN), ids=[f"{t}-{'in-band' if b else 'default'}" for t, b in SEEN]
 )
-def test_in_place_write_after_return(transport, in_band, framework):
-  got = tuple(_seen(transport, framework, n, IN_BAND if in_band else {}) for n in SIZES)
+def test_in_place_write_after_return(live, transport, in_band, framework):
+  got = tuple(_seen(live, transport, framework, n, IN_BAND if in_band else {}) for n in SIZES)
   assert got == SEEN[(transport, in_band)], got
 
 

@@ -54,49 +54,50 @@ class Node:
     return tree_fingerprint(value)
 
 
-#: Each cluster runs twice: with the defaults (the simulated nodes share a host,
+#: Every test runs twice: with the defaults (the simulated nodes share a host,
 #: so jax_nixl reads node-locally, rdt_jax.transports.nixl.node_local) and with UCX
 #: restricted to TCP and node-local reads off, so that NIXL reads over sockets
-#: as it does between real nodes without RDMA.
+#: as it does between real nodes without RDMA. One cluster serves both: the
+#: environment is each actor's (`runtime_env`), the actors are new per run.
 UCX_ENVS = {"default-ucx": {}, "ucx-tcp": {"UCX_TLS": "tcp", "RDT_JAX_NIXL_CMA": "0"}}
 
 
-@pytest.fixture(scope="module", params=list(UCX_ENVS))
-def cluster(request):
+@pytest.fixture(scope="module")
+def cluster():
   c = Cluster(
       initialize_head=True,
       head_node_args={"num_cpus": 2, "resources": {"head": 10}},
   )
   nodes = [c.add_node(num_cpus=2, resources={f"node{i}": 10}) for i in (1, 2)]
   c.wait_for_nodes()
-  ray.init(
-      address=c.address,
-      logging_level="warning",
-      runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **UCX_ENVS[request.param]}},
-  )
-  c.ucx_kind = request.param
+  ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
   yield c, nodes
   ray.shutdown()
   c.shutdown()
 
 
-def on(resource: str):
-  return Node.options(resources={resource: 1}, num_cpus=0)
+@pytest.fixture(scope="module", params=list(UCX_ENVS))
+def ucx(request) -> str:
+  """This run's UCX setting (a key of `UCX_ENVS`)."""
+  return request.param
 
 
-def cluster_kind(cluster) -> str:
-  return cluster[0].ucx_kind
+def on(resource: str, ucx: str):
+  env = {"PYTHONPATH": WORKER_PYTHONPATH, **UCX_ENVS[ucx]}
+  return Node.options(resources={resource: 1}, num_cpus=0, runtime_env={"env_vars": env})
 
 
 @pytest.fixture(scope="module")
-def pair(cluster):
-  a, b = on("node1").remote(), on("node2").remote()
+def pair(cluster, ucx):
+  a, b = on("node1", ucx).remote(), on("node2", ucx).remote()
   group = create_collective_group([a, b], backend="torch_gloo")
   assert ray.get(a.where.remote()) != ray.get(b.where.remote())
   # The UCX restriction of this run reached the actors.
-  assert ray.get(a.ucx_tls.remote()) == UCX_ENVS[cluster_kind(cluster)].get("UCX_TLS")
+  assert ray.get(a.ucx_tls.remote()) == UCX_ENVS[ucx].get("UCX_TLS")
   yield a, b
   destroy_collective_group(group)
+  ray.kill(a)
+  ray.kill(b)
 
 
 @pytest.mark.parametrize("transport", BACKENDS)
@@ -114,11 +115,12 @@ def test_driver_get_from_another_node(pair, transport):
   assert tree_fingerprint(got) == expected(256 << 10, 2)
 
 
-def test_node_removed_mid_transfer(cluster):
+def test_node_removed_mid_transfer(cluster, ucx, pair):
   c, _ = cluster
-  doomed_node = c.add_node(num_cpus=2, resources={"doomed": 10})
+  doomed = f"doomed-{ucx}"
+  doomed_node = c.add_node(num_cpus=2, resources={doomed: 10})
   c.wait_for_nodes()
-  producer, consumer = on("doomed").remote(), on("head").remote()
+  producer, consumer = on(doomed, ucx).remote(), on("head", ucx).remote()
   ref = producer.make.options(tensor_transport="jax_nixl").remote(256 << 20, 3)
   ray.wait([ref])
   outcome, elapsed = race(
@@ -132,6 +134,7 @@ def test_node_removed_mid_transfer(cluster):
   else:
     assert isinstance(outcome["error"], ray.exceptions.RayError)
   # The consumer on the surviving node keeps working.
-  other = on("node1").remote()
+  other = pair[0]  # on node1
   ref2 = other.make.options(tensor_transport="jax_nixl").remote(1 << 20, 4)
   assert ray.get(consumer.digests.remote(ref2), timeout=120) == expected(1 << 20, 4)
+  ray.kill(consumer)

@@ -152,6 +152,12 @@ def consumer():
   return Consumer.options(runtime_env=X64).remote()
 
 
+@pytest.fixture(scope="module")
+def plain_consumers():
+  """Three consumers with jax_enable_x64 off (the default)."""
+  return [Consumer.remote() for _ in range(3)]
+
+
 def test_register_is_idempotent():
   names = rdt_jax.register()
   assert "jax_nixl" in names and all(n == n.lower() for n in names)
@@ -206,11 +212,12 @@ def test_actor_put_then_driver_get(producer):
 
 
 def test_put_is_a_fresh_actors_first_action():
-  for _ in range(3):
-    fresh = Consumer.remote()
-    [ref] = ray.get(fresh.first_action_put.remote(5))
+  fresh = [Consumer.remote() for _ in range(3)]  # three new workers, started together
+  refs = [ref for [ref] in ray.get([f.first_action_put.remote(5) for f in fresh])]
+  for ref in refs:
     assert ray.get(ref)["x"].tolist() == [0, 1, 2, 3, 4]
-    ray.kill(fresh)
+  for f in fresh:
+    ray.kill(f)
 
 
 def test_eight_refs_in_one_get(producer):
@@ -220,13 +227,10 @@ def test_eight_refs_in_one_get(producer):
     assert fingerprint(v) == expected(jax_bytes, 1 << 20, seed)
 
 
-def test_three_consumers_of_one_ref(producer):
-  consumers = [Consumer.remote() for _ in range(3)]
+def test_three_consumers_of_one_ref(producer, plain_consumers):
   ref = producer.make.remote(params_tree, 128)
-  got = ray.get([c.fingerprint.remote(ref) for c in consumers])
+  got = ray.get([c.fingerprint.remote(ref) for c in plain_consumers])
   assert got == [expected(params_tree, 128)] * 3
-  for c in consumers:
-    ray.kill(c)
 
 
 def test_batched_get_while_producer_frees_objects(producer):
@@ -326,12 +330,11 @@ def test_nixl_missing_on_consumer(producer):
   ray.kill(blind)
 
 
-def test_x64_off_consumer_refuses_64_bit_jax_leaf(producer):
-  plain = Consumer.remote()  # jax_enable_x64 off
+def test_x64_off_consumer_refuses_64_bit_jax_leaf(producer, plain_consumers):
+  plain = plain_consumers[0]  # jax_enable_x64 off
   ref = producer.make.remote(jax_leaf, (3,), "int64")
   with pytest.raises(Exception, match=r"\['x'\].*int64.*receive_as\('numpy'\)"):
     ray.get(plain.fingerprint.remote(ref), timeout=60)
-  ray.kill(plain)
 
 
 def _no_nixl_dir() -> str:

@@ -125,7 +125,8 @@ def test_packed_source_digest_covers_every_field():
 
 
 def _plan(template: dict, atomic: bool = False):
-  from rdt_jax import _weights, _weights_packed as packed
+  from rdt_jax import _weights
+  from rdt_jax import _weights_packed as packed
 
   published = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(5, jnp.bfloat16)}
   entries = _weights.structure_of(published)

@@ -408,11 +408,12 @@ def test_a_by_value_actors_first_action_is_a_put():
     def put(self, n):
       return [ray.put({"x": jnp.arange(n, dtype=jnp.float32)}, _tensor_transport="jax_nixl")]
 
-  for _ in range(3):
-    fresh = Fresh.remote()
-    [ref] = ray.get(fresh.put.remote(5))
+  fresh = [Fresh.remote() for _ in range(3)]  # three new workers, started together
+  refs = [ref for [ref] in ray.get([f.put.remote(5) for f in fresh])]
+  for ref in refs:
     assert ray.get(ref)["x"].tolist() == [0, 1, 2, 3, 4]
-    ray.kill(fresh)
+  for f in fresh:
+    ray.kill(f)
 
 
 BUSY_S = 30

@@ -200,6 +200,12 @@ def wide():
   return Node.options(runtime_env=devices_env(4)).remote()
 
 
+@pytest.fixture(scope="module")
+def eight():
+  """A consumer with eight devices, as many as the trainer."""
+  return Node.options(runtime_env=devices_env(8)).remote()
+
+
 def make(trainer, transport: str, build, *args):
   ref = trainer.make.options(tensor_transport=transport).remote(build, *args)
   wait_meta(ref)  # Ray lends a ref in a list only once it has its metadata
@@ -250,11 +256,10 @@ def test_mesh_to_mesh(trainer, wide, transport, src_spec, mesh, spec):
 
 
 @pytest.mark.parametrize("transport", ["jax_nixl", "jax_transfer"])
-def test_same_device_count_other_spec(trainer, transport):
+def test_same_device_count_other_spec(trainer, eight, transport):
   """8 devices to 8 devices, other layouts. On jax_transfer this is the case
   where a pull with the target sharding paired shards by position and
   delivered wrong values; the producer now cuts each target shard."""
-  eight = Node.options(runtime_env=devices_env(8)).remote()
   for mesh, spec in (((8,), (None, None)), ((4, 2), ("y", "x")), ((8,), ("x",))):
     ref = make(trainer, transport, sharded, ("a", "b"))
     got, stats, _ = ray.get(eight.fetch.remote([ref], transport, template_target, mesh, spec))
@@ -262,7 +267,6 @@ def test_same_device_count_other_spec(trainer, transport):
     assert got["w"]["mesh"] == dict(zip(("x", "y"), mesh)) and got["w"]["spec"] == spec
     assert len(got["w"]["devices"]) == 8
     assert stats["bytes"] == NBYTES
-  ray.kill(eight)
 
 
 def test_backend_without_partial_reads_moves_whole_chunks_and_cuts(trainer, wide):
@@ -407,11 +411,10 @@ def test_bad_target_at_fetch_start_when_metadata_was_unknown(trainer):
     ReceivePlan([spec], "source", Target(buffers={"['w']": rdt_jax.Slice((0,), into=np.zeros(2, np.float32))}))
 
 
-def test_two_sided_ref_refuses_targets(trainer):
+def test_two_sided_ref_refuses_targets(trainer, wide):
   from ray.experimental.collective import create_collective_group, destroy_collective_group
 
-  other = Node.remote()
-  group = create_collective_group([trainer, other], backend="torch_gloo")
+  group = create_collective_group([trainer, wide], backend="torch_gloo")
   try:
     ref = make(trainer, "jax_gloo", sharded, ("a", "b"))
     wait_meta(ref)
@@ -419,7 +422,6 @@ def test_two_sided_ref_refuses_targets(trainer):
       rdt_jax.set_target_for_ref(ref, {"w": rdt_jax.Slice[0:8]})
   finally:
     destroy_collective_group(group)
-    ray.kill(other)
 
 
 # ---- the plan itself, without Ray: runs and bytes
