@@ -8,14 +8,20 @@ JAX transfer server and offer service).
   (or at once on Ray's abort), holding no lock meanwhile;
 * an offer whose consumer left without pulling is withdrawn, so the
   producer's arrays are not kept;
-* connections to producers that are gone or idle are forgotten.
+* connections to producers that are gone or idle are forgotten;
+* a producer's host that cannot be reached is told from a producer that
+  exited.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import shlex
+import shutil
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -207,3 +213,44 @@ def test_metadata_without_a_producer_to_pull_from_is_refused(pair, field, value)
     _fetch(cons, obj_id, bad)
   assert wait_for(lambda: prod.num_pending_offers() == 0)
   prod.garbage_collect(obj_id, meta, _tree())
+
+
+#: Runs `_probe` against the address given as argv[1], with a 1 s connect
+#: timeout, and prints the error's message.
+_PROBE = """
+import sys
+from rdt_jax.transports import _transfer
+_transfer.CONNECT_TIMEOUT_S = 1.0
+try:
+  _transfer._probe((sys.argv[1], 9), "obj-1")
+except RuntimeError as e:
+  print(e)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("ip")),
+    reason="needs root, unshare and ip to make a network namespace of its own",
+)
+@pytest.mark.parametrize("network", ["no-route", "silent-link"])
+def test_an_unreachable_producer_host_is_told_from_a_dead_producer(network):
+  """Run in a network namespace of the test's own, where the producer's
+  address has no route (the kernel refuses at once) or lies behind a link
+  where nothing answers (a veth pair whose far end has no address: the
+  connect times out):
+  either way the error says the network is the problem, not the producer.
+  No packet leaves the namespace."""
+  setup = "set -e; ip link set lo up"
+  if network == "silent-link":
+    setup += (" && ip link add v0 type veth peer name v1 && ip addr add 10.201.7.1/24 dev v0"
+              " && ip link set v0 up && ip link set v1 up")
+  script = f"{setup}; exec {shlex.quote(sys.executable)} -c {shlex.quote(_PROBE)} 10.201.7.2"
+  start = time.monotonic()
+  proc = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+  elapsed = time.monotonic() - start
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  message = proc.stdout
+  assert "Cannot reach 10.201.7.2:9" in message and "object obj-1" in message, message
+  assert "has exited" not in message
+  assert ("timed out" in message) == (network == "silent-link"), message
+  assert elapsed < 60

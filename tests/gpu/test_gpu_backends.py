@@ -3,7 +3,8 @@
 Covers jax_nixl VRAM -> VRAM, VRAM -> host and host -> VRAM, jax_nccl over a
 backend="nccl" group, jax_transfer on GPU; jax, torch and cupy leaves mixed;
 bfloat16 and float8; empty and 0-d leaves; receive_as; targets and target
-devices (`cuda:N` honoured or refused by name); the device region pool
+devices (`cuda:N` honoured or refused by name); `Slice(into=...)` in CUDA
+memory refused by name; the device region pool
 (registered once, reused); producer stream order; sharded arrays across the
 local GPUs where there are two or more.
 
@@ -422,3 +423,21 @@ def test_sharded_across_local_gpus(gpu_ray):
   # On cuda: rebuilding shards there is not implemented yet, refused by name.
   message = ray.get(consumer.get.remote([producer.sharded.remote()], None))
   assert message == "ok" or ("['s']" in message and "sharded" in message)
+
+
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_slice_into_device_memory_is_refused_by_name(kind):
+  """A `Slice(into=...)` array in CUDA memory (a torch tensor or a cupy
+  array) is refused naming the leaf and the device: slices are planned and
+  copied in host memory, so writing one from the CPU would be wrong."""
+  from rdt_jax import _targets
+
+  if kind == "torch":
+    torch = pytest.importorskip("torch")
+    into = torch.zeros((2, 2), dtype=torch.float32, device="cuda:0")
+  else:
+    cupy = pytest.importorskip("cupy")
+    into = cupy.zeros((2, 2), dtype=cupy.float32)
+  leaf = _dlpack.describe(np.zeros((4, 2), np.float32), "['a']").spec
+  with pytest.raises(_dlpack.UnsupportedLeafError, match=r"\['a'\] has a Slice.into array in cuda:0 memory"):
+    _targets.leaf_layout(leaf, _dlpack.Slice((slice(0, 2),), into=into))
