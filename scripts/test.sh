@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# Bytecode of rdt_jax and the tests is written once and reused by every Ray
+# worker the suite starts (an environment may turn writing it off).
+unset PYTHONDONTWRITEBYTECODE
 if [ $# -eq 0 ]; then
   bash scripts/lint.sh
 fi
