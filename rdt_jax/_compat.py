@@ -131,6 +131,10 @@ def host_arrays_to_jax(views: list, device: Any) -> list:
   return jax.device_put(views, device)
 
 
+#: True once `host_shards_to_jax` found the private call missing or changed.
+_fast_shards_broken = False
+
+
 def host_shards_to_jax(views: list, devices: list, sharding: Any, shape: tuple[int, ...]) -> Any:
   """A jax array of global `shape` with `sharding`, each device's shard
   made from its host numpy view (`views[i]` for `devices[i]`, in the
@@ -142,10 +146,10 @@ def host_shards_to_jax(views: list, devices: list, sharding: Any, shape: tuple[i
   `jax.make_array_from_single_device_arrays` over one `jax.device_put` per
   shard.
   """
-  global _fast_put_broken
+  global _fast_shards_broken
   import jax
 
-  if not _fast_put_broken:
+  if not _fast_shards_broken:
     try:
       from jax._src import core
       from jax._src.lib import xla_client
@@ -153,7 +157,7 @@ def host_shards_to_jax(views: list, devices: list, sharding: Any, shape: tuple[i
       aval = core.ShapedArray(tuple(shape), views[0].dtype)
       return xla_client.batched_device_put(aval, sharding, list(views), list(devices), True, False)
     except (ImportError, AttributeError, TypeError):
-      _fast_put_broken = True
+      _fast_shards_broken = True
   shards = [jax.device_put(v, d) for v, d in zip(views, devices)]
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
 

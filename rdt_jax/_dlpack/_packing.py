@@ -7,10 +7,11 @@ host buffer at fixed offsets (`PackedLayout`) costs a pointer lookup and a
 `memmove` per leaf, and leaves one buffer to send.
 
 `Packer.pack` makes the checks of `describe` once per leaf placement, not
-per step: a single-device jax array whose sharding object it has seen on a
-host leaf before (jit outputs of one function share theirs) is copied after
-a pointer lookup alone; any other leaf goes through `describe`, which checks
-it in full and names it in any error.
+per step: a single-device jax array whose sharding object is the one the
+leaf at its position had when it was last checked (jit outputs of one
+function keep theirs from call to call) is copied after a pointer lookup
+alone; any other leaf goes through `describe`, which checks it in full and
+names it in any error.
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ class Packer:
       raise ValueError(f"{len(paths)} paths for a layout of {len(layout.sizes)} leaves")
     self.layout = layout
     self.paths = tuple(paths)
-    # id -> sharding object of a checked single-device host jax leaf (a jitted
-    # function's outputs keep theirs from call to call)
-    self._host_shardings: dict[int, Any] = {}
-    self._max_known = max(1024, 4 * len(paths))
+    # per leaf position: the sharding object of the single-device host jax
+    # leaf last checked there in full (a jitted function's outputs keep theirs
+    # from call to call), or None
+    self._checked: list[Any] = [None] * len(paths)
 
   def pack(self, leaves: Sequence[Any], base: int) -> None:
     """Copies each leaf's bytes to `base` plus its offset; returns when every
@@ -118,13 +119,13 @@ class Packer:
         describe(x, path)  # names a deleted leaf
       raise
     memmove = ctypes.memmove
-    known = self._host_shardings
-    for x, offset, size, path in zip(leaves, self.layout.offsets, self.layout.sizes, self.paths):
+    checked = self._checked
+    for i, (x, offset, size, path) in enumerate(zip(leaves, self.layout.offsets, self.layout.sizes, self.paths)):
       if not size:
         continue
       pointer = None
       sharding = getattr(x, "sharding", None)
-      if sharding is not None and known.get(id(sharding)) is sharding:
+      if sharding is not None and checked[i] is sharding:
         try:
           pointer = x.unsafe_buffer_pointer()
         except Exception:  # deleted since: describe names it
@@ -137,10 +138,7 @@ class Packer:
               path, f"has {nbytes} bytes where the structure it was published with has {size}",
               "Publish leaves of the structure's shapes and dtypes.",
           )
-        if framework_of(x) == "jax" and keep is x and sharding is not None:
-          if len(known) >= self._max_known:  # new sharding objects every step: start over
-            known.clear()
-          known[id(sharding)] = sharding
+        checked[i] = sharding if framework_of(x) == "jax" and keep is x else None
       memmove(base + offset, pointer, size)
       del keep
 
