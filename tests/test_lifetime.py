@@ -64,6 +64,9 @@ class Side:
   def take(self, value) -> str:
     return digest(value["x"])
 
+  def alive(self) -> bool:
+    return True
+
   def inline_fetches(self, transport: str) -> int:
     from _helpers import transport_manager
 
@@ -264,6 +267,28 @@ def test_gloo_killed_producer_ends_like_rays_gloo():
   for nbytes in SIZES:
     error = _killed("jax_gloo", nbytes, {})[0]
     assert isinstance(error, ActorDiedError), f"{nbytes} bytes: {type(error).__name__}: {error}"
+
+
+def test_gloo_send_that_ran_before_the_kill_ends_the_same_way():
+  """`ray.kill` is asynchronous: Ray may still hand the dying producer a
+  send, which it runs. The consumer's receive then completes and Ray kills
+  nobody; the consumer, which asks Ray about the producer once the bytes are
+  in place (held there by a fault delay while the test kills the producer),
+  raises `ActorDiedError` too, naming the producer, and lives on."""
+  env = {"RDT_JAX_FAULTS": "lifetime.check:delay=8", "RDT_JAX_FAULTS_ENABLE": "1"}
+  producer, consumer, group = _pair("jax_gloo", env)
+  try:
+    ref = _produce(producer, "jax_gloo", SIZES[0])
+    result = consumer.take.remote(ref)
+    time.sleep(3)  # the send has run and the receive completed: the consumer waits to check
+    ray.kill(producer)
+    error = _failure(lambda: ray.get(result, timeout=90))
+    assert isinstance(error, ActorDiedError), f"{type(error).__name__}: {error}"
+    assert error.actor_id == producer._actor_id.hex()
+    assert DIED.search(str(error)), str(error)
+    assert ray.get(consumer.alive.remote(), timeout=30)  # the receive completed: no kill followed
+  finally:
+    _close(group, producer, consumer)
 
 
 # ---- producer freed: Ray frees an object once no reference is left

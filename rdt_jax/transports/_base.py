@@ -51,7 +51,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _seam, _state, _targets
+from rdt_jax import _dlpack, _faults, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
@@ -517,17 +517,26 @@ class DlpackTransport(TensorTransportManager):
     """Raises the lifetime error if the producer of `obj_id` has died
     (`_lifetime.check_producer`); `failed`: the backend's move failed.
 
-    A two-sided move fails when its producer died before sending; Ray then
+    One-sided: `RayDirectTransportError` wrapping `ProducerDiedError`.
+    Two-sided: a move fails when its producer died before sending; Ray then
     kills both actors of the transfer (its rule for GLOO and NCCL), so the
     consumer waits for that kill (`ActorDiedError`, as with Ray's own
-    transports) rather than race it with an error of its own.
+    transports) rather than race it with an error of its own. A move that
+    completed from a send the producer ran before dying is followed by no
+    kill: `ProducerActorDiedError`, an `ActorDiedError` as well.
     """
-    try:
+    if _faults.ON:
+      _faults.hit("lifetime.check")
+    if self.is_one_sided():
       self._wrap_errors(obj_id, _lifetime.check_producer, obj_id, producer)
-    except Exception:
-      if failed and not self.is_one_sided():
+      return
+    if producer is None:
+      return  # stored by the driver: no producer actor to outlive
+    message = self._wrap_errors(obj_id, _lifetime.died, obj_id, producer)
+    if message is not None:
+      if failed:
         _lifetime.await_kill()
-      raise
+      raise _lifetime.ProducerActorDiedError(message, producer)
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
     if request.handle is not None:

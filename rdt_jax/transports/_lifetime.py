@@ -14,7 +14,12 @@ after any failure of the backend, so
 Two-sided backends (`jax_gloo`, `jax_nccl`) follow Ray's rule for its own
 GLOO and NCCL: a transfer whose producer died before sending ends with Ray
 killing both actors, so the consumer's task fails with `ActorDiedError`; the
-consumer waits for that kill (`await_kill`) instead of racing it.
+consumer waits for that kill (`await_kill`) instead of racing it. A send that
+ran in the dying producer before its death (`ray.kill` is asynchronous: Ray
+may still hand the producer's process a send after it recorded the death)
+completes a receive that no kill follows; the consumer then raises
+`ProducerActorDiedError`, an `ActorDiedError` too, so a two-sided consumer
+sees one error type whichever of the two raced ahead.
 
 An object's producer is the actor that stored it (`DlpackTransportMetadata
 .producer`); objects the driver stores have none (the driver's exit ends the
@@ -28,9 +33,11 @@ from __future__ import annotations
 import threading
 import time
 
+from ray.exceptions import ActorDiedError
+
 from rdt_jax import _seam
 
-__all__ = ["ProducerDiedError", "await_kill", "check_producer", "producer_id"]
+__all__ = ["ProducerActorDiedError", "ProducerDiedError", "await_kill", "check_producer", "died", "producer_id"]
 
 #: Seconds a consumer of a two-sided transfer waits, past Ray's own RDT fetch
 #: timeout, for the kill Ray sends after a failed send (`await_kill`).
@@ -47,6 +54,19 @@ class ProducerDiedError(RuntimeError):
   """The actor that produced an RDT object has died; the object died with it."""
 
 
+class ProducerActorDiedError(ActorDiedError):
+  """Two-sided transports: the producer of an RDT object has died, the object
+  with it, and this consumer was not killed with it (its receive completed
+  from a send the producer ran before dying). An `ActorDiedError`, as when Ray
+  kills both actors of a failed two-sided transfer; `actor_id` is the
+  producer's."""
+
+  def __init__(self, message: str, actor_id: str) -> None:
+    super().__init__()
+    self.error_msg = message
+    self.actor_id = actor_id
+
+
 def producer_id() -> str | None:
   """Producer: the id to record in an object's metadata (this actor's, or
   None in a driver or task)."""
@@ -56,14 +76,23 @@ def producer_id() -> str | None:
 def check_producer(obj_id: str, producer: str | None) -> None:
   """Consumer: refuses object `obj_id` if its producer actor has died.
 
+  Raises:
+    ProducerDiedError: naming the object and the producer actor (`died`).
+  """
+  message = died(obj_id, producer)
+  if message is not None:
+    raise ProducerDiedError(message)
+
+
+def died(obj_id: str, producer: str | None) -> str | None:
+  """Consumer: the lifetime error's message if the producer of object
+  `obj_id` has died, else None (also for an object with no producer).
+
   A dead actor stays dead: the answer is remembered per actor, so only the
   first fetch after a death, and fetches from live producers, ask Ray.
-
-  Raises:
-    ProducerDiedError: naming the object and the producer actor.
   """
   if producer is None:
-    return
+    return None
   with _lock:
     dead = producer in _dead
   if not dead and _seam.actor_dead(producer):
@@ -72,11 +101,12 @@ def check_producer(obj_id: str, producer: str | None) -> None:
       while len(_dead) > MAX_DEAD_REMEMBERED:
         del _dead[next(iter(_dead))]
     dead = True
-  if dead:
-    raise ProducerDiedError(
-        f"The producer of object {obj_id} (actor {producer}) has died: the object died with it. "
-        "Keep the producing actor alive until every consumer has fetched the object."
-    )
+  if not dead:
+    return None
+  return (
+      f"The producer of object {obj_id} (actor {producer}) has died: the object died with it. "
+      "Keep the producing actor alive until every consumer has fetched the object."
+  )
 
 
 def await_kill() -> None:
