@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import threading
 import zlib
 from array import array
@@ -258,13 +259,16 @@ class _Leaf:
   framework: str = "jax"  # new, from a Slice without `into`: the receive mode's framework
   layout: Any = None  # new, placed with a sharding: its `TargetLayout` (one staged piece per distinct shard)
   pieces: list[tuple[int, tuple[int, ...]]] | None = None  # (offset in the leaf's staging, shape) per piece
+  build: Callable[[list[np.ndarray]], Any] | None = None  # new, placed with a sharding: makes it from its pieces
+  spans: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)  # new: (start, stop,
+  # shape) in the pool buffer of each piece (of the whole leaf if it has no pieces), fixed by the plan
 
   @property
   def span(self) -> int:
     """Bytes this leaf takes in the pool buffer."""
     if self.pieces is not None and self.dtype is not None:
       itemsize = self.dtype.itemsize
-      return sum(_dlpack.aligned(int(np.prod(shape)) * itemsize) for _, shape in self.pieces)
+      return sum(_dlpack.aligned(math.prod(shape) * itemsize) for _, shape in self.pieces)
     return _dlpack.aligned(sum(n for _, _, n in self.runs))
 
 
@@ -288,6 +292,12 @@ class PackedPlan:
     self.info = info
     self.atomic = atomic
     self.leaves: list[_Leaf] = []
+    #: Sharded placements already laid out, by (box, dtype, sharding): leaves
+    #: of one shape and sharding (most of a model's) share the work.
+    self._sharded: dict[tuple[Any, ...], tuple[Any, list[tuple[int, tuple[int, ...]]], list[tuple[int, int, int]],
+                                               Callable[[list[np.ndarray]], Any]]] = {}
+    #: Copy runs relative to a leaf's offset, by (shape's box, received box, itemsize).
+    self._runs: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}
     staged = 0
     layout = info.layout
     for i, (path, kind, shape, what) in enumerate(entries):
@@ -295,6 +305,8 @@ class PackedPlan:
       if leaf.kind == "new" or atomic:
         leaf.staged = staged
         staged += leaf.span
+      if leaf.kind == "new":
+        leaf.spans = _spans(leaf)
       self.leaves.append(leaf)
     self.staging_bytes = staged
     self._in_place = [leaf for leaf in self.leaves if leaf.kind == "in_place"]
@@ -319,7 +331,16 @@ class PackedPlan:
       box = target.box(tuple(shape), path)
       into = target.into
     full = _dlpack.full_box(tuple(shape))
-    runs = [(d, offset + s, n) for s, d, n in _dlpack.copy_runs(full, box, box, dtype.itemsize)] if size else []
+
+    def runs() -> list[tuple[int, int, int]]:
+      if not size:
+        return []
+      key = (full, box, dtype.itemsize)
+      rel = self._runs.get(key)
+      if rel is None:
+        rel = self._runs[key] = [(d, s, n) for s, d, n in _dlpack.copy_runs(full, box, box, dtype.itemsize)]
+      return [(d, offset + s, n) for d, s, n in rel]
+
     out_shape = _dlpack.box_shape(box)
     fw = _dlpack.framework_of(into)
     returned = target.into if isinstance(target, _dlpack.Slice) else target
@@ -334,10 +355,10 @@ class PackedPlan:
             path, "is a template array that is not C-contiguous and writable",
             "Give a contiguous, writable array.")
       if _dlpack.device_of(into).kind == "cpu" and fw != "cupy":
-        return _Leaf(i, path, "in_place", runs, array=into, pointer=_dlpack.buffer_pointer(into),
+        return _Leaf(i, path, "in_place", runs(), array=into, pointer=_dlpack.buffer_pointer(into),
                      returned=returned)
       # Device memory: the bytes arrive on the host, then are copied in.
-      return _Leaf(i, path, "new", runs, array=into, returned=returned, shape=out_shape, dtype=dtype,
+      return _Leaf(i, path, "new", runs(), array=into, returned=returned, shape=out_shape, dtype=dtype,
                    framework="copy")
     framework = "jax"
     if isinstance(target, _dlpack.Slice) and into is None:
@@ -347,17 +368,25 @@ class PackedPlan:
       _dlpack.check_x64(dtype, path)
     place = _dlpack.jax_placement(into)
     if framework != "jax" or place is None or not size or not _dlpack.is_cpu_sharding(place):
-      return _Leaf(i, path, "new", runs, shape=out_shape, dtype=dtype, place=place, framework=framework)
+      return _Leaf(i, path, "new", runs(), shape=out_shape, dtype=dtype, place=place, framework=framework)
     # Placed with a sharding: each distinct shard is staged on its own, so
     # every device's array is made from its own host view without a copy.
-    layout = _dlpack.target_layout(box, place, path)
-    runs, pieces, at = [], [], 0
-    for piece in layout.pieces:
-      pieces.append((at, _dlpack.box_shape(piece)))
-      runs += [(at + d, offset + s, n) for s, d, n in _dlpack.copy_runs(full, piece, piece, dtype.itemsize)]
-      at += _dlpack.aligned(int(np.prod(_dlpack.box_shape(piece))) * dtype.itemsize)
-    return _Leaf(i, path, "new", runs, shape=out_shape, dtype=dtype, place=place, framework=framework,
-                 layout=layout, pieces=pieces)
+    key = (box, dtype.str, place)
+    known = self._sharded.get(key)
+    if known is None:
+      layout = _dlpack.target_layout(box, place, path)
+      rel: list[tuple[int, int, int]] = []
+      pieces: list[tuple[int, tuple[int, ...]]] = []
+      at = 0
+      for piece in layout.pieces:
+        piece_shape = _dlpack.box_shape(piece)
+        pieces.append((at, piece_shape))
+        rel += [(at + d, s, n) for s, d, n in _dlpack.copy_runs(full, piece, piece, dtype.itemsize)]
+        at += _dlpack.aligned(math.prod(piece_shape) * dtype.itemsize)
+      known = self._sharded[key] = (layout, pieces, rel, _dlpack.sharded_builder(layout, dtype, path))
+    layout, pieces, rel, build = known
+    return _Leaf(i, path, "new", [(d, offset + s, n) for d, s, n in rel], shape=out_shape, dtype=dtype,
+                 place=place, framework=framework, layout=layout, pieces=pieces, build=build)
 
   # ---- per pull
 
@@ -423,17 +452,11 @@ class PackedPlan:
         out[leaf.index] = leaf.returned
     for leaf in self._new:
       assert buffer is not None and leaf.dtype is not None
-      if leaf.layout is not None:
-        assert leaf.pieces is not None
-        views = [
-            buffer[leaf.staged + at : leaf.staged + at + int(np.prod(shape)) * leaf.dtype.itemsize]
-            .view(leaf.dtype).reshape(shape)
-            for at, shape in leaf.pieces
-        ]
-        out[leaf.index] = _dlpack.build_sharded(views, leaf.layout, leaf.path)
+      if leaf.build is not None:
+        out[leaf.index] = leaf.build([buffer[a:b].view(leaf.dtype).reshape(shape) for a, b, shape in leaf.spans])
         continue
-      n = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-      view = buffer[leaf.staged : leaf.staged + n].view(leaf.dtype).reshape(leaf.shape)
+      a, b, shape = leaf.spans[0]
+      view = buffer[a:b].view(leaf.dtype).reshape(shape)
       if leaf.framework == "copy":
         _dlpack.copy_into(leaf.array, view)
         _dlpack.mark_written(leaf.array)
@@ -449,6 +472,19 @@ class PackedPlan:
       for (i, _, leaf), x in zip(host_jax, made):
         out[i] = _finish_jax(x, leaf)
     return out
+
+
+def _spans(leaf: _Leaf) -> list[tuple[int, int, tuple[int, ...]]]:
+  """(start, stop, shape) in the pool buffer of each piece of a new leaf
+  (one span for a leaf without pieces)."""
+  assert leaf.dtype is not None
+  itemsize = leaf.dtype.itemsize
+  pieces = leaf.pieces if leaf.pieces is not None else [(0, leaf.shape)]
+  out = []
+  for at, shape in pieces:
+    start = leaf.staged + at
+    out.append((start, start + math.prod(shape) * itemsize, tuple(shape)))
+  return out
 
 
 def _put(view: np.ndarray, place: Any) -> Any:

@@ -82,6 +82,7 @@ from rdt_jax._dlpack._sharding import full_box as full_box
 from rdt_jax._dlpack._sharding import intersect as intersect
 from rdt_jax._dlpack._sharding import is_sharding as is_sharding
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
+from rdt_jax._dlpack._sharding import sharded_builder as sharded_builder
 from rdt_jax._dlpack._sharding import source_boxes as source_boxes
 from rdt_jax._dlpack._sharding import spec_problem as spec_problem
 from rdt_jax._dlpack._sharding import target_layout as target_layout
@@ -134,6 +135,7 @@ __all__ = [  # noqa: RUF022
     "wrap_prng_key",
     # Rebuilding received leaves from host views or device byte views.
     "build_sharded",
+    "sharded_builder",
     "host_to_jax_many",
     "rebuild_device",
     "rebuild_host",

@@ -8,6 +8,7 @@ Describing a sharded array (one chunk per distinct shard) is `_jax`'s.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -580,3 +581,21 @@ def build_sharded(views: list[np.ndarray], layout: TargetLayout, path: str) -> A
   return _compat.host_shards_to_jax(
       [views[p] for p in layout.device_pieces], list(layout.devices), layout.sharding, layout.shape
   )
+
+
+def sharded_builder(layout: TargetLayout, dtype: np.dtype, path: str) -> Callable[[list[np.ndarray]], Any]:
+  """`build_sharded` prepared for arrays of one layout and dtype: a function
+  of the piece views alone (one per `layout.pieces`, in order), for a caller
+  that builds such an array at every pull of a weight stream.
+
+  Raises:
+    UnsupportedLeafError: for a 64-bit dtype while x64 is off (`check_x64`),
+      when prepared.
+  """
+  _jax.check_x64(dtype, path)
+  put = _compat.host_shards_putter(list(layout.devices), layout.sharding, layout.shape, dtype)
+  order = layout.device_pieces
+  if order == tuple(range(len(order))):
+    return put
+  return lambda views: put([views[p] for p in order])
+
