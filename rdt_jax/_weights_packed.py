@@ -175,14 +175,26 @@ class Stream:
     self._treedef: Any = None
     self._signature: list[Any] | None = None
     self._digest: str | None = None
+    self._split_treedef: Any = None
+    self._split_types: list[type] = []
+    self._positions: list[int] = []
 
   def split(self, tree: Any) -> tuple[Any, list[Any], list[int], list[Any]]:
-    """(treedef, array leaves, their positions, the other leaves) of `tree`."""
+    """(treedef, array leaves, their positions, the other leaves) of `tree`.
+    Which leaves are arrays depends on their types alone: a tree of the last
+    split's structure and leaf types reuses its positions."""
     import jax
 
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    positions = [i for i, x in enumerate(leaves) if _dlpack.is_array(x) or _dlpack.is_prng_key(x)]
+    types = list(map(type, leaves))
+    if self._split_treedef is not None and treedef == self._split_treedef and types == self._split_types:
+      positions = self._positions
+    else:
+      positions = [i for i, x in enumerate(leaves) if _dlpack.is_array(x) or _dlpack.is_prng_key(x)]
+      self._split_treedef, self._split_types, self._positions = treedef, types, positions
     arrays = [leaves[i] for i in positions]
+    if len(positions) == len(leaves):
+      return treedef, arrays, positions, []
     taken = set(positions)
     rest = [x for i, x in enumerate(leaves) if i not in taken]
     return treedef, arrays, positions, rest

@@ -233,3 +233,23 @@ def test_prepared_node_local_read_of_this_process():
   node_local.read(_process.identity(), prepared)
   assert np.array_equal(dst[::2], src[::2]) and not dst[1::2].any()
   assert os.getpid() == _process.identity()[2]
+
+
+def test_stream_split_reuses_positions_only_for_the_same_leaf_types():
+  """A publisher's split of a known structure reuses where its array leaves
+  are; a tree of the same structure whose leaf types changed is split anew."""
+  from rdt_jax import _weights_packed as packed
+
+  stream = packed.Stream(2)
+  first = {"a": jnp.ones(2), "b": 3}
+  _, arrays, positions, rest = stream.split(first)
+  assert positions == [0] and arrays[0] is first["a"] and rest == [3]
+  swapped = {"a": 4, "b": np.ones(2)}  # the same treedef, other leaf types
+  _, arrays, positions, rest = stream.split(swapped)
+  assert positions == [1] and arrays[0] is swapped["b"] and rest == [4]
+  again = {"a": jnp.zeros(2), "b": 5}
+  _, arrays, positions, rest = stream.split(again)
+  assert positions == [0] and arrays[0] is again["a"] and rest == [5]
+  both = {"a": jnp.zeros(2), "b": torch.ones(2)}
+  _, arrays, positions, rest = stream.split(both)
+  assert positions == [0, 1] and rest == []

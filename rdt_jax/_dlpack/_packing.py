@@ -96,6 +96,8 @@ class Packer:
     # leaf last checked there in full (a jitted function's outputs keep theirs
     # from call to call), or None
     self._checked: list[Any] = [None] * len(paths)
+    #: (position, offset, size) of every leaf with bytes to copy
+    self._nonempty = [(i, o, n) for i, (o, n) in enumerate(zip(layout.offsets, layout.sizes)) if n]
 
   def pack(self, leaves: Sequence[Any], base: int) -> None:
     """Copies each leaf's bytes to `base` plus its offset; returns when every
@@ -120,9 +122,8 @@ class Packer:
       raise
     memmove = ctypes.memmove
     checked = self._checked
-    for i, (x, offset, size, path) in enumerate(zip(leaves, self.layout.offsets, self.layout.sizes, self.paths)):
-      if not size:
-        continue
+    for i, offset, size in self._nonempty:
+      x = leaves[i]
       pointer = None
       sharding = getattr(x, "sharding", None)
       if sharding is not None and checked[i] is sharding:
@@ -132,6 +133,7 @@ class Packer:
           pointer = None
       keep: Any = None
       if pointer is None:
+        path = self.paths[i]
         pointer, nbytes, keep = _host_source(x, path)
         if nbytes != size:
           raise UnsupportedLeafError(
