@@ -15,8 +15,8 @@ import functools
 import importlib
 import logging
 import os
-from types import ModuleType
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 
@@ -154,8 +154,8 @@ def host_shards_putter(devices: list, sharding: Any, shape: tuple[int, ...], dty
   """`host_shards_to_jax` prepared for one global shape, dtype and sharding:
   a function of the shard views alone, for a caller that makes arrays of one
   kind again and again (a weight subscriber's leaf at every pull). It does
-  per call only the private call (about 11 us for two shards); the
-  abstract value and the device list are made once here."""
+  per call only the private call; the abstract value and the device list
+  are made once here."""
   global _fast_shards_broken
   import jax
 

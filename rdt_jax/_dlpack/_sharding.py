@@ -598,4 +598,3 @@ def sharded_builder(layout: TargetLayout, dtype: np.dtype, path: str) -> Callabl
   if order == tuple(range(len(order))):
     return put
   return lambda views: put([views[p] for p in order])
-
