@@ -577,10 +577,7 @@ def build_sharded(views: list[np.ndarray], layout: TargetLayout, path: str) -> A
   Raises:
     UnsupportedLeafError: for a 64-bit dtype while x64 is off (`check_x64`).
   """
-  _jax.check_x64(views[0].dtype, path)
-  return _compat.host_shards_to_jax(
-      [views[p] for p in layout.device_pieces], list(layout.devices), layout.sharding, layout.shape
-  )
+  return sharded_builder(layout, views[0].dtype, path)(views)
 
 
 def sharded_builder(layout: TargetLayout, dtype: np.dtype, path: str) -> Callable[[list[np.ndarray]], Any]:
