@@ -17,6 +17,7 @@ import contextlib
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,20 +91,53 @@ def end_serialization() -> None:
     serializing.gc_pause = None
 
 
+#: Structures whose leaf paths are kept (`leaf_path`), most recently used last.
+PATHS_KEPT = 16
+_paths_by_structure: OrderedDict[Any, tuple[str, ...]] = OrderedDict()
+_paths_lock = threading.Lock()
+
+
 def leaf_path(leaf: Any) -> str:
   """The pytree path of `leaf` in the value being serialized ("" if unknown)."""
   if serializing.paths is None:
-    import jax
-
-    paths: dict[int, str] = {}
-    try:
-      flat, _ = jax.tree_util.tree_flatten_with_path(serializing.root)
-    except Exception:  # a value jax cannot flatten: paths stay unknown
-      flat = []
-    for path, x in flat:
-      paths.setdefault(id(x), jax.tree_util.keystr(path))
-    serializing.paths = paths
+    serializing.paths = _paths_of(serializing.root)
   return serializing.paths.get(id(leaf), "")
+
+
+def _paths_of(root: Any) -> dict[int, str]:
+  """id -> pytree path of each leaf of `root` (the first path of a leaf that
+  appears twice); {} for a value jax cannot flatten.
+
+  The paths of a structure are computed once (`tree_flatten_with_path` and
+  a `keystr` per leaf) and kept for the last `PATHS_KEPT` structures, keyed
+  by treedef: a value of a structure seen before costs a `tree_flatten`."""
+  import jax
+
+  try:
+    flat, treedef = jax.tree_util.tree_flatten(root)
+  except Exception:  # a value jax cannot flatten: paths stay unknown
+    return {}
+  with _paths_lock:
+    names = _paths_by_structure.get(treedef)
+    if names is not None:
+      _paths_by_structure.move_to_end(treedef)
+  if names is None or len(names) != len(flat):
+    try:
+      with_path, _ = jax.tree_util.tree_flatten_with_path(root)
+    except Exception:
+      return {}
+    names = tuple(jax.tree_util.keystr(path) for path, _ in with_path)
+    if len(names) != len(flat):
+      return {}
+    with _paths_lock:
+      _paths_by_structure[treedef] = names
+      while len(_paths_by_structure) > PATHS_KEPT:
+        _paths_by_structure.popitem(last=False)
+  paths: dict[int, str] = {}
+  setdefault = paths.setdefault
+  for name, x in zip(names, flat):
+    setdefault(id(x), name)
+  return paths
 
 
 def set_leaf_path(leaf: Any, path: str) -> None:

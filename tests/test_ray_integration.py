@@ -209,6 +209,28 @@ def test_an_expired_handoff_is_dropped(monkeypatch):
   assert [leaf.path for leaf in meta.leaves] == ["<leaf 0>"]
 
 
+def test_a_structure_seen_before_names_each_new_leaf_by_its_path():
+  _, leaves = _serialize({"a": jnp.zeros(2), "b": {"c": jnp.ones(3)}})
+  del leaves  # its hand-off goes with it
+  gc.collect()
+  dead = jnp.ones(3)
+  dead.delete()
+  # Same structure, new leaves: the kept paths are matched to these leaves.
+  with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['b'\]\['c'\]"):
+    _serialize({"a": jnp.zeros(2), "b": {"c": dead}})
+  assert _state.pending_handoffs() == 0
+
+
+def test_leaf_paths_are_kept_for_a_bounded_number_of_structures():
+  for i in range(_state.PATHS_KEPT + 5):
+    shared = np.ones(1)
+    tree = {f"k{i}": np.zeros(1), "x": [shared, shared]}
+    paths = _state._paths_of(tree)
+    assert paths[id(tree[f"k{i}"])] == f"['k{i}']"
+    assert paths[id(shared)] == "['x'][0]"  # a leaf met twice: its first path
+  assert len(_state._paths_by_structure) <= _state.PATHS_KEPT
+
+
 # --------------------------------------------------------------------------
 # Reducers are chained, not overwritten.
 
@@ -291,12 +313,42 @@ class Maker:
   def make(self, n: int):
     return {"a": jnp.arange(n, dtype=jnp.float32), "b": np.arange(n, dtype=np.int64)}
 
+  @ray.method(tensor_transport="jax_nixl")
+  def containers(self):
+    return {
+        1: [jnp.arange(2, dtype=jnp.int32), (np.arange(3, dtype=np.int16), "s")],
+        (2, "t"): None,
+        "empty": [],
+        "z": {"b": 1.5, "a": [jnp.ones(1)]},
+    }
+
+  @ray.method(tensor_transport="jax_nixl")
+  def a_list(self):
+    return [jnp.arange(2, dtype=jnp.int32), {"k": (jnp.zeros(1),)}]
+
 
 @pytest.fixture(scope="module")
 def maker():
   m = Maker.remote()
   yield m
   ray.kill(m)
+
+
+def test_dict_and_list_values_keep_their_containers_keys_and_order(maker):
+  # Ray's serializer is handed dicts and lists pickled whole (`_seam._whole`):
+  # what arrives is the same value, container types, key types and order included.
+  got = ray.get(maker.containers.remote())
+  assert list(got) == [1, (2, "t"), "empty", "z"]
+  assert type(got[1]) is list and type(got[1][1]) is tuple and got[1][1][1] == "s"
+  np.testing.assert_array_equal(got[1][0], np.arange(2))
+  assert isinstance(got[1][0], jax.Array) and isinstance(got[1][1][0], np.ndarray)
+  np.testing.assert_array_equal(got[1][1][0], np.arange(3, dtype=np.int16))
+  assert got[(2, "t")] is None and got["empty"] == []
+  assert list(got["z"]) == ["b", "a"] and got["z"]["b"] == 1.5
+  np.testing.assert_array_equal(got["z"]["a"][0], np.ones(1))
+  listed = ray.get(maker.a_list.remote())
+  assert type(listed) is list and type(listed[1]["k"]) is tuple
+  np.testing.assert_array_equal(listed[0], np.arange(2))
 
 
 def test_rays_set_target_for_ref_receives_into_the_buffers(maker):

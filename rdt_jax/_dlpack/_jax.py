@@ -83,15 +83,20 @@ def describe(x: Any, path: str) -> DescribedLeaf:
     )
   check_alive(x, path)
   dtype = check_dtype(np.dtype(x.dtype), path)
-  check_placement(x, path)
   devices_set = x.sharding.device_set
   if len(devices_set) == 1:
     # Fast path: a leaf on one device this process has seen before (checks
-    # done once per device, not per leaf: they dominate objects of many leaves).
+    # done once per device, not per leaf: they dominate objects of many
+    # leaves). On a cpu every memory kind is host memory: only the layout
+    # is checked (`placement_problem`).
     known = _LOCAL_DEVICES.get(next(iter(devices_set)))
     if known is not None:
+      _raise_placement(_layout_problem(x) if known.kind == "cpu" else placement_problem(x), path)
       x.block_until_ready()
-      return single_chunk(x.shape, path, "jax", dtype, known.kind, known.index, pointer(x), x)
+      shape = x.shape
+      address = 0 if 0 in shape else int(x.unsafe_buffer_pointer())
+      return single_chunk(shape, path, "jax", dtype, known.kind, known.index, address, x)
+  check_placement(x, path)
   if not x.is_fully_addressable:
     raise UnsupportedLeafError(
         path,
@@ -181,7 +186,11 @@ def check_placement(x: Any, path: str) -> None:
     UnsupportedLeafError: naming the leaf, the layout or memory kind found and
       how to move it to the default one.
   """
-  problem = placement_problem(x)
+  _raise_placement(placement_problem(x), path)
+
+
+def _raise_placement(problem: str | None, path: str) -> None:
+  """Raises `check_placement`'s error for `problem` (nothing for None)."""
   if problem is not None:
     raise UnsupportedLeafError(
         path, problem,

@@ -48,7 +48,10 @@ def fits(device: str | None, meta: DlpackTransportMetadata) -> bool:
   `device` (one kind for all) described by `meta` travels in band."""
   if device is None or memory_kind(_dlpack.Device(device)) != "host":  # type: ignore[arg-type]
     return False
-  return meta.nbytes <= inline_max_bytes()
+  limit = inline_max_bytes()
+  if limit == 0:  # off: an object without bytes still needs no export (stops at the first byte)
+    return not any(leaf.nbytes for leaf in meta.leaves)
+  return meta.nbytes <= limit
 
 
 def carried(meta: DlpackTransportMetadata | None) -> bool:

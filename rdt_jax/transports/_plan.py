@@ -288,9 +288,19 @@ class ReceivePlan:
       self._host_region = _dlpack.host_pool.region_of(self.host)
       self._host_base = _dlpack.host_pointer(self.host)
     source = 0
+    out = self.destinations
+    host, base, region = self.host, self._host_base, self._host_region
     for plan in self.plans:
       if plan.layout is not None and reads_parts:
-        self.destinations.extend(self._runs(plan, source))
+        out.extend(self._runs(plan, source))
+      elif region is not None and plan.host_offsets and not plan.in_place:
+        # The common case, inlined (`_destination`'s pooled host branch): it
+        # runs once per chunk of every object.
+        assert host is not None
+        device = plan.device
+        for i, (offset, chunk) in enumerate(zip(plan.host_offsets, plan.spec.chunks)):
+          n = chunk.nbytes
+          out.append(Destination(base + offset, n, device, host[offset : offset + n], region, True, source + i))
       else:
         for i, chunk in enumerate(plan.spec.chunks):
           d = self._destination(plan, i, chunk.nbytes)
@@ -444,15 +454,28 @@ class ReceivePlan:
     return leaves
 
   def _build_all(self) -> list[Any]:
-    leaves = [self._build_leaf(p) for p in self.plans]
     # Host leaves arriving as jax are made in one call per device: jax's
     # per-array overhead dominates objects of many small leaves.
+    leaves: list[Any] = []
     batches: dict[Device, list[int]] = {}
-    for i, leaf in enumerate(leaves):
+    host = self.host
+    for p in self.plans:
+      spec = p.spec
+      if p.framework == "jax" and p.target is None and p.layout is None and len(p.host_offsets) == 1 \
+          and spec.sharding is None:
+        # The common case, inlined (`_build_leaf`'s host jax branch).
+        assert host is not None
+        offset, chunk = p.host_offsets[0], spec.chunks[0]
+        batches.setdefault(p.device, []).append(len(leaves))
+        leaves.append(host[offset : offset + chunk.nbytes].view(spec.dtype).reshape(chunk.shape))
+        continue
+      leaf = self._build_leaf(p)
       if isinstance(leaf, _JaxPending):
-        batches.setdefault(leaf.device, []).append(i)
+        batches.setdefault(leaf.device, []).append(len(leaves))
+        leaf = leaf.view
+      leaves.append(leaf)
     for device, indices in batches.items():
-      arrays = _dlpack.host_to_jax_many([leaves[i].view for i in indices], device)
+      arrays = _dlpack.host_to_jax_many([leaves[i] for i in indices], device)
       for i, array in zip(indices, arrays):
         leaves[i] = array
     return leaves

@@ -134,6 +134,7 @@ def read_pairs(
     if c.nbytes:
       slot[i] = len(slot)
   local, remote, regions = [], [], []
+  device_index: dict[Any, int] = {}  # nixl_memory per device, once
   for n, d in enumerate(dests):
     k = slot.get(d.source, -1) if d.source >= 0 else n
     if not (
@@ -144,7 +145,10 @@ def read_pairs(
           obj_id, f"chunks[{d.source}]",
           f"is read at offset {d.source_offset} for {d.nbytes} bytes, outside the chunk the producer registered",
       )
-    local.append((d.pointer, d.nbytes, nixl_memory(d.device)[1].index))
+    index = device_index.get(d.device)
+    if index is None:
+      index = device_index[d.device] = nixl_memory(d.device)[1].index
+    local.append((d.pointer, d.nbytes, index))
     remote.append((meta.addresses[k] + d.source_offset, d.nbytes, meta.device_ids[k]))
     regions.append((d.region, meta.regions[k], n) if d.part else (d.region, meta.regions[k]))
   return local, remote, regions
