@@ -1,9 +1,10 @@
 """Weight sync: a trainer publishes versions of its parameters; generators pull
 them into live parameters.
 
-`WeightPublisher` (in the trainer's actor) stores each version as one RDT
-object of its transport and hands out a `WeightsHandle`: the version, the
-object's ref, the publisher's actor and a digest of the value's structure.
+`WeightPublisher` (in the trainer's actor) keeps each version readable and
+hands out a `WeightsHandle`: the version, the publisher's actor, a digest of
+the value's structure and, for a version sent as a pytree, the ref of its RDT
+object.
 `WeightSubscriber` (in a generator) pulls a handle's version into its
 template: torch and numpy leaves are written in place, jax leaves arrive
 with the template's sharding, `rdt_jax.Slice` leaves receive one index range.
@@ -13,8 +14,10 @@ Two ways a version travels, chosen by the publisher per structure:
 * packed (`jax_nixl`, every array leaf in host memory): the leaves are
   copied into one pooled buffer per version, and subscribers copy their
   leaves out of it, node-locally straight from the publisher's memory or
-  through one NIXL READ (`rdt_jax._weights_packed`); per step each side
-  pays a copy per leaf and no per-leaf registration, metadata or plan;
+  through one NIXL READ of the buffer as an RDT object, which the publisher
+  makes when the first subscriber elsewhere asks for it
+  (`rdt_jax._weights_packed`); per step each side pays a copy per leaf and
+  no per-leaf registration, metadata or plan;
 * as a pytree (device leaves, or `jax_transfer`): one RDT object of the
   tree, pulled with `rdt_jax.set_target_for_ref` and `ray.get`.
 
@@ -94,13 +97,17 @@ class WeightsHandle:
 
   Picklable and small (under 4 KiB pickled, whatever the weights' size):
   passing it through Ray (as an argument or a return value) moves no weight
-  bytes. It holds a reference to the version's RDT object; the publisher
-  frees the object when the version leaves its `keep` window, whether or not
-  handles to it remain.
+  bytes. A version sent as a pytree is one RDT object, whose ref the handle
+  holds. A packed version has none at first: subscribers on the trainer's
+  host read it without one, and the first subscriber elsewhere asks the
+  publisher to make it (once per version; later ones share it). The
+  publisher frees the object when the version leaves its `keep` window,
+  whether or not handles to it remain.
 
   Attributes:
     version: the version number given to `WeightPublisher.publish`.
-    ref: the `ray.ObjectRef` of the version's RDT object.
+    ref: the `ray.ObjectRef` of the version's RDT object; None for a packed
+      version (its object, if a subscriber needs one, is made on request).
     publisher: the publisher's id.
     actor: the handle of the actor the publisher lives in.
     structure: a digest of the value's structure (leaf paths, shapes,
@@ -116,6 +123,14 @@ class WeightsHandle:
   actor: Any
   structure: str
   packed: _packed.PackedSource | None = None
+
+
+def _label(handle: WeightsHandle) -> str:
+  """How errors name `handle`'s version: its RDT object's id, or for a
+  packed version without one, the version and its publisher."""
+  if handle.ref is not None:
+    return str(handle.ref.hex())
+  return f"v{handle.version} of publisher {handle.publisher}"
 
 
 # --------------------------------------------------------------------------
@@ -210,6 +225,16 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
 # Publisher
 
 
+@dataclass
+class _Kept:
+  """A version its publisher keeps readable."""
+
+  version: int
+  ref: Any  # its RDT object's ref; for a packed version None until a subscriber asks (`_object_of`)
+  digest: str  # its structure's
+  buffer: Any  # a packed version's buffer, else None
+
+
 #: The publishers of this process by id, for the queries subscribers send.
 _publishers: Final[weakref.WeakValueDictionary[str, WeightPublisher]] = weakref.WeakValueDictionary()
 
@@ -223,6 +248,17 @@ def _query(_actor: Any, publisher: str, structure: str | None) -> tuple[tuple[in
   if pub is None:
     return None, None
   return pub._answer(structure)
+
+
+def _object_query(_actor: Any, publisher: str, version: int) -> tuple[list[Any] | None, tuple[int, ...] | None]:
+  """Runs in the publisher's process (Ray's system concurrency group): the
+  ref of `version`'s RDT object, in a list (made now if this is the first
+  request: `WeightPublisher._object_of`), or None if the version is not
+  kept; and the versions kept (None if the publisher is closed or gone)."""
+  pub = _publishers.get(publisher)
+  if pub is None:
+    return None, None
+  return pub._object_of(version)
 
 
 class WeightPublisher:
@@ -282,7 +318,7 @@ class WeightPublisher:
     self._actor = actor
     self._id = uuid.uuid4().hex
     self._lock = threading.Lock()
-    self._kept: list[tuple[int, Any, str, Any]] = []  # (version, ref, structure digest, packed buffer)
+    self._kept: list[_Kept] = []
     # digest -> (structure, packed layout or None)
     self._structures: dict[str, tuple[tuple[LeafEntry, ...], _packed.PackedLayoutInfo | None]] = {}
     self.pack = bool(pack)
@@ -294,13 +330,13 @@ class WeightPublisher:
   def versions(self) -> tuple[int, ...]:
     """The versions kept readable, oldest first."""
     with self._lock:
-      return tuple(v for v, _, _, _ in self._kept)
+      return tuple(k.version for k in self._kept)
 
   @property
   def version(self) -> int | None:
     """The newest published version, or None before the first."""
     with self._lock:
-      return self._kept[-1][0] if self._kept else None
+      return self._kept[-1].version if self._kept else None
 
   def publish(self, tree: Any, version: int) -> WeightsHandle:
     """Publishes `tree` (a pytree of jax, torch or numpy arrays, typed PRNG
@@ -366,28 +402,44 @@ class WeightPublisher:
     if packed is None and self._stream is not None and digest not in self._structures:
       with self._lock:
         self._structures[digest] = (structure_of(tree), None)
-    ref = ray.put(buffer if packed is not None else tree, _tensor_transport=self.transport)
+    # A packed version becomes an RDT object only when a subscriber that
+    # cannot read it node-locally asks (`_object_of`): a put costs a few ms.
+    ref = None if packed is not None else ray.put(tree, _tensor_transport=self.transport)
     with self._lock:
       dropped = self._drop_oldest(self.keep - 1)
-      self._kept.append((version, ref, digest, buffer))
+      self._kept.append(_Kept(version, ref, digest, buffer))
       if self._stream is not None and packed is not None:
         self._stream.table.add(version)
-      live = {d for _, _, d, _ in self._kept}
+      live = {k.digest for k in self._kept}
       for d in [d for d in self._structures if d not in live]:
         del self._structures[d]
-    for _, old, _, _ in dropped:
-      _seam.free_now(old.hex())
+    _free(dropped)
     return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
 
-  def _drop_oldest(self, room: int) -> list[tuple[int, Any, str, Any]]:
+  def _object_of(self, version: int) -> tuple[list[Any] | None, tuple[int, ...] | None]:
+    """`_object_query`'s answer: `[ref]` of `version`'s RDT object, put now
+    for a packed version asked for the first time (under the lock, so once),
+    or None if it is not kept; and the versions kept (None once closed)."""
+    with self._lock:
+      if self._closed:
+        return None, None
+      kept = tuple(k.version for k in self._kept)
+      entry = next((k for k in self._kept if k.version == version), None)
+      if entry is None:
+        return None, kept
+      if entry.ref is None:
+        entry.ref = ray.put(entry.buffer, _tensor_transport=self.transport)
+      return [entry.ref], kept
+
+  def _drop_oldest(self, room: int) -> list[_Kept]:
     """Drops the oldest kept versions until at most `room` are left (lock
     held): out of the kept-versions table first, so no subscriber reads a
     version whose buffer may be reused; the caller frees their objects."""
     dropped = self._kept[: max(0, len(self._kept) - room)]
     del self._kept[: len(dropped)]
     if self._stream is not None:
-      for v, _, _, _ in dropped:
-        self._stream.table.drop(v)
+      for k in dropped:
+        self._stream.table.drop(k.version)
     return dropped
 
   def close(self) -> None:
@@ -395,15 +447,21 @@ class WeightPublisher:
     with self._lock:
       self._closed = True
       dropped = self._drop_oldest(0)
-    for _, ref, _, _ in dropped:
-      _seam.free_now(ref.hex())
+    _free(dropped)
     _publishers.pop(self._id, None)
 
   def _answer(self, structure: str | None) -> tuple[tuple[int, ...] | None, Any]:
     with self._lock:
       if self._closed:
         return None, None
-      return tuple(v for v, _, _, _ in self._kept), None if structure is None else self._structures.get(structure)
+      return tuple(k.version for k in self._kept), None if structure is None else self._structures.get(structure)
+
+
+def _free(dropped: list[_Kept]) -> None:
+  """Frees the RDT objects of versions that left the window (those made)."""
+  for k in dropped:
+    if k.ref is not None:
+      _seam.free_now(k.ref.hex())
 
 
 # --------------------------------------------------------------------------
@@ -612,9 +670,9 @@ class WeightSubscriber:
     plan = self._plan(handle, deadline, current)
     plan.check_targets()
     if source.digest != source.expected_digest(handle.version):
-      raise MetadataError(handle.ref.hex(), "packed", "does not match its digest (the handle was corrupted)")
+      raise MetadataError(_label(handle), "packed", "does not match its digest (the handle was corrupted)")
     if source.nbytes != plan.info.layout.total:
-      raise MetadataError(handle.ref.hex(), "packed.nbytes",
+      raise MetadataError(_label(handle), "packed.nbytes",
                           f"is {source.nbytes}, but the structure's layout takes {plan.info.layout.total} bytes")
     staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if deadline is not None and time.monotonic() > deadline:
@@ -633,7 +691,7 @@ class WeightSubscriber:
     the copy (nothing was written; read through Ray instead)."""
     source = handle.packed
     assert source is not None
-    obj_id = handle.ref.hex()
+    obj_id = _label(handle)
     try:
       kept = _packed.read_table(source)
     except PermissionError:
@@ -671,9 +729,18 @@ class WeightSubscriber:
                         deadline: float | None, current: int | None) -> None:
     """Fetches a version's packed buffer with `ray.get` (one NIXL READ) and
     copies the leaves out of it once the publisher says it still keeps the
-    version; nothing is written into the template before."""
+    version; nothing is written into the template before. The buffer's RDT
+    object is asked of the publisher first (it makes it at the first
+    request for the version)."""
+    ref = handle.ref
+    if ref is None:
+      answer = _seam.call_on_system_group(handle.actor, _object_query, handle.publisher, handle.version)
+      made, kept = ray.get(answer, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+      if made is None:
+        raise self._stale(handle, set(kept or ()), current, after_read=False)
+      ref = made[0]
     try:
-      buffer = ray.get(handle.ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+      buffer = ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
     except ray.exceptions.GetTimeoutError:
       raise
     except Exception:
@@ -681,7 +748,7 @@ class WeightSubscriber:
       raise
     self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
     if _dlpack.framework_of(buffer) != "numpy" or buffer.nbytes != plan.info.layout.total:
-      raise MetadataError(handle.ref.hex(), "value", "is not the version's packed buffer")
+      raise MetadataError(ref.hex(), "value", "is not the version's packed buffer")
     plan.copy_local(_dlpack.host_pointer(buffer), 0 if staging is None else _dlpack.host_pointer(staging))
 
   def _stale(self, handle: WeightsHandle, kept: set[int], current: int | None, after_read: bool) -> StaleWeightsError:

@@ -7,7 +7,8 @@ version pays per leaf only a pointer lookup and a copy on each side:
 
 * the publisher copies every array leaf of a host-resident version into one
   pooled host buffer (`rdt_jax._dlpack.Packer`; leaf offsets fixed per
-  structure) and stores that one buffer as the version's RDT object;
+  structure); that buffer becomes an RDT object only if a subscriber on
+  another host asks for one;
 * a subscriber learns the structure's layout at its first pull (from the
   publisher, with the structure check) and keeps a plan per structure: where
   each leaf's bytes go (straight into the template's numpy and torch
@@ -17,8 +18,9 @@ version pays per leaf only a pointer lookup and a copy on each side:
   checking before and after the copy that the version is still kept by
   reading the publisher's table of kept versions (`KeptTable`): no call to
   the publisher, no Ray object fetch;
-* elsewhere it fetches the version's one-leaf object with `ray.get` (NIXL,
-  one READ) and copies the leaves out of it.
+* elsewhere it asks the publisher for the buffer's RDT object (made at the
+  first request for the version), fetches it with `ray.get` (NIXL, one READ)
+  and copies the leaves out of it.
 
 A packed pull writes the template only after the bytes arrived and the
 version was still kept after they did, except a node-local pull with

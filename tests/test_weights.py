@@ -98,6 +98,12 @@ class Trainer:
   def versions(self) -> tuple:
     return self.pub.versions
 
+  def objects(self) -> int:
+    """RDT objects this process exports now."""
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    return get_tensor_transport_manager("JAX_NIXL").counters()["objects"]
+
   def bad_publish(self, version: int) -> str:
     try:
       self.pub.publish(make_params(version), version=version)
@@ -273,6 +279,31 @@ def test_handle_moves_no_weight_bytes():
   assert isinstance(handle, rdt_jax.WeightsHandle)
   assert len(ray.cloudpickle.dumps(handle)) < 4096  # the weights are 640 KiB
   ray.kill(t)
+
+
+def test_a_packed_version_becomes_an_rdt_object_only_for_a_pull_that_needs_one():
+  t = trainer()
+  local = generator("torch")
+  through_ray = [generator("torch", **READ_PATH), generator("torch", **READ_PATH)]
+  handle = ray.get(t.publish.remote(1))
+  assert handle.ref is None and handle.packed is not None
+  want = expected(ray.get(t.shas.remote(1)))
+  # On the trainer's host a pull reads the trainer's memory: no object is made.
+  assert pulled(ray.get(local.pull.remote(handle))) == want
+  assert ray.get(t.objects.remote()) == 0
+  # A pull that reads through Ray asks for the object; the next one shares it.
+  for g in through_ray:
+    r = ray.get(g.pull.remote(handle))
+    assert r["version"] == 1 and pulled(r) == want and r["in_place"], r
+  assert ray.get(t.objects.remote()) == 1
+  # The object is freed with its version; asking for a version no longer kept is stale.
+  ray.get([t.publish.remote(2), t.publish.remote(3)])
+  assert ray.get(t.objects.remote()) == 0
+  late = generator("torch", **READ_PATH)
+  r = ray.get(late.try_pull.remote(handle))
+  assert r["stale"] and r["attrs"] == (1, None) and r["template_unchanged"], r
+  for a in [t, local, late, *through_ray]:
+    ray.kill(a)
 
 
 def test_versions_increase_and_old_ones_are_stale():
@@ -481,7 +512,8 @@ def test_hundred_versions_with_generators_killed_at_random_leave_nothing_behind(
       held.append((ray.get(t.held.remote()), ray.get([g.held.remote() for g in gens])))
   assert kills >= 1
   (trainer_10, gens_10), (trainer_100, gens_100) = held
-  assert trainer_100["objects"] == trainer_100["versions"] == 2, trainer_100
+  # Node-local pulls need no RDT object: a packed version gets one only on request.
+  assert trainer_100["versions"] == 2 and trainer_100["objects"] <= 2, trainer_100
   assert trainer_100["registrations"] <= 2 and trainer_100["pool_bytes"] <= trainer_10["pool_bytes"], held
   for g in gens_100:
     assert g["plans"] == 1 and g["inflight"] == 0 and g["registrations"] == 0, gens_100
