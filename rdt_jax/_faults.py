@@ -57,6 +57,8 @@ POINTS: Final = {
     "flight that long unless it is ended by removing its producer's agent",
     "weights.copied": "on a WeightSubscriber, after a node-local pull copied a packed version's bytes, "
     "before it checks that the version is still kept",
+    "weights.bucket": "on a WeightSubscriber pulling through Ray, after it copied one bucket of a packed "
+    "version out, before it takes the next",
     "cma.read": "on the consumer, before a node-local read (rdt_jax.transports.nixl.node_local); "
     "fail stands for the kernel refusing it (EPERM, as under Yama's ptrace_scope)",
     "lifetime.check": "on the consumer, once a fetch's bytes are in place (or its move failed), "

@@ -195,6 +195,15 @@ SETTINGS: Final[dict[str, Setting]] = {
             read="once", minimum=0, maximum=1 * _TIB,
         ),
         Setting(
+            "RDT_JAX_WEIGHT_BUCKET_BYTES", "bytes", 256 * _MIB,
+            "Weight sync: a packed version read through Ray (a subscriber off the trainer's host) moves "
+            "in RDT objects of at most this many bytes, fetched one after the other while the last one "
+            "is copied out, so a subscriber holds at most two of them at once (rounded down to a "
+            "multiple of 64 bytes). Each bucket costs one more RDT fetch: smaller buckets bound memory "
+            "tighter and cost more time.",
+            side="producer", minimum=4 * _KIB, maximum=1 * _TIB,
+        ),
+        Setting(
             "RDT_JAX_ALLOW_UNTESTED_RAY", "bool", False,
             "1 lets `register()` run on a Ray minor version outside the tested range (with a warning) "
             "when the Ray internals it wraps pass their checks.",

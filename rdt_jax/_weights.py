@@ -14,10 +14,11 @@ Two ways a version travels, chosen by the publisher per structure:
 * packed (`jax_nixl`, every array leaf in host memory): the leaves are
   copied into one pooled buffer per version, and subscribers copy their
   leaves out of it, node-locally straight from the publisher's memory or
-  through one NIXL READ of the buffer as an RDT object, which the publisher
-  makes when the first subscriber elsewhere asks for it
-  (`rdt_jax._weights_packed`); per step each side pays a copy per leaf and
-  no per-leaf registration, metadata or plan;
+  through NIXL READs of the buffer as RDT objects of at most
+  `RDT_JAX_WEIGHT_BUCKET_BYTES` each, which the publisher makes when the
+  first subscriber elsewhere asks for them (`rdt_jax._weights_packed`); per
+  step each side pays a copy per leaf and no per-leaf registration,
+  metadata or plan;
 * as a pytree (device leaves, or `jax_transfer`): one RDT object of the
   tree, pulled with `rdt_jax.set_target_for_ref` and `ray.get`.
 
@@ -39,6 +40,8 @@ The rules of the stream, in one place:
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import dataclasses
 import hashlib
 import threading
@@ -51,7 +54,7 @@ from typing import Any, Final
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _seam, _targets
+from rdt_jax import _dlpack, _faults, _seam, _settings, _targets
 from rdt_jax import _weights_packed as _packed
 from rdt_jax._metadata import MetadataError
 
@@ -100,14 +103,14 @@ class WeightsHandle:
   bytes. A version sent as a pytree is one RDT object, whose ref the handle
   holds. A packed version has none at first: subscribers on the trainer's
   host read it without one, and the first subscriber elsewhere asks the
-  publisher to make it (once per version; later ones share it). The
-  publisher frees the object when the version leaves its `keep` window,
-  whether or not handles to it remain.
+  publisher to make them (one per bucket, once per version; later ones
+  share them). The publisher frees the objects when the version leaves its
+  `keep` window, whether or not handles to it remain.
 
   Attributes:
     version: the version number given to `WeightPublisher.publish`.
     ref: the `ray.ObjectRef` of the version's RDT object; None for a packed
-      version (its object, if a subscriber needs one, is made on request).
+      version (its objects, if a subscriber needs them, are made on request).
     publisher: the publisher's id.
     actor: the handle of the actor the publisher lives in.
     structure: a digest of the value's structure (leaf paths, shapes,
@@ -230,9 +233,18 @@ class _Kept:
   """A version its publisher keeps readable."""
 
   version: int
-  ref: Any  # its RDT object's ref; for a packed version None until a subscriber asks (`_object_of`)
+  ref: Any  # a pytree version's RDT object (None for a packed version)
   digest: str  # its structure's
   buffer: Any  # a packed version's buffer, else None
+  buckets: list[Any] | None = None  # a packed version's bucket objects, made at the first request
+  bucket_bytes: int = 0  # their size (the last may be shorter)
+
+
+def bucket_bytes() -> int:
+  """The bucket size of packed versions read through Ray: the setting
+  `RDT_JAX_WEIGHT_BUCKET_BYTES` (default 256 MiB), rounded down to a multiple
+  of 64 bytes so every bucket starts aligned."""
+  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _dlpack.ALIGNMENT * _dlpack.ALIGNMENT
 
 
 #: The publishers of this process by id, for the queries subscribers send.
@@ -250,14 +262,14 @@ def _query(_actor: Any, publisher: str, structure: str | None) -> tuple[tuple[in
   return pub._answer(structure)
 
 
-def _object_query(_actor: Any, publisher: str, version: int) -> tuple[list[Any] | None, tuple[int, ...] | None]:
+def _object_query(_actor: Any, publisher: str, version: int) -> tuple[list[Any] | None, int, tuple[int, ...] | None]:
   """Runs in the publisher's process (Ray's system concurrency group): the
-  ref of `version`'s RDT object, in a list (made now if this is the first
-  request: `WeightPublisher._object_of`), or None if the version is not
-  kept; and the versions kept (None if the publisher is closed or gone)."""
+  refs of `version`'s bucket objects (made now if this is the first request:
+  `WeightPublisher._object_of`), or None if the version is not kept; their
+  size; and the versions kept (None if the publisher is closed or gone)."""
   pub = _publishers.get(publisher)
   if pub is None:
-    return None, None
+    return None, 0, None
   return pub._object_of(version)
 
 
@@ -416,20 +428,26 @@ class WeightPublisher:
     _free(dropped)
     return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
 
-  def _object_of(self, version: int) -> tuple[list[Any] | None, tuple[int, ...] | None]:
-    """`_object_query`'s answer: `[ref]` of `version`'s RDT object, put now
-    for a packed version asked for the first time (under the lock, so once),
-    or None if it is not kept; and the versions kept (None once closed)."""
+  def _object_of(self, version: int) -> tuple[list[Any] | None, int, tuple[int, ...] | None]:
+    """`_object_query`'s answer for a packed version: the refs of its bucket
+    objects (consecutive byte ranges of its buffer of `bucket_bytes()` each,
+    the last one shorter), put at the first request for the version (under
+    the lock, so once) and shared by later ones; or None if it is not kept.
+    Then the bucket size, and the versions kept (None once closed)."""
     with self._lock:
       if self._closed:
-        return None, None
+        return None, 0, None
       kept = tuple(k.version for k in self._kept)
       entry = next((k for k in self._kept if k.version == version), None)
-      if entry is None:
-        return None, kept
-      if entry.ref is None:
-        entry.ref = ray.put(entry.buffer, _tensor_transport=self.transport)
-      return [entry.ref], kept
+      if entry is None or entry.buffer is None:
+        return None, 0, kept
+      if entry.buckets is None:
+        size, buffer = bucket_bytes(), entry.buffer
+        entry.buckets = [
+            ray.put(buffer[at : at + size], _tensor_transport=self.transport) for at in range(0, buffer.nbytes, size)
+        ]
+        entry.bucket_bytes = size
+      return list(entry.buckets), entry.bucket_bytes, kept
 
   def _drop_oldest(self, room: int) -> list[_Kept]:
     """Drops the oldest kept versions until at most `room` are left (lock
@@ -460,12 +478,25 @@ class WeightPublisher:
 def _free(dropped: list[_Kept]) -> None:
   """Frees the RDT objects of versions that left the window (those made)."""
   for k in dropped:
-    if k.ref is not None:
-      _seam.free_now(k.ref.hex())
+    for ref in ([k.ref] if k.ref is not None else []) + (k.buckets or []):
+      _seam.free_now(ref.hex())
 
 
 # --------------------------------------------------------------------------
 # Subscriber
+
+
+_fetch_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+_fetch_lock = threading.Lock()
+
+
+def _fetcher() -> concurrent.futures.ThreadPoolExecutor:
+  """The threads that fetch a pull's next bucket while the caller copies the
+  last one out (created at the first bucketed pull)."""
+  with _fetch_lock:
+    if not _fetch_pool:
+      _fetch_pool.append(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rdt-jax-bucket"))
+    return _fetch_pool[0]
 
 
 def _empty_like(x: Any) -> Any:
@@ -727,29 +758,61 @@ class WeightSubscriber:
 
   def _pull_through_ray(self, handle: WeightsHandle, plan: _packed.PackedPlan, staging: Any,
                         deadline: float | None, current: int | None) -> None:
-    """Fetches a version's packed buffer with `ray.get` (one NIXL READ) and
-    copies the leaves out of it once the publisher says it still keeps the
-    version; nothing is written into the template before. The buffer's RDT
-    object is asked of the publisher first (it makes it at the first
-    request for the version)."""
-    ref = handle.ref
-    if ref is None:
-      answer = _seam.call_on_system_group(handle.actor, _object_query, handle.publisher, handle.version)
-      made, kept = ray.get(answer, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-      if made is None:
-        raise self._stale(handle, set(kept or ()), current, after_read=False)
-      ref = made[0]
+    """Fetches a packed version through Ray, in the buckets its publisher
+    cuts it into (`bucket_bytes()`): asks the publisher for the buckets' RDT
+    objects (made at the first request for the version), then fetches them
+    one after the other (one NIXL READ each), the next one while the last
+    one is copied out, so at most two are held at once.
+
+    Leaves written in place (`atomic=False`) are copied into the template as
+    each bucket arrives: `version` is None from the first such copy until
+    the pull succeeds. Every other byte goes to `staging`, committed by the
+    caller. Once the last bucket is copied the publisher is asked whether it
+    still keeps the version (a version freed meanwhile is a failed pull)."""
+
+    def left() -> float | None:
+      return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    answer = _seam.call_on_system_group(handle.actor, _object_query, handle.publisher, handle.version)
+    refs, size, kept = ray.get(answer, timeout=left())
+    if refs is None:
+      raise self._stale(handle, set(kept or ()), current, after_read=False)
+    total = plan.info.layout.total
+    if size <= 0 or len(refs) != -(-total // size):
+      raise MetadataError(_label(handle), "buckets", f"are {len(refs)} of {size} bytes, for a version of {total} bytes")
+    runs = _packed.bucket_runs(plan.pairs(0 if staging is None else _dlpack.host_pointer(staging)), size, len(refs))
+    writes_template = not self.atomic and plan.writes_in_place
+    memmove = ctypes.memmove
+    began = False  # a bucket was copied into the template
     try:
-      buffer = ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-    except ray.exceptions.GetTimeoutError:
-      raise
-    except Exception:
+      pending: concurrent.futures.Future[Any] = _fetcher().submit(ray.get, refs[0], timeout=left())
+      for i, ref in enumerate(refs):
+        try:
+          bucket: Any = pending.result()
+        except ray.exceptions.GetTimeoutError:
+          raise
+        except Exception:
+          self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
+          raise
+        if i + 1 < len(refs):
+          pending = _fetcher().submit(ray.get, refs[i + 1], timeout=left())
+        if _dlpack.framework_of(bucket) != "numpy" or bucket.nbytes != min(size, total - i * size):
+          raise MetadataError(ref.hex(), "value", f"is not bucket {i} of the version's packed buffer")
+        if writes_template:
+          self._version, began = None, True  # torn from here until the pull succeeds
+        base = _dlpack.host_pointer(bucket)
+        for local, offset, n in runs[i]:
+          memmove(local, base + offset, n)
+        del bucket
+        if _faults.ON:
+          _faults.hit("weights.bucket")
       self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
+    except BaseException as e:
+      if began:
+        e.add_note(f"rdt_jax: the pull of version {handle.version} failed after it began writing the template: "
+                   "the template may hold some of its bytes, and the subscriber's version is None until the "
+                   "next successful pull.")
       raise
-    self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
-    if _dlpack.framework_of(buffer) != "numpy" or buffer.nbytes != plan.info.layout.total:
-      raise MetadataError(ref.hex(), "value", "is not the version's packed buffer")
-    plan.copy_local(_dlpack.host_pointer(buffer), 0 if staging is None else _dlpack.host_pointer(staging))
 
   def _stale(self, handle: WeightsHandle, kept: set[int], current: int | None, after_read: bool) -> StaleWeightsError:
     when = "was freed while it was being read (its bytes may be another version's)" if after_read else (

@@ -7,8 +7,8 @@ version pays per leaf only a pointer lookup and a copy on each side:
 
 * the publisher copies every array leaf of a host-resident version into one
   pooled host buffer (`rdt_jax._dlpack.Packer`; leaf offsets fixed per
-  structure); that buffer becomes an RDT object only if a subscriber on
-  another host asks for one;
+  structure); that buffer becomes RDT objects (one per bucket) only if a
+  subscriber on another host asks for them;
 * a subscriber learns the structure's layout at its first pull (from the
   publisher, with the structure check) and keeps a plan per structure: where
   each leaf's bytes go (straight into the template's numpy and torch
@@ -18,9 +18,10 @@ version pays per leaf only a pointer lookup and a copy on each side:
   checking before and after the copy that the version is still kept by
   reading the publisher's table of kept versions (`KeptTable`): no call to
   the publisher, no Ray object fetch;
-* elsewhere it asks the publisher for the buffer's RDT object (made at the
-  first request for the version), fetches it with `ray.get` (NIXL, one READ)
-  and copies the leaves out of it.
+* elsewhere it asks the publisher for the buffer as RDT objects of
+  `RDT_JAX_WEIGHT_BUCKET_BYTES` each (made at the first request for the
+  version), fetches them with `ray.get` (NIXL, one READ each), the next one
+  while the last one is copied out, and copies the leaves out of them.
 
 A packed pull writes the template only after the bytes arrived and the
 version was still kept after they did, except a node-local pull with
@@ -55,7 +56,7 @@ from rdt_jax.transports.nixl import node_local
 
 __all__ = [
     "KeptTable", "PackedLayoutInfo", "PackedPlan", "PackedSource", "PublishedStructure", "Stream",
-    "can_read_directly", "dead_publisher_error", "read_table", "read_version",
+    "bucket_runs", "can_read_directly", "dead_publisher_error", "read_table", "read_version",
 ]
 
 #: A slot of the kept-versions table that holds no version.
@@ -442,12 +443,6 @@ class PackedPlan:
         self._prepared.popitem(last=False)
     return found
 
-  def copy_local(self, source: int, staging: int) -> None:
-    """Copies every run from a version's buffer in this process at `source`."""
-    memmove = ctypes.memmove
-    for local, s, n in self.pairs(staging):
-      memmove(local, source + s, n)
-
   def commit(self, buffer: np.ndarray | None) -> list[Any]:
     """Makes the pulled array leaves, in structure order, after the bytes
     arrived: new arrays from the pool `buffer`, in-place leaves marked
@@ -546,6 +541,27 @@ def read_version(plan: PackedPlan, source: PackedSource, staging: np.ndarray | N
   assert source.origin is not None
   base = 0 if staging is None else _dlpack.host_pointer(staging)
   node_local.read(source.origin, plan.prepared(source.buffer, base))
+
+
+def bucket_runs(pairs: Sequence[tuple[int, int, int]], size: int, count: int) -> list[list[tuple[int, int, int]]]:
+  """`pairs` (local address, offset in the version's buffer, nbytes) as
+  (local address, offset in the bucket, nbytes) per bucket of `size` bytes
+  (`count` buckets); a pair that crosses a bucket boundary is cut in two.
+
+  Raises:
+    ValueError: for a pair outside the `count` buckets (a plan that does not
+      match the version).
+  """
+  out: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+  for local, offset, n in pairs:
+    if offset < 0 or offset + n > size * count:
+      raise ValueError(f"a copy of {n} bytes at offset {offset} lies outside {count} buckets of {size} bytes")
+    while n:
+      i, at = divmod(offset, size)
+      take = min(n, size - at)
+      out[i].append((local, at, take))
+      local, offset, n = local + take, offset + take, n - take
+  return out
 
 
 def dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:

@@ -191,6 +191,18 @@ class Generator:
   def version(self):
     return self.sub.version
 
+  def faults(self, spec: str | None) -> None:
+    """Replaces this process's fault rules (`RDT_JAX_FAULTS`'s syntax)."""
+    from rdt_jax import _faults
+
+    _faults.configure(spec)
+
+  def memory(self) -> dict:
+    """The pooled host bytes here, and the plan's staging and version sizes."""
+    plan = next(iter(self.sub._plans.values()))
+    return {"pooled": rdt_jax._dlpack.host_pool.pooled_bytes(), "staging": plan.staging_bytes,
+            "total": plan.info.layout.total}
+
 
 def trainer(keep: int = 2, transport: str = "jax_nixl", pack: bool = True, **env: str):
   return Trainer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote(keep, transport, pack)
@@ -224,6 +236,24 @@ def test_publisher_lives_in_an_actor_and_keeps_at_least_one():
     rdt_jax.WeightPublisher(keep=0)
   with pytest.raises(ValueError, match="two-sided"):
     rdt_jax.WeightPublisher(transport="jax_gloo")
+
+
+def test_bucket_runs_cut_copies_at_bucket_boundaries():
+  from rdt_jax import _weights_packed
+
+  runs = _weights_packed.bucket_runs([(1000, 0, 10), (2000, 60, 10), (3000, 100, 28)], 64, 2)
+  assert runs == [[(1000, 0, 10), (2000, 60, 4)], [(2004, 0, 6), (3000, 36, 28)]]
+  with pytest.raises(ValueError, match="outside 2 buckets of 64 bytes"):
+    _weights_packed.bucket_runs([(0, 120, 16)], 64, 2)
+
+
+def test_bucket_size_is_a_multiple_of_the_alignment(monkeypatch):
+  from rdt_jax import _weights
+
+  monkeypatch.setenv("RDT_JAX_WEIGHT_BUCKET_BYTES", "5000")
+  assert _weights.bucket_bytes() == 4992
+  monkeypatch.delenv("RDT_JAX_WEIGHT_BUCKET_BYTES")
+  assert _weights.bucket_bytes() == 256 << 20
 
 
 def test_template_check_names_the_leaf():
@@ -303,6 +333,51 @@ def test_a_packed_version_becomes_an_rdt_object_only_for_a_pull_that_needs_one()
   r = ray.get(late.try_pull.remote(handle))
   assert r["stale"] and r["attrs"] == (1, None) and r["template_unchanged"], r
   for a in [t, local, late, *through_ray]:
+    ray.kill(a)
+
+
+#: A bucket size that cuts the test's version (about 520 KiB) into several.
+BUCKET = 64 << 10
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in-place", "atomic"])
+def test_a_pull_through_ray_moves_the_version_in_buckets(atomic):
+  t = trainer(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))
+  g = generator("torch", atomic=atomic, **READ_PATH)
+  for version in (1, 2):
+    handle = ray.get(t.publish.remote(version))
+    r = ray.get(g.pull.remote(handle))
+    assert r["version"] == version and pulled(r) == expected(ray.get(t.shas.remote(version))), r
+    assert r["in_place"], r
+  mem = ray.get(g.memory.remote())
+  buckets = -(-mem["total"] // BUCKET)
+  assert buckets >= 4, mem
+  # Both kept versions were read through Ray: their buckets are the trainer's objects.
+  assert ray.get(t.objects.remote()) == 2 * buckets
+  # The generator held at most two buckets (and the last, shorter one) besides its staging.
+  assert mem["pooled"] <= mem["staging"] + 3 * BUCKET, mem
+  if not atomic:
+    assert mem["pooled"] < mem["total"], mem  # never the whole version at once
+  for a in (t, g):
+    ray.kill(a)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in-place", "atomic"])
+def test_a_pull_that_fails_between_buckets_is_torn_or_unchanged(atomic):
+  t = trainer(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))
+  g = generator("torch", atomic=atomic, **READ_PATH)
+  assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+  ray.get(g.faults.remote("weights.bucket:fail@2*1"))  # fails once two buckets are copied out
+  r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(2))))
+  assert "injected fault at weights.bucket" in r["error"], r
+  if atomic:
+    assert r["version"] == 1 and r["template_unchanged"], r
+  else:
+    assert r["version"] is None and not r["template_unchanged"], r  # torn: part of version 2 is in
+  ray.get(g.faults.remote(None))
+  r = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
+  assert r["version"] == 3 and pulled(r) == expected(ray.get(t.shas.remote(3))), r
+  for a in (t, g):
     ray.kill(a)
 
 

@@ -53,6 +53,7 @@ from rdt_jax._dlpack._jax import is_prng_key as is_prng_key
 from rdt_jax._dlpack._jax import prng_key_parts as prng_key_parts
 from rdt_jax._dlpack._jax import wrap_prng_key as wrap_prng_key
 from rdt_jax._dlpack._lazy import importable as importable
+from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
 from rdt_jax._dlpack._memory import aligned as aligned
 from rdt_jax._dlpack._memory import host_bytes as host_bytes
@@ -142,6 +143,7 @@ __all__ = [  # noqa: RUF022
     "rebuild_view",
     "receive_sharding",
     # Host memory: the buffer pool, one object's packed layout, raw byte views.
+    "ALIGNMENT",
     "HostBufferPool",
     "aligned",
     "host_bytes",
