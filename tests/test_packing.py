@@ -4,6 +4,7 @@ table read node-locally, the packed source's digest, a subscriber's plan."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from rdt_jax import _dlpack, _process
+from rdt_jax import _weights_packed as _weights_packed
 from rdt_jax._dlpack import _packing
 
 torch = pytest.importorskip("torch")
@@ -140,6 +142,19 @@ def _plan(template: dict, atomic: bool = False, published: dict | None = None):
   return plan, source, published
 
 
+def copy_in_buckets(plan, source, staging, size: int = 64) -> None:
+  """Copies a version's runs out of `source` (its packed buffer, in this
+  process) bucket by bucket, as a pull through Ray does (`bucket_runs`);
+  64-byte buckets cut most leaves in two."""
+  total = plan.info.layout.total
+  count = -(-total // size)
+  pairs = plan.pairs(0 if staging is None else _dlpack.host_pointer(staging))
+  base = _dlpack.host_pointer(source)
+  for i, runs in enumerate(_weights_packed.bucket_runs(pairs, size, count)):
+    for local, offset, n in runs:
+      ctypes.memmove(local, base + i * size + offset, n)
+
+
 @pytest.mark.parametrize("atomic", [False, True])
 def test_plan_copies_into_torch_in_place_and_a_row_slice(atomic):
   import rdt_jax
@@ -151,7 +166,7 @@ def test_plan_copies_into_torch_in_place_and_a_row_slice(atomic):
     template["w"] = rdt_jax.Slice(template["w"].index, into)
   plan, source, published = _plan(template, atomic)
   staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
-  plan.copy_local(_dlpack.host_pointer(source), 0 if staging is None else _dlpack.host_pointer(staging))
+  copy_in_buckets(plan, source, staging)
   leaves = plan.commit(staging)
   b, w = leaves
   assert b is template["b"] and torch.equal(b.float(), torch.ones(5))
@@ -164,7 +179,7 @@ def test_plan_makes_new_jax_leaves_and_refuses_a_moved_target():
   b = torch.zeros(5, dtype=torch.bfloat16)
   plan, source, published = _plan({"w": jnp.zeros((3, 4)), "b": b})
   staging = _dlpack.host_pool.acquire(plan.staging_bytes)
-  plan.copy_local(_dlpack.host_pointer(source), _dlpack.host_pointer(staging))
+  copy_in_buckets(plan, source, staging)
   _, w = plan.commit(staging)
   assert isinstance(w, jax.Array) and np.array_equal(np.asarray(w), np.asarray(published["w"]))
   b.set_(torch.zeros(5, dtype=torch.bfloat16))  # new storage: the plan's address is stale
@@ -178,7 +193,7 @@ sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rdt_jax import _dlpack
-from test_packing import _plan
+from test_packing import _plan, copy_in_buckets
 
 mesh = Mesh(np.array(jax.devices()[:2]), ("y",))
 split, whole = NamedSharding(mesh, PartitionSpec("y")), NamedSharding(mesh, PartitionSpec())
@@ -194,7 +209,7 @@ plan, source, published = _plan(template, published=published)
 assert len(plan._sharded) == 4, plan._sharded  # "a" and "c" share theirs
 for _ in range(2):  # a second pull reuses the plan
   staging = _dlpack.host_pool.acquire(plan.staging_bytes)
-  plan.copy_local(_dlpack.host_pointer(source), _dlpack.host_pointer(staging))
+  copy_in_buckets(plan, source, staging)
   got = dict(zip(sorted(published), plan.commit(staging)))
   for name, x in got.items():
     assert x.sharding == template[name], name
