@@ -126,10 +126,26 @@ def host_arrays_to_jax(views: list, device: Any) -> list:
         if aval is None:
           aval = avals[key] = core.ShapedArray(v.shape, v.dtype)
         out.append(put(aval, sharding, [v], devices, True, False))
-      return out
+      return settled(out)
     except (ImportError, AttributeError, TypeError):
       _fast_put_broken = True
-  return jax.device_put(views, device)
+  return settled(jax.device_put(views, device))
+
+
+def settled(arrays: Any) -> Any:
+  """`arrays` (a jax array or a list of them) once every copy jax made from
+  host memory to build them has finished.
+
+  jax aliases 64-byte aligned host memory on cpu devices, but copies other
+  buffers (unaligned, or to a gpu) and returns before a large copy is done:
+  a caller that writes or reuses the host buffer afterwards would change
+  what the array holds. An aliasing array is ready at once, so this waits
+  only for the copies (`is_ready` is a cheap check per array).
+  """
+  pending = [a for a in (arrays if isinstance(arrays, list) else [arrays]) if not a.is_ready()]
+  for a in pending:
+    a.block_until_ready()
+  return arrays
 
 
 #: True once `host_shards_to_jax` found the private call missing or changed.
@@ -162,7 +178,7 @@ def host_shards_putter(devices: list, sharding: Any, shape: tuple[int, ...], dty
   devices = list(devices)
 
   def slow(views: list) -> Any:
-    shards = [jax.device_put(v, d) for v, d in zip(views, devices)]
+    shards = settled([jax.device_put(v, d) for v, d in zip(views, devices)])
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
 
   if not _fast_shards_broken:
@@ -176,7 +192,7 @@ def host_shards_putter(devices: list, sharding: Any, shape: tuple[int, ...], dty
       def fast(views: list) -> Any:
         global _fast_shards_broken
         try:
-          return put(aval, sharding, views, devices, True, False)
+          return settled(put(aval, sharding, views, devices, True, False))
         except TypeError:
           _fast_shards_broken = True  # the private signature changed: the public path from now on
           return slow(views)

@@ -349,3 +349,23 @@ def test_gc_paused_nests_and_restores_the_collector():
     assert not gc.isenabled()  # a collector the caller disabled stays disabled
   finally:
     gc.enable()
+
+
+@pytest.mark.parametrize("how", ["unaligned", "owned"])
+def test_a_copy_from_host_memory_has_finished_when_it_returns(how):
+  """jax copies a host buffer it cannot alias (unaligned) on a thread of its
+  own and returns before a large copy is done; `to_jax_exact(own=True)`
+  copies an aliased one with an asynchronous jax op. Either way the result
+  is what the buffer held at the call: a write right after it never shows
+  (it did in most tries before the conversion waited for its copy)."""
+  nbytes = 4 << 20
+  for attempt in range(20):
+    if how == "unaligned":
+      source = np.zeros(nbytes + 1, np.uint8)[1:]
+      assert source.ctypes.data % 64
+      out = rdt_jax.to_jax(source)
+    else:
+      source = np.zeros(nbytes, np.uint8)
+      out = _dlpack.to_jax_exact(source, "x", own=True)
+    source[:] = 7
+    assert not np.asarray(out).any(), f"attempt {attempt}: the write after the copy reached the result"

@@ -197,7 +197,8 @@ def to_jax_exact(x: Any, path: str = "", own: bool = False) -> Any:
 
   With `own`, a numpy or torch leaf never shares memory with the result: it
   is copied whenever the conversion was zero-copy (which depends on the
-  buffer's alignment), so later writes into `x` never reach the result.
+  buffer's alignment), so later writes into `x` never reach the result: the
+  copy has finished when this returns (jax's copy is asynchronous).
   """
   import jax
 
@@ -206,6 +207,7 @@ def to_jax_exact(x: Any, path: str = "", own: bool = False) -> Any:
     fw = framework_of(x)
     if own and fw in ("numpy", "torch") and out.size and _jax.pointer(out) == buffer_pointer(x):
       out = out.copy()
+      out.block_until_ready()
     return out
 
 

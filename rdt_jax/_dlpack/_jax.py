@@ -304,7 +304,9 @@ def check_x64(dtype: np.dtype, path: str) -> None:
 
 
 def from_host(x: np.ndarray, path: str, device: jax.Device | None = None) -> Any:
-  """A host numpy array as a jax.Array; zero-copy when 64-byte aligned."""
+  """A host numpy array as a jax.Array; zero-copy when 64-byte aligned on a
+  cpu device, otherwise a copy that has finished when this returns (`x` may
+  be written or reused at once)."""
   import jax
 
   check_x64(x.dtype, path)
@@ -315,7 +317,7 @@ def from_host(x: np.ndarray, path: str, device: jax.Device | None = None) -> Any
   # refuses; tests/test_dlpack.py checks that no copy happens.
   if device.platform == "cpu":
     return _compat.host_arrays_to_jax([x], device)[0]
-  return jax.device_put(x, device)
+  return _compat.settled(jax.device_put(x, device))
 
 
 def from_host_many(views: list[np.ndarray], device: Device) -> list[Any]:
