@@ -165,8 +165,9 @@ SETTINGS: Final[dict[str, Setting]] = {
         ),
         Setting(
             "RDT_JAX_NIXL_VIEW_REBUILD_S", "seconds", 30.0,
-            "jax_nixl: a consumer rebuilds its view of a producer that deregistered memory at most this "
-            "often; a stale descriptor stops working within this time.",
+            "jax_nixl: a consumer rebuilds its view of a producer that deregistered host memory at most "
+            "this often; a stale descriptor stops working within this time. A producer that deregistered "
+            "device memory has its view rebuilt at the next READ.",
             read="once", side="consumer", minimum=0.0, maximum=300.0,
         ),
         Setting(

@@ -127,7 +127,7 @@ class Exports:
     self._exports: dict[str, _Export] = {}
     self._serial = 0  # the last export serial handed out
     self._live = LiveSerials()
-    self._agent_meta: tuple[tuple[int, int], bytes] | None = None
+    self._agent_meta: tuple[tuple[int, int, int], bytes] | None = None
 
   def __len__(self) -> int:
     """Objects exported now."""
@@ -175,6 +175,7 @@ class Exports:
       meta.live = self._live.ranges()
       meta.agent_version = self._registrations.version
       meta.dereg_epoch = self._registrations.dereg_epoch
+      meta.device_dereg_epoch = self._registrations.device_dereg_epoch
       self._changed()
     meta.agent_name = agent.name
     meta.agent_meta = agent_meta
@@ -207,7 +208,8 @@ class Exports:
   def _agent_metadata(self) -> bytes:
     """This agent's metadata, fetched again only after its registrations changed."""
     with self._lock:
-      key = (self._registrations.version, self._registrations.dereg_epoch)
+      r = self._registrations
+      key = (r.version, r.dereg_epoch, r.device_dereg_epoch)
       if self._agent_meta is None or self._agent_meta[0] != key:
         self._agent_meta = (key, self._agent().get_agent_metadata())
       return self._agent_meta[1]

@@ -32,6 +32,10 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       consumer extends its view of the agent only when needed.
     dereg_epoch: bumped whenever the producer deregisters memory, so a
       consumer knows its view holds regions that are gone.
+    device_dereg_epoch: bumped whenever the producer deregisters device
+      memory (pooled regions included), whose addresses its allocator hands
+      out again: a consumer rebuilds its view before loading metadata that
+      may hold such an address under a new registration.
     addresses: the address of each non-empty chunk, in leaf order.
     device_ids: the device index of each non-empty chunk.
     regions: for each non-empty chunk, the registered region it lies in
@@ -57,6 +61,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
   agent_meta: bytes | None = None
   agent_version: int = 0
   dereg_epoch: int = 0
+  device_dereg_epoch: int = 0
   addresses: list[int] = field(default_factory=list)
   device_ids: list[int] = field(default_factory=list)
   regions: list[int] = field(default_factory=list)
@@ -105,7 +110,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       raise MetadataError(obj_id, "agent_name", f"is {self.agent_name!r}, not the producer's agent name")
     if type(self.agent_meta) is not bytes or not self.agent_meta:
       raise MetadataError(obj_id, "agent_meta", f"is a {type(self.agent_meta).__name__}, not the agent's bytes")
-    for name in ("agent_version", "dereg_epoch"):
+    for name in ("agent_version", "dereg_epoch", "device_dereg_epoch"):
       check_int(obj_id, name, getattr(self, name), 0, 1 << 63)
     sizes = [c.nbytes for leaf in self.leaves for c in leaf.chunks if c.nbytes]
     hosts = [leaf.device == "cpu" for leaf in self.leaves for c in leaf.chunks if c.nbytes]
@@ -200,7 +205,7 @@ def where_digest(meta: NixlTransportMetadata, sizes: list[int]) -> int:
     values.extend(span)
   for r in meta.live:
     values.extend(r)
-  values.extend((meta.serial, meta.agent_version, meta.dereg_epoch))
+  values.extend((meta.serial, meta.agent_version, meta.dereg_epoch, meta.device_dereg_epoch))
   crc = zlib.crc32(values)
   crc = zlib.crc32(f"{meta.agent_name}\x00{meta.origin}".encode(), crc)
   return zlib.crc32(meta.agent_meta or b"", crc)

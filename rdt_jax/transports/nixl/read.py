@@ -35,7 +35,7 @@ from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 from rdt_jax.transports.nixl.registrations import Key, NixlError, Registrations, nixl_error, nixl_memory
 from rdt_jax.transports.nixl.staleness import FreedObjects
-from rdt_jax.transports.nixl.views import RemoteViews
+from rdt_jax.transports.nixl.views import DeviceViewBusy, RemoteViews
 
 __all__ = [
     "READ_FIX", "NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "check_registered", "coalesce",
@@ -233,6 +233,8 @@ class NixlRead:
       remote = self._views.open_read(meta)
     except (MetadataError, NixlError):
       raise
+    except DeviceViewBusy as e:
+      raise NixlError(f"jax_nixl cannot read {subject} now: {e}", "load the agent metadata to read", obj_id) from None
     except Exception as e:
       raise nixl_error("load the agent metadata to read", subject, e, _LOAD_FIX, obj_id) from None
     keys: list[Key] = []

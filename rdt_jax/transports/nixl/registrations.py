@@ -15,7 +15,11 @@ backs it alive (`stuck`), for the progress thread to try again
 `version` counts registrations and `dereg_epoch` deregistrations of
 referenced regions (a pooled buffer leaves only when its pool evicts it, once
 no object uses it): both go in the producer's metadata, so a consumer knows when its view of this agent needs
-extending (new regions) or rebuilding (regions gone).
+extending (new regions) or rebuilding (regions gone). `device_dereg_epoch`
+counts deregistrations of device memory, pooled regions included: a device
+allocator hands the same address out again, and NIXL refuses to extend a view
+with a region at an address it already holds under another registration
+(`views`).
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class Registrations:
     self._stuck: list[tuple[Any, Any]] = []  # (handle, memory) whose deregistration failed
     self.version = 0
     self.dereg_epoch = 0
+    self.device_dereg_epoch = 0
 
   def register(
       self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False, purpose: str = ""
@@ -159,6 +164,8 @@ class Registrations:
         if reg.count == 0 and not reg.pooled:
           del self._regs[key]
           self.dereg_epoch += 1  # consumers drop the region from their view
+          if key[2] != "cpu":
+            self.device_dereg_epoch += 1
           self._deregister_or_keep(reg.handle, memory)
       self._changed()
 
@@ -189,6 +196,8 @@ class Registrations:
     with self._lock:
       reg = self._regs.pop(key, None)
       if reg is not None:
+        if key[2] != "cpu":
+          self.device_dereg_epoch += 1
         self._deregister_or_keep(reg.handle, keepalive)
         self._changed()
 

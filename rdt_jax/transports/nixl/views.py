@@ -12,6 +12,20 @@ reconnects, which costs tens of ms here, so rebuilding on every change would
 slow every weight-sync step; a stale descriptor stops working within the
 interval (the NIXL-side defence `staleness` describes).
 
+Device memory is the exception: a view is rebuilt, whatever the interval,
+once the producer deregistered device memory (`device_dereg_epoch` grew).
+Device allocators hand a freed address out again, and a region registered
+anew at an address NIXL already holds for that producer (same address, size
+and device, another registration) makes NIXL refuse the whole metadata
+(NIXL_ERR_NOT_ALLOWED, "metadata updates" are unsupported). The refusal also
+drops NIXL's record of the producer but not UCX's connection to it, after
+which no load of that producer's metadata succeeds in this process again.
+Host memory registered again at the same address carried the same remote
+key in our checks (UCX, this NIXL version), so host deregistrations keep the
+interval. While a READ from the producer is in flight the
+rebuild cannot happen; the new READ is then refused with an error that says
+so (`DeviceViewBusy`), never risked.
+
 A READ that ended in error (a producer's host unreachable, a link down) may
 leave UCX's connection to that producer failed for good; the view is then
 marked broken (`mark_broken`) and rebuilt at the next READ from it once none
@@ -33,7 +47,13 @@ from typing import Any
 from rdt_jax import _settings
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 
-__all__ = ["RemoteViews", "view_rebuild_interval_s"]
+__all__ = ["DeviceViewBusy", "RemoteViews", "view_rebuild_interval_s"]
+
+
+class DeviceViewBusy(RuntimeError):
+  """A producer deregistered device memory while READs from it are in flight
+  in this process: its view cannot be rebuilt now, and extending it could
+  make NIXL refuse that producer for good (see the module docstring)."""
 
 
 @functools.cache
@@ -56,8 +76,9 @@ class RemoteViews:
     self._agent = agent
     self._lock = lock
     self._changed = changed
-    # remote agent -> (version loaded, dereg epoch of the last rebuild, when)
-    self._views: dict[str, tuple[int, int, float]] = {}
+    # remote agent -> (version loaded, dereg epoch of the last rebuild, when,
+    # device dereg epoch of the last rebuild)
+    self._views: dict[str, tuple[int, int, float, int]] = {}
     self._inflight: dict[str, int] = {}
     self._broken: set[str] = set()  # views whose last READ ended in error
 
@@ -91,21 +112,32 @@ class RemoteViews:
       agent = self._agent()
       view = self._views.get(remote)
       now = time.monotonic()
+      fresh = (meta.agent_version, meta.dereg_epoch, now, meta.device_dereg_epoch)
+      device_freed = view is not None and meta.device_dereg_epoch > view[3]
       if view is None:
         agent.add_remote_agent(meta.agent_meta)
-        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
+        self._views[remote] = fresh
       elif not self._inflight.get(remote) and (
           remote in self._broken
+          or device_freed
           or (meta.dereg_epoch > view[1] and now - view[2] >= view_rebuild_interval_s())
       ):
         agent.remove_remote_agent(remote)
         del self._views[remote]
         self._broken.discard(remote)
         agent.add_remote_agent(meta.agent_meta)
-        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now)
+        self._views[remote] = fresh
+      elif device_freed:
+        raise DeviceViewBusy(
+            f"producer agent {remote} deregistered device memory since this process loaded its metadata, "
+            f"and {self._inflight[remote]} READ(s) from it are still in flight here, so its view cannot be "
+            "rebuilt now; loading the new metadata over the old view could make NIXL refuse this producer "
+            "for good (a device address registered again). Fetch this object once the fetches from that "
+            "producer in flight have ended (for example, get the refs one at a time)."
+        )
       elif meta.agent_version > view[0]:
         agent.add_remote_agent(meta.agent_meta)
-        self._views[remote] = (meta.agent_version, view[1], view[2])
+        self._views[remote] = (meta.agent_version, view[1], view[2], view[3])
       self._inflight[remote] = self._inflight.get(remote, 0) + 1
       self._changed()
     return remote
