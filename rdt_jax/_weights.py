@@ -273,6 +273,20 @@ def _object_query(_actor: Any, publisher: str, version: int) -> tuple[list[Any] 
   return pub._object_of(version)
 
 
+def _device_copies(tree: Any) -> Any:
+  """`tree` with each jax array in device memory replaced by a copy on its
+  devices (same sharding), so the version holds no buffer of the trainer's:
+  XLA refuses, on a GPU, to donate a buffer another library holds."""
+  import jax
+
+  def copy(x: Any) -> Any:
+    if isinstance(x, jax.Array) and _dlpack.device_of(x).kind != "cpu":
+      return x.copy()
+    return x
+
+  return jax.tree_util.tree_map(copy, tree)
+
+
 class WeightPublisher:
   """Publishes versions of a trainer's parameters for `WeightSubscriber`s.
 
@@ -289,11 +303,16 @@ class WeightPublisher:
     subscribers without per-leaf work; the trainer's arrays are not held, so
     it may change or donate them at once;
   * as a pytree (`pack=False`, a leaf in device memory, or `jax_transfer`):
-    one RDT object of the tree, its arrays sent from where they are (nothing
-    copied at publish) and held by rdt_jax while the version is kept. A held
-    jax array is not donated (jax copies it into a new buffer, without an
-    error): the published bytes never change, and the step pays one
-    allocation and copy of each donated leaf while its version is kept.
+    one RDT object of the tree, held by rdt_jax while the version is kept.
+    Host arrays are sent from where they are (nothing copied at publish); a
+    held host jax array is not donated (jax copies it into a new buffer,
+    without an error): the published bytes never change, and the step pays
+    one allocation and copy of each donated leaf while its version is kept.
+    jax arrays in device memory are copied on their device at publish (one
+    device copy of those leaves per kept version): on a GPU, XLA refuses to
+    donate a buffer that another library holds ("Donation requested for
+    buffer with external reference"), so holding the trainer's own arrays
+    would fail its next donating step.
 
   docs/weight_sync.md gives the measured cost of each.
 
@@ -358,14 +377,15 @@ class WeightPublisher:
     `keep` window. With `jax_nixl` and every array leaf in host memory the
     version is packed: its leaves are copied into one pooled host buffer
     (the publisher keeps `keep` such buffers; docs/weight_sync.md). Leaves
-    in device memory, or `jax_transfer`, send the tree as it is.
+    in device memory, or `jax_transfer`, send the tree as it is, except that
+    jax arrays in device memory are copied on their device.
 
     Args:
-      tree: the parameters. A packed version is a copy: the trainer may
-        change or donate its arrays at once. Otherwise their bytes must not
-        change while the version is kept: jax arrays never do (donating them
-        is safe, see the class docstring); torch or numpy arrays must not be
-        written in place.
+      tree: the parameters. A packed version is a copy, and so is every jax
+        array in device memory: the trainer may change or donate them at
+        once. Otherwise their bytes must not change while the version is
+        kept: jax arrays never do (donating them is safe, see the class
+        docstring); torch or numpy arrays must not be written in place.
       version: an int greater than every version published before.
 
     Returns:
@@ -416,7 +436,7 @@ class WeightPublisher:
         self._structures[digest] = (structure_of(tree), None)
     # A packed version becomes an RDT object only when a subscriber that
     # cannot read it node-locally asks (`_object_of`): a put costs a few ms.
-    ref = None if packed is not None else ray.put(tree, _tensor_transport=self.transport)
+    ref = None if packed is not None else ray.put(_device_copies(tree), _tensor_transport=self.transport)
     with self._lock:
       dropped = self._drop_oldest(self.keep - 1)
       self._kept.append(_Kept(version, ref, digest, buffer))
