@@ -1,70 +1,110 @@
 #!/usr/bin/env bash
-# Sets up and runs rdt_jax's GPU checks on a GPU host without internet whose
-# Python already has CUDA builds of jax and torch:
+# Runs rdt_jax's GPU checks on a GPU host without internet whose Python
+# already has CUDA builds of jax and torch (cupy optional):
 #
-#   scripts/gpu.sh [--wheels DIR] [--python PY] [--quick] [--dry-run]
+#   scripts/gpu.sh [--wheels DIR] [--python PY] [--out DIR] [--budget S] [--steps LIST] [--dry-run]
 #
-# 1. detects the host's CUDA major version (torch.version.cuda, else nvidia-smi);
-# 2. installs Ray, the matching NIXL (nixl-cu12 or nixl-cu13) and rdt_jax from
-#    the wheel folder made by scripts/gpu_wheels.sh (chunks are joined first),
-#    with --no-index: nothing is downloaded;
-# 3. runs tests/gpu and `rdt-jax bench --device gpu`, writing their logs to
-#    docs/benchmarks/gpu/.
-# --dry-run prints the plan and checks only the host (CUDA, Python packages).
-set -euo pipefail
+# 1. prints the host (GPU, driver, Python, jax, torch, cupy);
+# 2. installs Ray, NIXL and Ray's missing dependencies from the wheel folder
+#    made by scripts/gpu_wheels.sh into .gpu-site/ (--no-index --no-deps:
+#    nothing is downloaded, the host's packages are left as they are); rdt_jax
+#    runs from this checkout;
+# 3. runs, each under its share of --budget seconds (default 480) and in this
+#    order: tests/gpu, `rdt-jax bench --weight-sync --device gpu` and the
+#    device-to-device cases of `rdt-jax bench --device gpu` (rdt_jax's one-sided
+#    transports, Ray's NIXL with torch, the object store); after a step that
+#    ran out of time, the end of Ray's logs. --steps picks some of them
+#    (comma-separated: tests, weight-sync, bench); the budget is shared by those.
+# Logs and benchmark files go to --out (default docs/benchmarks/gpu).
+# --dry-run prints the plan and checks only the host.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=gpu-wheels PY=${PYTHON:-python3} DRY=0 QUICK=""
+WHEELS=gpu-wheels PY=${PYTHON:-python3} DRY=0 OUT_DIR=docs/benchmarks/gpu BUDGET=480 STEPS=tests,weight-sync,bench
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
-    --quick) QUICK=--quick; shift ;;
+    --out) OUT_DIR=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 run() { echo "+ $*"; [ "$DRY" = 1 ] || "$@"; }
+# Shares of the budget, in percent, of the steps asked for.
+declare -A WEIGHT=([tests]=25 [weight-sync]=40 [bench]=35)
+TOTAL=0
+for step in ${STEPS//,/ }; do
+  [ -n "${WEIGHT[$step]:-}" ] || { echo "gpu.sh: unknown step $step (tests, weight-sync, bench)" >&2; exit 2; }
+  TOTAL=$(( TOTAL + WEIGHT[$step] ))
+done
+LOG=/dev/null
+[ "$DRY" = 1 ] || { mkdir -p "$OUT_DIR" && LOG="$OUT_DIR/run.log"; }
 
-CUDA=$("$PY" - <<'PY' 2>/dev/null || true
+"$PY" - <<'PY' 2>&1 | tee -a "$LOG"
+import platform, subprocess
+print("python", platform.python_version(), platform.platform())
 try:
-  import torch
-  print((torch.version.cuda or "").split(".")[0] if torch.cuda.is_available() else "")
-except Exception:
-  print("")
+  print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True, timeout=30).stdout.strip())
+except Exception as e:  # noqa: BLE001
+  print("nvidia-smi:", e)
+for name in ("jax", "jaxlib", "torch", "cupy", "numpy", "ml_dtypes"):
+  try:
+    m = __import__(name)
+    print(name, m.__version__)
+  except Exception as e:  # noqa: BLE001
+    print(name, "missing:", type(e).__name__, e)
+import jax
+print("jax devices", jax.devices())
+import torch
+print("torch cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count())
 PY
-)
-if [ -z "$CUDA" ] && command -v nvidia-smi >/dev/null 2>&1; then
-  CUDA=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
-fi
+CUDA=$("$PY" -c 'import torch; print((torch.version.cuda or "").split(".")[0] if torch.cuda.is_available() else "")' 2>/dev/null)
 if [ -z "$CUDA" ]; then
-  echo "gpu.sh: no CUDA GPU found: torch.cuda.is_available() is False for $PY and" >&2
-  echo "nvidia-smi reports no CUDA version. Run this on a GPU host whose Python has" >&2
-  echo "CUDA builds of jax and torch (pass it with --python)." >&2
+  echo "gpu.sh: no CUDA GPU found: torch.cuda.is_available() is False for $PY. Run this on a GPU host" >&2
+  echo "whose Python has CUDA builds of jax and torch (pass it with --python)." >&2
   exit 3
 fi
-case "$CUDA" in
-  12) NIXL=nixl-cu12 ;;
-  13) NIXL=nixl-cu13 ;;
-  *) echo "gpu.sh: CUDA $CUDA found; NIXL wheels exist for CUDA 12 and 13 only." >&2; exit 3 ;;
-esac
-echo "CUDA $CUDA: installing $NIXL; python $("$PY" -c 'import sys; print(sys.version.split()[0])')"
-"$PY" -c "import jax; assert jax.devices('gpu'), 'no jax gpu device'" \
-  || { echo "gpu.sh: jax in $PY has no GPU backend (install a CUDA build of jax)." >&2; exit 3; }
-
 if [ "$DRY" = 0 ] && [ ! -d "$WHEELS" ]; then
-  echo "gpu.sh: wheel folder $WHEELS not found; make it with scripts/gpu_wheels.sh." >&2
+  echo "gpu.sh: wheel folder $WHEELS not found; make it with scripts/gpu_wheels.sh --cuda $CUDA." >&2
   exit 4
 fi
-for part in "$WHEELS"/*.part-00; do
-  [ -e "$part" ] || continue
-  run sh -c "cat '${part%.part-00}'.part-* > '${part%.part-00}' && rm '${part%.part-00}'.part-*"
-done
-run "$PY" -m pip install -q --no-index --find-links "$WHEELS" ray "$NIXL" rdt_jax pytest pytest-timeout
-run "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps nixl
+SITE=$PWD/.gpu-site
+run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+  "$WHEELS"/*.whl 2>&1 | grep -v "Running pip as the 'root' user" | tee -a "$LOG"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Several processes share the GPU: no process may take 75% of it at its first jax call.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false NIXL_LOG_LEVEL=WARN PYTHONUNBUFFERED=1
+[ "$DRY" = 1 ] || "$PY" -c "import ray, rdt_jax; print('ray', ray.__version__, 'transports', rdt_jax.register())" 2>&1 | tee -a "$LOG"
 
-LOGS=docs/benchmarks/gpu
-run mkdir -p "$LOGS"
-stamp=$(git rev-parse --short HEAD 2>/dev/null || echo local)
-run sh -c "'$PY' -m pytest tests/gpu -v -rs --timeout 900 2>&1 | tee '$LOGS/tests-$stamp.log'"
-run sh -c "'$PY' -m rdt_jax bench --device gpu $QUICK --out '$LOGS/bench-$stamp' 2>&1 | tee '$LOGS/bench-$stamp.log'"
+wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
+share() { echo $(( BUDGET * WEIGHT[$1] / TOTAL )); }
+ray_logs() {  # what Ray's processes said, after a step that timed out
+  for f in $(ls -t /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/raylet.out 2>/dev/null | head -8); do
+    echo "--- $f"; tail -n 15 "$f"
+  done
+}
+if wanted tests; then
+  run timeout "$(share tests)" "$PY" -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120 2>&1 \
+    | tee "$OUT_DIR/tests.log"
+  echo "tests/gpu exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+fi
+if wanted weight-sync; then
+  run timeout "$(share weight-sync)" "$PY" -m rdt_jax bench --weight-sync --device gpu \
+    --weight-sync-generators 1,2,4 --weight-sync-paths rdt,rdt_donate,store --reps 4 --out "$OUT_DIR" 2>&1 \
+    | tee -a "$LOG"
+  status=${PIPESTATUS[0]}
+  echo "weight-sync exit $status" | tee -a "$LOG"
+  [ "$status" != 124 ] || ray_logs >> "$LOG" 2>&1
+fi
+if wanted bench; then
+  run timeout "$(share bench)" "$PY" -m rdt_jax bench --device gpu --label gpu --reps 5 --no-pause \
+    --paths jax_nixl,jax_transfer,ray_nixl_torch,object_store_jax \
+    --cases gpu:4KiB,gpu:64MiB,gpu:256MiB,gpu:tree1000 --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
+  status=${PIPESTATUS[0]}
+  echo "bench exit $status" | tee -a "$LOG"
+  [ "$status" != 124 ] || ray_logs >> "$LOG" 2>&1
+fi

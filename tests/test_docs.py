@@ -402,7 +402,9 @@ def test_tests_named_in_the_docs_exist():
 
 
 @pytest.mark.parametrize(
-    "page", sorted((DOCS / "benchmarks").glob("bench-*.md")), ids=lambda p: p.name
+    "page",
+    sorted((DOCS / "benchmarks").glob("bench-*.md")) + sorted((DOCS / "benchmarks" / "gpu").glob("bench-*.md")),
+    ids=lambda p: str(p.relative_to(DOCS / "benchmarks")),
 )
 def test_benchmark_pages_are_what_the_generator_writes(page):
   """A committed benchmark page is exactly what `rdt-jax bench` writes from the
@@ -411,6 +413,7 @@ def test_benchmark_pages_are_what_the_generator_writes(page):
 
   doc = json.loads(page.with_suffix(".json").read_text())
   generate = {
-      "bench-reshard": _reshard.markdown, "bench-weight-sync": _weights.markdown, "bench-twohost": _twohost.markdown,
+      "bench-reshard": _reshard.markdown, "bench-weight-sync": _weights.markdown,
+      "bench-weight-sync-gpu": _weights.markdown, "bench-twohost": _twohost.markdown,
   }.get(page.stem, _report.markdown)
   assert generate(doc) == page.read_text(), f"{page.name} differs from what the generator writes from its JSON"

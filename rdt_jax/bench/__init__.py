@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true",
                       help="a short case set and fewer repetitions (under 2 minutes on 2 cores)")
   parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                      help="gpu adds device-to-device cases (skipped with a reason without a GPU)")
+                      help="gpu adds device-to-device cases (skipped with a reason without a GPU); with "
+                           "--weight-sync, weights in device memory on both sides")
   parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
   parser.add_argument("--paths", type=_csv, default=None,
                       help="comma-separated path ids to run: rdt_jax transport names "

@@ -29,11 +29,24 @@ of each leaf, or of the generator's half, taken outside the timed part). The
 same run measures one host copy of the payload (`memcpy_ms`, a numpy copy
 into a warm buffer), the rate the targets are stated at. Writes
 `bench-weight-sync.json` and `bench-weight-sync.md` under `--out`.
+
+With `--device gpu` the weights live in device memory on both sides, every
+actor holding a share of one GPU (`GPU_SHARE`, XLA's preallocation off): the
+trainer's arrays are on its GPU, so versions are sent as a pytree
+(`rdt` and `pytree` are the same path there), and every generator is of
+kind `torch`, CUDA tensors written in place (the vLLM-style engine):
+resharding, so a jax target sharding, lands in host memory, and
+`Slice(into=)` takes host memory only. A pull is timed until its device
+work is done (`torch.cuda.synchronize`); `store` is the trainer's
+device-to-host copy and `ray.put`, then each generator's host-to-device
+copy. No host memcpy rate is measured. Writes
+`bench-weight-sync-gpu.{json,md}`.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -50,7 +63,13 @@ import rdt_jax
 
 PATHS = ("rdt", "rdt_donate", "pytree", "store")
 KINDS = ("torch", "jax", "slice")
+#: Generator kinds with device memory (target shardings and `Slice(into=)`
+#: land in host memory).
+GPU_KINDS = ("torch",)
 TWO_DEVICES = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
+#: The share of the one GPU each actor holds with `--device gpu`.
+GPU_SHARE = 0.1
+GPU_ENV = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NIXL_LOG_LEVEL": "WARN"}}
 
 
 def _leaf_shapes(case: str) -> list[tuple[int, ...]]:
@@ -81,12 +100,12 @@ def _checksum(arrays: list[Any]) -> str:
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Trainer:
-  def setup(self, case: str, path: str) -> None:
+  def setup(self, case: str, path: str, device: str = "cpu") -> None:
     import jax
-    import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
-    self.params = [jnp.asarray(rng.random(s, dtype=np.float32)) for s in _leaf_shapes(case)]
+    where = jax.devices(device)[0]
+    self.params = [jax.device_put(rng.random(s, dtype=np.float32), where) for s in _leaf_shapes(case)]
     donate = (0,) if path == "rdt_donate" else ()
     self.update = jax.jit(lambda p: [x + 1.0 for x in p], donate_argnums=donate)
     self.path = path
@@ -118,14 +137,15 @@ class _Trainer:
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Generator:
-  def setup(self, case: str, kind: str, index: int) -> None:
+  def setup(self, case: str, kind: str, index: int, device: str = "cpu") -> None:
     import torch
 
     shapes = _leaf_shapes(case)
     self.kind = kind
     self.which = index % 2
+    self.gpu = device == "gpu"
     if kind == "torch":
-      self.tensors = [torch.empty(s) for s in shapes]
+      self.tensors = [torch.empty(s, device="cuda" if self.gpu else "cpu") for s in shapes]
       template: Any = self.tensors
     elif kind == "slice":
       self.tensors = [torch.empty((s[0] // 2, *s[1:])) for s in shapes]
@@ -143,9 +163,19 @@ class _Generator:
     key = "full" if self.kind != "slice" else f"half{self.which}"
     return key, _checksum([rdt_jax.to_numpy(x) for x in leaves])
 
+  def _settle(self, leaves: list[Any]) -> None:
+    """Waits for the device work behind `leaves` (with device memory)."""
+    if self.gpu:
+      import jax
+      import torch
+
+      jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
+      torch.cuda.synchronize()
+
   def pull(self, handle: Any) -> tuple[float, tuple[str, str]]:
     t0 = time.perf_counter()
     leaves = self.subscriber.pull(handle)
+    self._settle(leaves)
     dt = time.perf_counter() - t0
     return dt, self._sum(leaves if self.kind == "jax" else self.tensors)
 
@@ -157,6 +187,17 @@ class _Generator:
 
       leaves = [jax.device_put(a, s) for a, s in zip(arrays, self.shardings)]
       jax.block_until_ready(leaves)
+    elif self.gpu:
+      import warnings
+
+      import torch
+
+      with warnings.catch_warnings():  # torch warns of the store's read-only arrays; it only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        for t, a in zip(self.tensors, arrays):
+          t.copy_(torch.from_numpy(a), non_blocking=False)
+      leaves = self.tensors
+      self._settle(leaves)
     else:
       for t, a in zip(self.tensors, arrays):
         # The object store's arrays are read-only: copy through numpy.
@@ -204,25 +245,43 @@ def run(args: Any) -> dict[str, Any]:
   cases = [f"1x{args.weight_sync_small_kb}KiB"] if getattr(args, "weight_sync_small_kb", 0) else []
   cases += [f"1x{args.weight_sync_big_mb}MiB"] if args.weight_sync_big_mb else []
   cases += [f"{n}x{args.weight_sync_mb}MiB" for n in str(args.weight_sync_leaves).split(",") if n]
+  device = getattr(args, "device", "cpu")
   rdt_jax.register()
   started = not ray.is_initialized()
   if started:
     ray.init(num_cpus=max(counts) + 2, include_dashboard=False, logging_level=logging.WARNING)
+  if device == "gpu":
+    from rdt_jax.bench import _runner
+
+    reason = _runner.gpu_unavailable()
+    if reason is not None:
+      if started:
+        ray.shutdown()
+      raise SystemExit(f"--weight-sync --device gpu: {reason}")
   rows: list[dict[str, Any]] = []
   t_start = time.perf_counter()
-  memcpy = {case: _memcpy_ms(sum(int(np.prod(s)) * 4 for s in _leaf_shapes(case))) for case in cases}
+  memcpy = {} if device == "gpu" else {
+      case: _memcpy_ms(sum(int(np.prod(s)) * 4 for s in _leaf_shapes(case))) for case in cases
+  }
   try:
-    trainer = _Trainer.remote()  # type: ignore[attr-defined]
-    gens = [
-        _Generator.options(runtime_env=TWO_DEVICES).remote()  # type: ignore[attr-defined]
-        for _ in range(max(counts))
-    ]
-    kinds = [KINDS[i % len(KINDS)] for i in range(len(gens))]
+    if device == "gpu":
+      on_gpu: dict[str, Any] = {"num_gpus": GPU_SHARE, "runtime_env": GPU_ENV}
+      trainer = _Trainer.options(**on_gpu).remote()  # type: ignore[attr-defined]
+      gens = [_Generator.options(**on_gpu).remote() for _ in range(max(counts))]  # type: ignore[attr-defined]
+      kinds = [GPU_KINDS[i % len(GPU_KINDS)] for i in range(len(gens))]
+    else:
+      trainer = _Trainer.remote()  # type: ignore[attr-defined]
+      gens = [
+          _Generator.options(runtime_env=TWO_DEVICES).remote()  # type: ignore[attr-defined]
+          for _ in range(max(counts))
+      ]
+      kinds = [KINDS[i % len(KINDS)] for i in range(len(gens))]
     for case in cases:
       for n in counts:
         for path in paths:
-          ray.get(trainer.setup.remote(case, path))
-          ray.get([g.setup.remote(case, kinds[i], i) for i, g in enumerate(gens[:n])])  # a new subscriber per run
+          ray.get(trainer.setup.remote(case, path, device))
+          # a new subscriber per run
+          ray.get([g.setup.remote(case, kinds[i], i, device) for i, g in enumerate(gens[:n])])
           samples = []
           for _ in range(steps):
             out, step_s, publish_s, want = ray.get(trainer.step.remote())
@@ -237,20 +296,41 @@ def run(args: Any) -> dict[str, Any]:
             del out
           rows.append(_row(case, n, path, samples, ",".join(kinds[:n])))
           print(_format_row(rows[-1]), flush=True)
+          _write(args, device, rows, steps, t_start, memcpy)  # a run cut short keeps its rows
   finally:
     if started:
       ray.shutdown()
+  result = _write(args, device, rows, steps, t_start, memcpy)
+  print(markdown(result))
+  return result
+
+
+def _write(
+    args: Any, device: str, rows: list[dict[str, Any]], steps: int, t_start: float, memcpy: dict[str, float]
+) -> dict[str, Any]:
+  """Writes the rows so far as `bench-weight-sync[-gpu].{json,md}` under
+  `args.out`; returns the result written."""
   result = {
       "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "host": {"platform": platform.platform(), "python": platform.python_version()},
       "steps": steps, "wall_s": round(time.perf_counter() - t_start, 1), "memcpy_ms": memcpy, "rows": rows,
   }
+  if device == "gpu":
+    result["device"] = _gpu_name()
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "bench-weight-sync.json").write_text(json.dumps(result, indent=1) + "\n")
-  (out_dir / "bench-weight-sync.md").write_text(markdown(result))
-  print(markdown(result))
+  stem = "bench-weight-sync-gpu" if device == "gpu" else "bench-weight-sync"
+  (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+  (out_dir / f"{stem}.md").write_text(markdown(result))
   return result
+
+
+@functools.cache
+def _gpu_name() -> str:
+  """The driver's name of the GPU the actors share (torch's, in this process)."""
+  import torch
+
+  return str(torch.cuda.get_device_name(0))
 
 
 def _ms(x: float) -> float:
@@ -299,14 +379,32 @@ def _fixed_case(case: str) -> bool:
   return case.endswith("KiB")
 
 
+def fixed_text(result: dict[str, Any]) -> str:
+  """What the fixed-cost column of `result`'s targets table means."""
+  if "device" in result:
+    return ("No host copy rate is measured with device memory, so the fixed-cost column is empty; the one-leaf "
+            f"KiB tree's publish + pull is the per-step fixed cost, whose target is under {FIXED_TARGET_MS:g} ms.")
+  return ("The fixed cost is publish + pull less two host copies of the payload (the publisher's packing copy and "
+          "the generator's copy), each at the copy rate measured in this run (`memcpy`). For the one-leaf KiB tree "
+          f"the copies take microseconds: its publish + pull is the per-step fixed cost, whose target is under "
+          f"{FIXED_TARGET_MS:g} ms.")
+
+
 def markdown(result: dict[str, Any]) -> str:
   store = {(r["case"], r["generators"]): r["sync_ms"] for r in result["rows"] if r["path"] == "store"}
+  if "device" in result:
+    title = "# rdt-jax bench --weight-sync --device gpu"
+    kinds = (f"Device memory on both sides, every actor on a share of one {result['device']}: trainer arrays on "
+             "the GPU, every generator torch CUDA tensors written in place.")
+  else:
+    title = "# rdt-jax bench --weight-sync"
+    kinds = "Generators by kind: torch in place, jax on a 2-device mesh, slice = half of each leaf into torch."
   lines = [
-      "# rdt-jax bench --weight-sync",
+      title,
       "",
       f"{result['when']}, {result['host']['platform']}, Python {result['host']['python']}; "
       f"{result['steps']} steps per run, the first reported apart, medians of the others; {result['wall_s']} s. "
-      "Generators by kind: torch in place, jax on a 2-device mesh, slice = half of each leaf into torch.",
+      + kinds,
       "",
       "| tree | generators | path | trainer step ms | first publish + pull ms | publish ms | pull ms "
       "| publish + pull ms | vs store |",
@@ -324,10 +422,7 @@ def markdown(result: dict[str, Any]) -> str:
       "",
       "## Targets (steady state, `rdt` and `rdt_donate` against `store`)",
       "",
-      "The fixed cost is publish + pull less two host copies of the payload (the publisher's packing copy and "
-      "the generator's copy), each at the copy rate measured in this run (`memcpy`). For the one-leaf KiB tree "
-      f"the copies take microseconds: its publish + pull is the per-step fixed cost, whose target is under "
-      f"{FIXED_TARGET_MS:g} ms.",
+      fixed_text(result),
       "",
       "| tree | generators | path | publish + pull ms | store ms | ratio | target | met | memcpy ms "
       "| fixed cost ms |",
