@@ -276,7 +276,11 @@ def _object_query(_actor: Any, publisher: str, version: int) -> tuple[list[Any] 
 def _device_copies(tree: Any) -> Any:
   """`tree` with each jax array in device memory replaced by a copy on its
   devices (same sharding), so the version holds no buffer of the trainer's:
-  XLA refuses, on a GPU, to donate a buffer another library holds."""
+  XLA refuses, on a GPU, to donate a buffer another library holds. Without a
+  GPU visible to jax here no leaf can be in device memory: `tree` itself,
+  with no per-leaf work."""
+  if not _dlpack.cuda_available("jax"):
+    return tree
   import jax
 
   def copy(x: Any) -> Any:
