@@ -8,6 +8,10 @@ Objects here are larger than the in-band threshold, so they are exported.
 from __future__ import annotations
 
 import os
+import select
+import subprocess
+import sys
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -65,8 +69,11 @@ def test_read_refuses_a_producer_that_exited_or_a_reused_pid():
 
 
 def test_read_refuses_a_pid_reused_during_the_read(monkeypatch):
-  # The producer exits while its memory is copied and its pid goes to a new
+  # Where there are no pidfds, /proc is asked before and after the copy. The
+  # producer exits while its memory is copied and its pid goes to a new
   # process: the start time read after the copy differs, and the read fails.
+  monkeypatch.setattr(_process, "_pidfd_works", [False])
+  monkeypatch.setattr(_process, "_watched", OrderedDict())
   me = _process.identity()
   src = np.arange(64, dtype=np.uint8)
   dst = np.zeros_like(src)
@@ -83,6 +90,88 @@ def test_read_refuses_a_pid_reused_during_the_read(monkeypatch):
     node_local.read(me, [(dst.ctypes.data, src.ctypes.data, src.nbytes)])
   assert len(calls) == 2, "the producer's start time was not checked after the copy"
   assert np.array_equal(dst, src)  # the copy ran; the check after it refused it
+
+
+class _Child:
+  """A Python process holding 64 known bytes at a printed address."""
+
+  def __init__(self):
+    code = ("import numpy as np, time; a = np.arange(64, dtype=np.uint8); "
+            "print(a.ctypes.data, flush=True); time.sleep(120)")
+    self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    self.address = int(self.proc.stdout.readline())
+    me = _process.identity()
+    self.identity = (me[0], me[1], self.proc.pid, _process.start_time(self.proc.pid))
+
+  def kill_unreaped(self) -> None:
+    """Kills it and waits until it has exited, leaving it a zombie (its pid
+    cannot be reused yet): until /proc says so and, where there are pidfds,
+    a pidfd of its own turns readable (which may come a little later)."""
+    fd = os.pidfd_open(self.proc.pid) if _process._pidfd_works[0] else None
+    self.proc.kill()
+    assert wait_for(lambda: _process.start_time(self.proc.pid) is None)
+    if fd is not None:
+      try:
+        assert select.select([fd], [], [], 30)[0], "the killed child's pidfd never turned readable"
+      finally:
+        os.close(fd)
+
+  def close(self) -> None:
+    self.proc.kill()
+    self.proc.wait()
+    self.proc.stdout.close()
+
+
+@pytest.fixture
+def child():
+  c = _Child()
+  yield c
+  c.close()
+
+
+def test_a_producer_that_exits_during_the_read_fails_it(monkeypatch, child):
+  # With a pidfd: the process watched is the producer itself, and its exit
+  # during the copy fails the read (the bytes copied are not to be used).
+  if not _process._pidfd_works[0]:
+    pytest.skip("no pidfd_open here")
+  dst = np.zeros(64, np.uint8)
+  node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
+  assert np.array_equal(dst, np.arange(64, dtype=np.uint8))
+  assert child.identity in _process._watched  # watched from now on
+  real = node_local._read_all
+
+  def read_then_exit(pid, prepared):
+    real(pid, prepared)
+    child.kill_unreaped()
+
+  dst[:] = 0
+  monkeypatch.setattr(node_local, "_read_all", read_then_exit)
+  with pytest.raises(ProcessLookupError, match="during the read"):
+    node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
+  assert np.array_equal(dst, np.arange(64, dtype=np.uint8))  # the copy ran; the check after it refused it
+  assert child.identity not in _process._watched  # forgotten once it exited
+  with pytest.raises(ProcessLookupError, match="before the read"):
+    node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
+
+
+def test_watched_processes_are_bounded(monkeypatch):
+  # Each watched process holds a file descriptor: at most WATCHED_MAX are kept.
+  monkeypatch.setattr(_process, "WATCHED_MAX", 2)
+  monkeypatch.setattr(_process, "_watched", OrderedDict())
+  children = [_Child() for _ in range(3)]
+  try:
+    fds = len(os.listdir("/proc/self/fd"))
+    assert all(_process.alive(c.identity) for c in children)
+    if _process._pidfd_works[0]:
+      assert list(_process._watched) == [c.identity for c in children[1:]]
+      assert len(os.listdir("/proc/self/fd")) == fds + 2
+    assert _process.alive(children[0].identity)  # asked /proc again, then watched again
+    assert _process.watched() <= 2
+  finally:
+    for c in children:
+      c.close()
+  assert not any(_process.alive(c.identity) for c in children)
+  assert _process.watched() == 0
 
 
 def test_unreadable_memory_is_an_error():
