@@ -103,6 +103,18 @@ def alive(other: Identity) -> bool:
     return True
 
 
+def _after_fork_in_child() -> None:
+  """A forked child gets a lock of its own (the parent's may have been held
+  by another thread at the fork); the pidfds it inherited still name the
+  same processes."""
+  global _watch_lock
+  _watch_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def watched() -> int:
   """How many processes are watched through a pidfd now (at most `WATCHED_MAX`)."""
   with _watch_lock:

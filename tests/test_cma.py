@@ -174,6 +174,26 @@ def test_watched_processes_are_bounded(monkeypatch):
   assert _process.watched() == 0
 
 
+def test_a_forked_child_checks_processes_even_if_the_lock_was_held_at_the_fork():
+  # A child forked while another thread of its parent held the watch lock
+  # gets a lock of its own: its first check must not hang.
+  code = (
+      "import os, sys\n"
+      "from rdt_jax import _process\n"
+      "me = _process.identity()\n"
+      "assert _process.alive(me)\n"
+      "_process._watch_lock.acquire()\n"
+      "pid = os.fork()\n"
+      "if pid == 0:\n"
+      "  parent = (*me[:2], os.getppid(), _process.start_time(os.getppid()))\n"
+      "  os._exit(0 if _process.alive(parent) and _process.alive(me) else 3)\n"
+      "_process._watch_lock.release()\n"
+      "sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+  )
+  done = subprocess.run([sys.executable, "-c", code], timeout=60)
+  assert done.returncode == 0
+
+
 def test_unreadable_memory_is_an_error():
   me = _process.identity()
   buf = np.zeros(8, np.uint8)

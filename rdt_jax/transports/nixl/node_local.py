@@ -18,10 +18,11 @@ is used, and checks staleness first (`rdt_jax.transports.nixl.staleness`).
 
 The producer is named by pid and start time (`rdt_jax._process.Identity`). A
 pid names one process until that process exits; then the kernel may give it
-to another. So the read checks the start time before the first system call
-and again after the last: a producer that exited during the read (its pid
-possibly reused, the bytes possibly another process's) fails the read, never
-delivers it.
+to another. So the read checks that the producer still runs under its pid
+(`rdt_jax._process.alive`: its start time at the first check, a pidfd after
+it) before the first system call and again after the last: a producer that
+exited during the read (its pid possibly reused, the bytes possibly another
+process's) fails the read, never delivers it.
 """
 
 from __future__ import annotations
