@@ -17,6 +17,7 @@ watched, least recently asked about dropped first.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import threading
@@ -127,11 +128,10 @@ def _open_pidfd(pid: int) -> int | None:
     return None
   try:
     return os.pidfd_open(pid)
-  except ProcessLookupError:
-    return None
-  except OSError:  # ENOSYS, EPERM in a sandbox: ask /proc every time
-    _pidfd_works[0] = False
-    return None
+  except OSError as e:
+    if e.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES):  # no pidfds here: ask /proc every time
+      _pidfd_works[0] = False
+    return None  # no such process, an invalid pid, no descriptor left: /proc decides this time
 
 
 def _exited(fd: int) -> bool:

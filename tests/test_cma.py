@@ -154,6 +154,13 @@ def test_a_producer_that_exits_during_the_read_fails_it(monkeypatch, child):
     node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
 
 
+def test_an_invalid_pid_is_not_alive_and_keeps_pidfds_on():
+  me = _process.identity()
+  works = _process._pidfd_works[0]
+  assert not _process.alive((*me[:2], 0, me[3]))  # pidfd_open refuses pid 0 (EINVAL)
+  assert _process._pidfd_works[0] == works
+
+
 def test_watched_processes_are_bounded(monkeypatch):
   # Each watched process holds a file descriptor: at most WATCHED_MAX are kept.
   monkeypatch.setattr(_process, "WATCHED_MAX", 2)
