@@ -167,11 +167,11 @@ def test_watched_processes_are_bounded(monkeypatch):
   monkeypatch.setattr(_process, "_watched", OrderedDict())
   children = [_Child() for _ in range(3)]
   try:
-    fds = len(os.listdir("/proc/self/fd"))
+    pidfds = _open_pidfds()
     assert all(_process.alive(c.identity) for c in children)
     if _process._pidfd_works[0]:
       assert list(_process._watched) == [c.identity for c in children[1:]]
-      assert len(os.listdir("/proc/self/fd")) == fds + 2
+      assert _open_pidfds() == pidfds + 2  # the first one's was closed when it was dropped
     assert _process.alive(children[0].identity)  # asked /proc again, then watched again
     assert _process.watched() <= 2
   finally:
@@ -179,6 +179,18 @@ def test_watched_processes_are_bounded(monkeypatch):
       c.close()
   assert not any(_process.alive(c.identity) for c in children)
   assert _process.watched() == 0
+  assert _open_pidfds() == pidfds
+
+
+def _open_pidfds() -> int:
+  """How many pidfds this process has open (other threads may open other files)."""
+  count = 0
+  for name in os.listdir("/proc/self/fd"):
+    try:
+      count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[pidfd]"
+    except OSError:
+      pass  # closed meanwhile
+  return count
 
 
 def test_a_forked_child_checks_processes_even_if_the_lock_was_held_at_the_fork():
