@@ -98,10 +98,19 @@ def register() -> list[str]:
   process that creates them (usually the driver). It may be called before or
   after `ray.init`, and inside actors.
 
+  Where `jax_nixl` is registered, it also sets the UCX defaults for device
+  memory in this process's environment (`RDT_JAX_UCX_DEFAULTS`, see
+  docs/configuration.md), before any NIXL agent exists here.
+
   Returns:
     The registered transport names in lower case, e.g. `["jax_nixl"]`.
   """
-  return [register_transport(cls) for cls in _transport_classes().values()]
+  names = [register_transport(cls) for cls in _transport_classes().values()]
+  if "jax_nixl" in names:
+    from rdt_jax.transports.nixl import ucx
+
+    ucx.apply_defaults()  # before any NIXL agent here, Ray's own included (docs/configuration.md)
+  return names
 
 
 def receive_as(mode: str) -> None:

@@ -184,6 +184,14 @@ SETTINGS: Final[dict[str, Setting]] = {
             read="once", side="consumer", minimum=0.1, maximum=600.0,
         ),
         Setting(
+            "RDT_JAX_UCX_DEFAULTS", "bool", True,
+            "jax_nixl: before this process's first NIXL agent exists, set `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` "
+            "where it is unset, so a READ of another process's GPU memory on this host uses CUDA IPC "
+            "instead of being emulated through host memory and TCP (UCX turns it off where no NVLink is "
+            "active); a variable you set is never changed. 0 leaves UCX's environment alone.",
+            read="per use",
+        ),
+        Setting(
             "RDT_JAX_HOST_POOL_BYTES", "bytes", 1 * _GIB,
             "Free host buffers (receive and staging memory, registered once) kept for reuse; 0 disables "
             "reuse.",

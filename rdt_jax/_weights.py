@@ -862,12 +862,18 @@ class WeightSubscriber:
     template; returns the pulled tree with the template's arrays in place."""
     import jax
 
+    copies: list[tuple[Any, Any]] = []
+
     def commit(leaf: Any, arrived: Any) -> Any:
       into = _in_place(leaf)
       if into is None:
         return arrived
-      _dlpack.copy_into(into, arrived)
+      copies.append((into, arrived))
       return leaf if not isinstance(leaf, _dlpack.Slice) else into
 
-    return jax.tree_util.tree_map(commit, self.template, value, is_leaf=_is_template_leaf)
+    out = jax.tree_util.tree_map(commit, self.template, value, is_leaf=_is_template_leaf)
+    # One wait per device before and after: a CUDA template is written after
+    # work queued against it on any stream, and holds the version on return.
+    _dlpack.copy_into_many(copies)
+    return out
 

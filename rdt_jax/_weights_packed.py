@@ -449,6 +449,7 @@ class PackedPlan:
     written (atomic: copied from the pool buffer into the template first)."""
     out: list[Any] = [None] * len(self.leaves)
     host_jax: list[tuple[int, np.ndarray, Any]] = []
+    copies: list[tuple[Any, np.ndarray]] = []
     if self._in_place:
       if self.atomic:
         assert buffer is not None
@@ -467,8 +468,7 @@ class PackedPlan:
       a, b, shape = leaf.spans[0]
       view = buffer[a:b].view(leaf.dtype).reshape(shape)
       if leaf.framework == "copy":
-        _dlpack.copy_into(leaf.array, view)
-        _dlpack.mark_written(leaf.array)
+        copies.append((leaf.array, view))
         out[leaf.index] = leaf.returned
       elif leaf.framework in ("numpy", "torch"):
         out[leaf.index] = _dlpack.rebuild_view(view, leaf.framework, _dlpack.Device("cpu"), leaf.path)  # type: ignore[arg-type]
@@ -476,6 +476,9 @@ class PackedPlan:
         host_jax.append((leaf.index, view, leaf))
       else:
         out[leaf.index] = _finish_jax(_put(view, leaf.place), leaf)
+    if copies:  # device (or other non-host) templates: ordered with every stream of their devices
+      _dlpack.copy_into_many(copies)
+      _dlpack.mark_written_many([target for target, _ in copies])
     if host_jax:
       made = _dlpack.host_to_jax_many([v for _, v, _ in host_jax], _dlpack.Device("cpu"))
       for (i, _, leaf), x in zip(host_jax, made):

@@ -57,6 +57,7 @@ def test_freed_device_memory_rebuilds_the_view_at_the_next_read(views):
   assert agent.calls == [
       ("add", b"v1"), ("add", b"v2"), ("add", b"v3"), ("remove", "producer"), ("add", b"v4"),
   ]
+  assert views.rebuilds == 1  # counters()["view_rebuilds"]
 
 
 def test_a_view_with_reads_in_flight_is_not_extended_after_device_memory_was_freed(views):
@@ -70,3 +71,33 @@ def test_a_view_with_reads_in_flight_is_not_extended_after_device_memory_was_fre
   _read(views, _meta(2, device=1))  # none in flight: rebuilt
   assert agent.calls[1:] == [("remove", "producer"), ("add", b"v2")]
   assert views.inflight() == 0
+
+
+def test_a_view_loaded_for_host_memory_is_rebuilt_once_before_its_first_device_read(views):
+  """UCX sets a connection's lanes up when the view is loaded; loaded with
+  no CUDA context, the connection reads device memory by emulation."""
+  views, agent = views
+  _read(views, _meta(1))  # host memory: no CUDA context needed, maybe none yet
+  views.close_read(views.open_read(_meta(1), device=True))  # rebuilt, in this device READ's thread
+  views.close_read(views.open_read(_meta(1), device=True))
+  _read(views, _meta(1))
+  assert agent.calls == [("add", b"v1"), ("remove", "producer"), ("add", b"v1")]
+  assert views.rebuilds == 1
+
+
+def test_a_view_loaded_for_a_device_read_is_kept_for_host_reads(views):
+  views, agent = views
+  views.close_read(views.open_read(_meta(1), device=True))
+  _read(views, _meta(1))
+  views.close_read(views.open_read(_meta(1), device=True))
+  assert agent.calls == [("add", b"v1")] and views.rebuilds == 0
+
+
+def test_the_rebuild_for_device_memory_waits_for_reads_in_flight(views):
+  views, agent = views
+  held = views.open_read(_meta(1))
+  views.close_read(views.open_read(_meta(1), device=True))  # goes ahead on the old view
+  assert agent.calls == [("add", b"v1")]
+  views.close_read(held)
+  views.close_read(views.open_read(_meta(1), device=True))  # none in flight: rebuilt now
+  assert agent.calls == [("add", b"v1"), ("remove", "producer"), ("add", b"v1")]

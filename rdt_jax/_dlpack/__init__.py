@@ -16,6 +16,7 @@ and the design rules.
 from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
 from rdt_jax._dlpack._cuda import copy_from_host as copy_from_host
 from rdt_jax._dlpack._cuda import cuda_available as cuda_available
+from rdt_jax._dlpack._cuda import ipc_capable as ipc_capable
 from rdt_jax._dlpack._cuda import settle_targets as settle_targets
 from rdt_jax._dlpack._cuda import wait_for_copies as wait_for_copies
 from rdt_jax._dlpack._cuda import wait_for_producers as wait_for_producers
@@ -30,6 +31,7 @@ from rdt_jax._dlpack._dispatch import buffer_pointers as buffer_pointers
 from rdt_jax._dlpack._dispatch import check_x64 as check_x64
 from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
 from rdt_jax._dlpack._dispatch import copy_into as copy_into
+from rdt_jax._dlpack._dispatch import copy_into_many as copy_into_many
 from rdt_jax._dlpack._dispatch import describe as describe
 from rdt_jax._dlpack._dispatch import device_of as device_of
 from rdt_jax._dlpack._dispatch import dtype_of as dtype_of
@@ -129,6 +131,7 @@ __all__ = [  # noqa: RUF022
     # Conversions between frameworks, and copies into a given array.
     "convert_leaf",
     "copy_into",
+    "copy_into_many",
     "to_jax_exact",
     # Typed PRNG keys: raw key data and implementation name, and back.
     "is_prng_key",
@@ -183,6 +186,7 @@ __all__ = [  # noqa: RUF022
     "cuda_available",
     "torch_bytes",
     "settle_targets",
+    "ipc_capable",
     "wait_for_copies",
     "wait_for_producers",
     "wait_received",

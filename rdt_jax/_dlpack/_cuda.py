@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
+from typing import Final
 
 import numpy as np
 
@@ -106,6 +107,11 @@ def settle_reuse(device: Device) -> None:
   before a pooled region whose arrays are gone is written again, so no kernel
   still queued against one of them reads the new bytes."""
   if device.kind == "cpu":
+    return
+  if not importable("torch") and importable("cupy"):
+    import cupy
+
+    cupy.cuda.Device(device.index).synchronize()
     return
   import torch
 
@@ -180,6 +186,26 @@ def wait_for_copies(device: Device) -> None:
   event = torch.cuda.Event()
   event.record(torch.cuda.current_stream(device.index))
   event.synchronize()
+
+
+#: cuPointerGetAttribute's CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE (cuda.h).
+_IS_LEGACY_CUDA_IPC_CAPABLE: Final = 10
+
+
+def ipc_capable(pointer: int) -> bool | None:
+  """Whether the CUDA allocation holding device address `pointer` can be
+  mapped by another process with `cudaIpcOpenMemHandle` (what UCX's
+  cuda_ipc transport uses): True for `cudaMalloc` memory (torch's caching
+  allocator without expandable segments), False for memory from CUDA's
+  virtual memory API or a stream-ordered pool (XLA's allocator). None where
+  the driver cannot tell (no CUDA driver, or an error)."""
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return None
+  value = ctypes.c_int(0)
+  rc = cuda.cuPointerGetAttribute(ctypes.byref(value), _IS_LEGACY_CUDA_IPC_CAPABLE, ctypes.c_uint64(pointer))
+  return bool(value.value) if rc == 0 else None
 
 
 def cuda_available(framework: str) -> bool:

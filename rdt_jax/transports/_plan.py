@@ -454,6 +454,10 @@ class ReceivePlan:
     return leaves
 
   def _build_all(self) -> list[Any]:
+    # Caller memory received into this plan's own device memory (staged) is
+    # copied in by `_build_leaf` on torch's current stream: work queued
+    # against those targets on any other stream runs first.
+    _dlpack.settle_targets(p.device for p in self.plans if p.staged and memory_kind(p.device) == "device")
     # Host leaves arriving as jax are made in one call per device: jax's
     # per-array overhead dominates objects of many small leaves.
     leaves: list[Any] = []
@@ -483,18 +487,21 @@ class ReceivePlan:
   def adopt(self, received: list[Any]) -> list[Any]:
     """The leaves from whole arrays a backend received (one per leaf, any
     framework): converted to each plan's framework, or copied into
-    numpy/torch targets."""
-    return [self._adopt_leaf(p, x) for p, x in zip(self.plans, received)]
-
-  @staticmethod
-  def _adopt_leaf(plan: _LeafPlan, leaf: Any) -> Any:
-    if plan.into is not None:
-      _dlpack.copy_into(plan.into, leaf)
-      return plan.into
-    if plan.target is not None and plan.framework != "jax":
-      _dlpack.copy_into(plan.target, leaf)
-      return plan.target
-    return _dlpack.convert_leaf(leaf, plan.framework, plan.spec.path)
+    numpy/torch/cupy targets (`_dlpack.copy_into_many`: a CUDA target is
+    written after the work queued against it on any stream, and the copies
+    have ended before the received arrays can be dropped)."""
+    out: list[Any] = []
+    copies: list[tuple[Any, Any]] = []
+    for plan, leaf in zip(self.plans, received):
+      caller = plan.into if plan.into is not None else (
+          plan.target if plan.target is not None and plan.framework != "jax" else None)
+      if caller is not None:
+        copies.append((caller, leaf))
+        out.append(caller)
+      else:
+        out.append(_dlpack.convert_leaf(leaf, plan.framework, plan.spec.path))
+    _dlpack.copy_into_many(copies)
+    return out
 
   def _build_resharded(self, plan: _LeafPlan) -> Any:
     layout, spec = plan.layout, plan.spec

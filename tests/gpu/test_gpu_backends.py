@@ -224,6 +224,30 @@ class GpuActor:
       return str(e)
     return ""
 
+  @ray.method(tensor_transport="jax_nixl")
+  def big(self, seed: int):
+    """32 MiB of jax and 32 MiB of torch device memory, each leaf `seed` everywhere."""
+    import jax
+    import torch
+
+    return {
+        "j": jax.device_put(np.full(1 << 23, seed, np.float32), jax.devices("gpu")[0]),
+        "t": torch.full((1 << 23,), float(seed), device="cuda"),
+    }
+
+  def take_big(self, tree: dict) -> list[float]:
+    """Each leaf's (min, max), read on the host."""
+    out = []
+    for k in ("j", "t"):
+      host = _dlpack.convert_leaf(tree[k], "numpy")
+      out += [float(host.min()), float(host.max())]
+    return out
+
+  def view_rebuilds(self) -> int:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    return get_tensor_transport_manager("JAX_NIXL").counters()["view_rebuilds"]
+
   def pool_state(self) -> tuple[int, int]:
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
@@ -333,6 +357,31 @@ def test_device_regions_registered_once(pair):
   for _ in range(3):
     ray.get(consumer.take.remote(producer.nixl.remote(cupy_leaf=False)))
   assert ray.get(consumer.pool_state.remote()) == before
+
+
+def test_repeated_device_objects_cost_no_reconnect(pair):
+  """Objects of device memory made and freed one after the other: the
+  producer copies them into pooled regions registered once, so freeing one
+  deregisters nothing and the consumer never rebuilds its view (reconnects)."""
+  producer, consumer = pair
+  for seed in (1, 2):
+    assert ray.get(consumer.take_big.remote(producer.big.remote(seed))) == [seed] * 4
+  before = ray.get(consumer.view_rebuilds.remote())
+  for seed in range(3, 8):
+    assert ray.get(consumer.take_big.remote(producer.big.remote(seed))) == [seed] * 4
+  assert ray.get(consumer.view_rebuilds.remote()) == before
+
+
+def test_torch_memory_is_ipc_capable_and_jax_memory_is_told_apart():
+  """`ipc_capable` asks the driver about the allocation: torch's caching
+  allocator (cudaMalloc) can be mapped by CUDA IPC; the answer for XLA's
+  memory is printed (the export copies jax leaves either way)."""
+  import jax
+  import torch
+
+  assert _dlpack.ipc_capable(torch.zeros(1 << 20, device="cuda").data_ptr()) is True
+  x = jax.device_put(np.zeros(1 << 20, np.float32), jax.devices("gpu")[0])
+  print("jax memory ipc_capable:", _dlpack.ipc_capable(x.unsafe_buffer_pointer()))
 
 
 def test_producer_queued_work_completes_before_the_read(pair):

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rdt_jax import _compat
+from rdt_jax import _compat, _dlpack
+from rdt_jax.transports.nixl import ucx
 
 __all__ = [
     "PROGRESS_INTERVAL_S", "READ_NOTIF", "PollPolicy", "Poller",
@@ -101,6 +103,9 @@ def create_agent() -> Any:
   api = _compat.nixl_api()
   import ray
 
+  ucx.apply_defaults()  # UCX reads its environment when the agent is created
+  ucx.warn_once(_has_gpu())
+
   actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
   name = f"rdt-jax-{actor_id or 'driver'}-{uuid.uuid4().hex[:8]}"
   config = api.nixl_agent_config(
@@ -116,6 +121,11 @@ def create_agent() -> Any:
         f"{type(e).__name__}: {e}. Check that UCX finds a transport here (UCX_TLS, UCX_NET_DEVICES; "
         "`ucx_info -d` lists them)."
     ) from None
+
+
+def _has_gpu() -> bool:
+  """True if torch or jax, where this process imported it, sees a CUDA device."""
+  return any(fw in sys.modules and _dlpack.cuda_available(fw) for fw in ("torch", "jax"))
 
 
 class Poller:

@@ -7,8 +7,10 @@ registered region it lies in:
 * small host chunks (up to `PACK_MAX_CHUNK` bytes) are copied into one pooled
   staging buffer (region id 0), so an object of a thousand small leaves costs
   one registration and, on the consumer, one descriptor;
-* small cuda chunks likewise into one pooled staging region per device
-  (region id `1 + device index`, copied on the device; needs torch);
+* cuda chunks likewise into one pooled staging region per device (region
+  id `1 + device index`, copied on the device; needs torch): all of an
+  object's chunks on a device while they fit in a region the pool keeps,
+  else the small ones (`device_chunks_to_copy` says why);
 * every other chunk is read in place (region id `-1 - chunk index`): its
   registration is cached per buffer and shared across objects, and the
   array's buffer is held (`_dlpack.hold_buffer`) so it is not donated while
@@ -26,6 +28,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -35,7 +38,7 @@ from rdt_jax.transports._plan import memory_kind
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
 
-__all__ = ["PACK_MAX_CHUNK", "Exports", "LiveSerials"]
+__all__ = ["PACK_MAX_CHUNK", "Exports", "LiveSerials", "device_chunks_to_copy"]
 
 #: Chunks up to this size are packed into one staging buffer (per device).
 PACK_MAX_CHUNK: Final = 256 << 10
@@ -153,6 +156,8 @@ class Exports:
         if i in packed:  # a copy: later changes to the array cannot reach it
           address, region = packed[i]
         else:  # read in place: keep the buffer from being donated meanwhile
+          if memory_kind(device) == "device":
+            _warn_if_not_ipc(pointer, nbytes, paths[i])
           export.keys.append(
               self._registrations.register(pointer, nbytes, device, purpose=f"{purpose}, leaf {paths[i]}")
           )
@@ -249,9 +254,9 @@ class Exports:
   def _pack_device(
       self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata, purpose: str
   ) -> dict[int, tuple[int, int]]:
-    """Copies small cuda chunks into one pooled staging region per device
-    (a device-to-device copy, waited for once per device), each listed in
-    `meta.spans`.
+    """Copies cuda chunks (`device_chunks_to_copy`) into one pooled staging
+    region per device (device-to-device copies, waited for once per device),
+    each listed in `meta.spans`.
 
     Needs torch here (the copies are torch byte copies); without it every
     chunk is read in place. Region ids are `1 + device index`.
@@ -259,11 +264,15 @@ class Exports:
     if not _dlpack.importable("torch"):
       return {}
     by_device: dict[_dlpack.Device, list[int]] = {}
-    for i, (_, n, d) in enumerate(chunks):
-      if memory_kind(d) == "device" and n <= PACK_MAX_CHUNK:
+    for i, (_, _, d) in enumerate(chunks):
+      if memory_kind(d) == "device":
         by_device.setdefault(d, []).append(i)
     packed = {}
-    for device, small in by_device.items():
+    for device, indices in by_device.items():
+      small = device_chunks_to_copy([chunks[i][1] for i in indices], _dlpack.device_pool.max_bytes)
+      small = [indices[j] for j in small]
+      if not small:
+        continue
       total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
       region = _dlpack.device_pool.acquire(total, device, "torch")
       export.regions.append(region)
@@ -281,6 +290,45 @@ class Exports:
         offset += _dlpack.aligned(nbytes)
       _dlpack.wait_for_copies(device)
     return packed
+
+
+def device_chunks_to_copy(sizes: list[int], pool_bytes: int) -> list[int]:
+  """Which of an object's chunks on one device (their `sizes`, in order) are
+  copied into a pooled staging region at export (indices into `sizes`).
+
+  All of them, while they fit in one region the device pool keeps
+  (`pool_bytes`, `RDT_JAX_DEVICE_POOL_BYTES`): that region stays registered
+  and is reused, so freeing the object deregisters nothing and no consumer
+  reconnects to this producer; and it comes from torch's allocator, whose
+  memory CUDA IPC can map (XLA's cannot, so UCX would emulate a READ of a
+  jax array in place through host memory and TCP). A device-to-device copy
+  costs well under a millisecond per 256 MiB. Otherwise only the chunks up
+  to `PACK_MAX_CHUNK` are copied, and the others read in place.
+  """
+  if sum(_dlpack.aligned(n) for n in sizes) <= pool_bytes:
+    return list(range(len(sizes)))
+  return [i for i, n in enumerate(sizes) if n <= PACK_MAX_CHUNK]
+
+
+_warned_not_ipc = False
+
+
+def _warn_if_not_ipc(pointer: int, nbytes: int, path: str) -> None:
+  """Warns once per process when a device chunk read in place lies in memory
+  CUDA IPC cannot map (XLA's): a READ of it from this host is then emulated
+  through host memory and TCP (about 0.5 GB/s)."""
+  global _warned_not_ipc
+  if _warned_not_ipc or _dlpack.ipc_capable(pointer) is not False:
+    return
+  _warned_not_ipc = True
+  warnings.warn(
+      f"rdt_jax (jax_nixl): leaf {path} ({nbytes} bytes) is read in place from device memory that CUDA IPC "
+      "cannot map (XLA's allocator), because the object's device bytes exceed one region of the device pool "
+      f"(RDT_JAX_DEVICE_POOL_BYTES={_dlpack.device_pool.max_bytes}): a READ of it from this host is emulated "
+      "through host memory and TCP, about 0.5 GB/s. Set RDT_JAX_DEVICE_POOL_BYTES above the object's size in "
+      "the producer, so its device bytes are copied into memory CUDA IPC can map.",
+      RuntimeWarning, stacklevel=2,
+  )
 
 
 def _chunks(leaves: list[_dlpack.DescribedLeaf]) -> list[_Chunk]:

@@ -230,7 +230,7 @@ class NixlRead:
     remote_type = nixl_memory(_dlpack.Device(meta.tensor_device or "cpu"))[0]  # type: ignore[arg-type]
     subject = f"object {obj_id} from producer agent {meta.agent_name}"
     try:
-      remote = self._views.open_read(meta)
+      remote = self._views.open_read(meta, device="VRAM" in (local_type, remote_type))
     except (MetadataError, NixlError):
       raise
     except DeviceViewBusy as e:

@@ -164,7 +164,10 @@ class NixlTransport(DlpackTransport):
     `registrations` outside the pools, `pooled_registrations`, `stuck`
     deregistrations to retry, READs `inflight` and `parked`, `views` (remote
     agents loaded), `producers` tracked for staleness, and `polling`: 1 while
-    the progress poll runs)."""
+    the progress poll runs). One entry is a running total instead, which
+    never returns to a baseline: `view_rebuilds`, the views of producers
+    this process rebuilt (each one a reconnect before a READ) since it
+    started; the steady state of repeated transfers adds none."""
     with self._lock:
       return {
           **super().counters(),
@@ -177,6 +180,7 @@ class NixlTransport(DlpackTransport):
           "views": len(self._views),
           "producers": len(self._freed),
           "polling": int(self._polling),
+          "view_rebuilds": self._views.rebuilds,
       }
 
   @property

@@ -26,6 +26,18 @@ interval. While a READ from the producer is in flight the
 rebuild cannot happen; the new READ is then refused with an error that says
 so (`DeviceViewBusy`), never risked.
 
+A view loaded for host memory alone is rebuilt once before its first READ
+of device memory. UCX sets a connection's lanes up when the view is loaded,
+and a process (a thread) with no CUDA context at that moment gets a
+connection that reads device memory by emulation, through host memory and
+TCP, however UCX is configured: on one H200, 64 MiB took 144 ms that way
+against 0.08 ms through CUDA IPC
+(docs/benchmarks/gpu/2026-11-27/connect-order/). A view loaded for a device
+READ was loaded with a context: its receive memory was allocated in this
+thread just before. While a READ from that producer is in flight the rebuild
+waits; the device READ goes ahead on the old view (slow, never wrong), and
+the rebuild happens at the next READ that finds none in flight.
+
 A READ that ended in error (a producer's host unreachable, a link down) may
 leave UCX's connection to that producer failed for good; the view is then
 marked broken (`mark_broken`) and rebuilt at the next READ from it once none
@@ -79,8 +91,10 @@ class RemoteViews:
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when,
     # device dereg epoch of the last rebuild)
     self._views: dict[str, tuple[int, int, float, int]] = {}
+    self._host_only: set[str] = set()  # views loaded with no READ of device memory (see the module docstring)
     self._inflight: dict[str, int] = {}
     self._broken: set[str] = set()  # views whose last READ ended in error
+    self.rebuilds = 0  # views rebuilt (each a reconnect), since this process started
 
   def __bool__(self) -> bool:
     """True while connected to any other agent."""
@@ -102,10 +116,11 @@ class RemoteViews:
         self._changed()
       return True
 
-  def open_read(self, meta: NixlTransportMetadata) -> str:
+  def open_read(self, meta: NixlTransportMetadata, device: bool = False) -> str:
     """Brings the view of `meta`'s producer up to what `meta` needs (see the
     module docstring) and counts a READ from it in flight; returns the
-    producer's agent name. Every call is paired with one `close_read`."""
+    producer's agent name. `device`: the READ moves device memory (on
+    either side). Every call is paired with one `close_read`."""
     remote = meta.agent_name
     assert remote is not None and meta.agent_meta is not None
     with self._lock:
@@ -117,9 +132,11 @@ class RemoteViews:
       if view is None:
         agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = fresh
+        self._loaded(remote, device)
       elif not self._inflight.get(remote) and (
           remote in self._broken
           or device_freed
+          or (device and remote in self._host_only)
           or (meta.dereg_epoch > view[1] and now - view[2] >= view_rebuild_interval_s())
       ):
         agent.remove_remote_agent(remote)
@@ -127,6 +144,8 @@ class RemoteViews:
         self._broken.discard(remote)
         agent.add_remote_agent(meta.agent_meta)
         self._views[remote] = fresh
+        self._loaded(remote, device)
+        self.rebuilds += 1
       elif device_freed:
         raise DeviceViewBusy(
             f"producer agent {remote} deregistered device memory since this process loaded its metadata, "
@@ -141,6 +160,14 @@ class RemoteViews:
       self._inflight[remote] = self._inflight.get(remote, 0) + 1
       self._changed()
     return remote
+
+  def _loaded(self, remote: str, device: bool) -> None:
+    """Records whether the view of `remote` was just loaded for a READ of
+    device memory (lock held)."""
+    if device:
+      self._host_only.discard(remote)
+    else:
+      self._host_only.add(remote)
 
   def mark_broken(self, remote: str) -> None:
     """A READ from `remote` ended in error: rebuild its view (reconnect) at
@@ -172,3 +199,4 @@ class RemoteViews:
       pass
     self._views.pop(remote, None)
     self._broken.discard(remote)
+    self._host_only.discard(remote)
