@@ -10,11 +10,14 @@
 #    nothing is downloaded, the host's packages are left as they are); rdt_jax
 #    runs from this checkout;
 # 3. runs, each under its share of --budget seconds (default 480) and in this
-#    order: tests/gpu, `rdt-jax bench --weight-sync --device gpu` and the
-#    device-to-device cases of `rdt-jax bench --device gpu` (rdt_jax's one-sided
-#    transports, Ray's NIXL with torch, the object store); after a step that
-#    ran out of time, the end of Ray's logs. --steps picks some of them
-#    (comma-separated: tests, weight-sync, bench); the budget is shared by those.
+#    order: tests/gpu, `rdt-jax bench --weight-sync --device gpu` (1, 2 and 4
+#    generators; one leaf, 1,000 and 10,000 leaves; given 85% of its share as
+#    its own --budget, so it skips the rows that no longer fit and ends with
+#    its outputs written) and the device-to-device cases of
+#    `rdt-jax bench --device gpu` (rdt_jax's one-sided transports, Ray's NIXL
+#    and CUDA_IPC with torch, the object store, the device memcpy limit); after
+#    a step that ran out of time, the end of Ray's logs. --steps picks some of
+#    them (comma-separated: tests, weight-sync, bench); the budget is shared by those.
 # Logs and benchmark files go to --out (default docs/benchmarks/gpu).
 # --dry-run prints the plan and checks only the host.
 set -uo pipefail
@@ -28,7 +31,7 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -82,6 +85,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false NIXL_LOG_LEVEL=WARN PYTHONUNBUFFERED=
 
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 share() { echo $(( BUDGET * WEIGHT[$1] / TOTAL )); }
+# A step's own --budget: 85% of its share, the rest for ending a row cut off
+# by it (Ray's shutdown, the outputs) before `timeout` ends the step.
+own_budget() { echo $(( $(share "$1") * 85 / 100 )); }
 ray_logs() {  # what Ray's processes said, after a step that timed out
   for f in $(ls -t /tmp/ray/session_latest/logs/*.err /tmp/ray/session_latest/logs/raylet.out 2>/dev/null | head -8); do
     echo "--- $f"; tail -n 15 "$f"
@@ -94,15 +100,15 @@ if wanted tests; then
 fi
 if wanted weight-sync; then
   run timeout "$(share weight-sync)" "$PY" -m rdt_jax bench --weight-sync --device gpu \
-    --weight-sync-generators 1,2,4 --weight-sync-paths rdt,rdt_donate,store --reps 4 --out "$OUT_DIR" 2>&1 \
-    | tee -a "$LOG"
+    --weight-sync-generators 1,2,4 --weight-sync-leaves 1000,10000 --weight-sync-paths rdt,rdt_donate,store \
+    --reps 4 --budget "$(own_budget weight-sync)" --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
   status=${PIPESTATUS[0]}
   echo "weight-sync exit $status" | tee -a "$LOG"
   [ "$status" != 124 ] || ray_logs >> "$LOG" 2>&1
 fi
 if wanted bench; then
   run timeout "$(share bench)" "$PY" -m rdt_jax bench --device gpu --label gpu --reps 5 --no-pause \
-    --paths jax_nixl,jax_transfer,ray_nixl_torch,object_store_jax \
+    --paths jax_nixl,jax_transfer,ray_nixl_torch,ray_cuda_ipc_torch,object_store_jax,device_memcpy \
     --cases gpu:4KiB,gpu:64MiB,gpu:256MiB,gpu:tree1000 --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
   status=${PIPESTATUS[0]}
   echo "bench exit $status" | tee -a "$LOG"

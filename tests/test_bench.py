@@ -205,3 +205,180 @@ def test_reshard_refuses_an_unknown_transport(tmp_path):
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "Unknown or unregistered transport(s) ['jax_nope']" in proc.stderr
+
+
+# ---- device baselines and UCX settings (their GPU runs: scripts/gpu.sh)
+
+DEVICE_PATHS = ("ray_cuda_ipc_torch", "device_memcpy")
+
+
+def _bench(tmp_path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, "-m", "rdt_jax", "bench", *args, "--out", str(tmp_path)]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_device_paths_are_listed_and_skipped_on_host_cases(bench_run):
+  """Ray's CUDA_IPC and the device copy are paths of every run; on host cases
+  each is skipped with its reason, and the host memcpy runs."""
+  doc, md, _, _, _ = bench_run
+  paths = {p["id"]: p for p in doc["paths"]}
+  assert paths["ray_cuda_ipc_torch"]["label"] == "Ray cuda_ipc (torch)"
+  assert paths["device_memcpy"]["label"] == "device memcpy (torch)"
+  assert all(paths[p]["kind"] == "baseline" and paths[p]["skip_reason"] is None for p in DEVICE_PATHS)
+  reasons = {(k["case"], k["path"]): k["reason"] for k in doc["skips"]}
+  for case in TINY_CASES[:-1]:  # the plain check is no path's case
+    assert reasons[(case, "ray_cuda_ipc_torch")] == "Ray cuda_ipc (torch) does not move cpu memory"
+    assert reasons[(case, "device_memcpy")] == "device_memcpy copies cuda memory; the limit for cpu cases is memcpy"
+    assert (case, "memcpy") not in reasons
+  assert not [s for s in doc["summary"] if s["path"] in DEVICE_PATHS]
+  assert "* device_memcpy on 4KiB, tree8x4KiB" in md
+
+
+def test_every_nixl_actor_gets_the_ucx_settings(bench_run):
+  """Every bench actor that may create a NIXL agent, Ray's nixl ones
+  included, runs with the UCX device-read settings; the run records them."""
+  from rdt_jax.bench import _env, _paths
+  from rdt_jax.transports.nixl import ucx
+
+  doc, md, _, _, _ = bench_run
+  recorded = doc["environment"]["ucx"]
+  # The defaults where this host has a CUDA driver (none elsewhere), as the
+  # driver passed them: this environment sets none of the variables itself.
+  assert recorded["actors"] == _env.nixl_actor_env() == ucx.device_read_env() | {
+      k: os.environ[k] for k in ucx.DEVICE_READ_DEFAULTS if k in os.environ
+  }
+  assert recorded["groups"] == {"tcp": {"UCX_TLS": "tcp"}}  # jax_nixl_tcp's own, on top
+  assert _env.ucx_text(recorded) in md
+  assert "UCX variables passed to every actor that may create a NIXL agent (Ray's nixl included): " in md
+  assert "; besides, tcp actors: `UCX_TLS=tcp`." in md
+  # A path's own variable wins; the GPU actors' XLA setting is kept beside them.
+  env = _paths.actor_env(True, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"})
+  assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def test_nixl_actor_env_keeps_the_users_value_and_the_opt_out(monkeypatch):
+  from rdt_jax.bench import _env
+
+  monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
+  assert _env.nixl_actor_env() == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}  # the user's, passed on as is
+  monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+  monkeypatch.setenv("RDT_JAX_UCX_DEFAULTS", "0")
+  assert _env.nixl_actor_env() == {}
+
+
+def test_device_paths_parse_and_skip_without_a_gpu(tmp_path):
+  """`--paths` accepts the device baselines; on a host without a GPU their
+  device cases are skipped with the reason, and nothing fails."""
+  proc = _bench(tmp_path, "--device", "gpu", "--cases", "gpu:4KiB", "--paths",
+                "ray_cuda_ipc_torch,device_memcpy,ray_nixl_torch,memcpy", "--label", "nogpu")
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  doc = json.loads((tmp_path / "bench-nogpu.json").read_text())
+  assert [p["id"] for p in doc["paths"]] == ["ray_nixl_torch", "ray_cuda_ipc_torch", "memcpy", "device_memcpy"]
+  reasons = {k["path"]: k["reason"] for k in doc["skips"]}
+  no_gpu = "no GPU on this host (ray.cluster_resources() has no 'GPU')"
+  assert reasons == {
+      "ray_nixl_torch": no_gpu, "ray_cuda_ipc_torch": no_gpu, "device_memcpy": no_gpu,
+      "memcpy": "memcpy copies host memory; the limit for cuda cases is device_memcpy",
+  }
+  assert not doc["samples"]
+
+
+def test_a_group_that_did_not_start_skips_only_its_paths():
+  """Actors that do not start cost their paths (with the reason), not the run."""
+  from rdt_jax.bench import _paths, _runner
+
+  cases = [_cases.parse_case("4KiB"), _cases.parse_case("gpu:4KiB")]
+  paths = {p.id: p for p in _runner.make_paths([], cases)}
+  torch_gpu = _paths.ActorGroup("ray_nixl@cuda", ["producer", "consumer"], pause=False)
+  torch_cpu = _paths.ActorGroup("ray_nixl@cpu", ["producer", "consumer"], pause=False)
+  for pid in ("ray_cuda_ipc_torch", "device_memcpy", "ray_nixl_torch"):
+    paths[pid].groups["cuda"] = torch_gpu
+  paths["ray_nixl_torch"].groups["cpu"] = torch_cpu
+  _runner._drop_group(list(paths.values()), torch_gpu, "actors did not start: boom", _runner.Progress())
+  for pid in ("ray_cuda_ipc_torch", "device_memcpy", "ray_nixl_torch"):
+    assert paths[pid].case_skip(cases[1]) == "actors did not start: boom"
+  assert paths["ray_nixl_torch"].case_skip(cases[0]) is None  # its cpu actors started
+  assert paths["ray_nixl_torch"].groups == {"cpu": torch_cpu}
+
+
+def test_unknown_path_is_refused_with_the_known_ones(tmp_path):
+  proc = _bench(tmp_path, "--paths", "ray_cuda_ipc,device_memcpy", "--cases", "4KiB", timeout=120)
+  assert proc.returncode == 2
+  assert "Unknown path(s) ray_cuda_ipc; this host has:" in proc.stderr
+  assert "ray_cuda_ipc_torch" in proc.stderr and "device_memcpy" in proc.stderr
+
+
+# ---- the weight-sync benchmark's budget
+
+
+def _row(case: str, generators: int, path: str, wall_s: float) -> dict:
+  return {"case": case, "generators": generators, "path": path, "wall_s": wall_s}
+
+
+def test_weight_sync_budget_estimates_from_the_rows_before():
+  from rdt_jax.bench._weights import budget_skip
+
+  assert budget_skip([], "1x4KiB", 1, "rdt", elapsed_s=1e6, budget_s=None) is None  # no budget
+  assert budget_skip([], "1x4KiB", 1, "rdt", elapsed_s=5, budget_s=10) is None  # nothing to estimate from
+  assert budget_skip([], "1x4KiB", 1, "rdt", elapsed_s=10, budget_s=10) == (
+      "not started: --budget 10 s was spent (10 s in)"
+  )
+  done = [_row("1000x64MiB", 1, "rdt", 4.0), _row("1000x64MiB", 1, "store", 1.0), _row("1x4KiB", 4, "rdt", 0.5)]
+  # The same tree and path, scaled by the generators: 4 s x 2 = 8 s.
+  assert budget_skip(done, "1000x64MiB", 2, "rdt", elapsed_s=3, budget_s=10) == (
+      "not started: about 8 s needed (from the rows before it), 7 s left of --budget 10 s"
+  )
+  assert budget_skip(done, "1000x64MiB", 2, "rdt", elapsed_s=1, budget_s=10) is None
+  # The same tree, another path: the tree's longest row (4 s), scaled to 4 generators.
+  assert "about 16 s needed" in budget_skip(done, "1000x64MiB", 4, "pytree", elapsed_s=0, budget_s=10)
+  # A tree not run yet: the longest row of the run.
+  assert "about 4 s needed" in budget_skip(done, "10000x64MiB", 1, "rdt", elapsed_s=7, budget_s=10)
+  assert budget_skip(done, "10000x64MiB", 1, "rdt", elapsed_s=5, budget_s=10) is None
+
+
+def test_weight_sync_budget_records_the_rows_it_skips(tmp_path):
+  """A budget spent before the first row: every row is recorded as skipped,
+  with the reason, in both outputs, and the run ends normally."""
+  proc = _bench(
+      tmp_path, "--weight-sync", "--budget", "0.5", "--weight-sync-leaves", "", "--weight-sync-big-mb", "0",
+      "--weight-sync-generators", "1,2", "--weight-sync-paths", "rdt,store", "--reps", "1",
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  doc = json.loads((tmp_path / "bench-weight-sync.json").read_text())
+  assert doc["rows"] == [] and doc["budget_s"] == 0.5
+  assert [(r["case"], r["generators"], r["path"]) for r in doc["skipped"]] == [
+      ("1x4KiB", 1, "rdt"), ("1x4KiB", 1, "store"), ("1x4KiB", 2, "rdt"), ("1x4KiB", 2, "store"),
+  ]
+  reason = "not started: cut off by the budget during the actors' start (--budget 0.5 s)"
+  assert {r["reason"] for r in doc["skipped"]} == {reason}
+  md = (tmp_path / "bench-weight-sync.md").read_text()
+  assert "Budget: 0.5 s." in md and f"* 1x4KiB x2 store: {reason}" in md
+
+
+def test_weight_sync_budget_cuts_off_a_wait():
+  """A wait still going at the deadline ends with the row's cut-off, not a hang."""
+  import time
+
+  import ray
+
+  import conftest
+  from rdt_jax.bench import _weights
+
+  def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+  conftest.start_ray(num_cpus=1)
+  try:
+    t0 = time.perf_counter()
+    with pytest.raises(_weights._CutOff, match=r"^cut off by the budget during step 2 of 5$"):
+      _weights._get(ray.remote(sleep).remote(60), time.perf_counter() + 1.0, "step 2 of 5")
+    assert time.perf_counter() - t0 < 30
+    assert _weights._get(ray.put(7), time.perf_counter() + 30, "set-up") == 7
+  finally:
+    ray.shutdown()
+
+
+def test_budget_is_for_weight_sync_only(tmp_path):
+  proc = _bench(tmp_path, "--budget", "60", "--cases", "4KiB", timeout=120)
+  assert proc.returncode == 2 and "--budget applies to --weight-sync only" in proc.stderr

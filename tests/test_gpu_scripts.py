@@ -54,3 +54,40 @@ def test_gpu_wheels_dry_run_prints_the_plan(tmp_path):
 def test_gpu_wheels_rejects_unknown_arguments():
   out = run("gpu_wheels.sh", "--nope")
   assert out.returncode == 2 and "unknown argument --nope" in out.stderr
+
+
+def _bench_commands() -> dict[str, list[str]]:
+  """The arguments gpu.sh passes to `rdt_jax bench`, by step ("weight-sync",
+  "bench"), shell expansions replaced by 1."""
+  import re
+  import shlex
+
+  text = (REPO / "scripts" / "gpu.sh").read_text().replace("\\\n", " ")
+  out = {}
+  for line in text.splitlines():
+    m = re.search(r"-m rdt_jax bench (.*?) 2>&1", line)
+    if m:
+      args = ["1" if "$" in token else token for token in shlex.split(m.group(1))]
+      out["weight-sync" if "--weight-sync" in args else "bench"] = args
+  return out
+
+
+def test_gpu_sh_bench_commands_parse_and_name_known_paths():
+  """What gpu.sh runs on the GPU, checked here: every option exists, every
+  path and case is one the benchmark knows, and the weight-sync step covers
+  1, 2 and 4 generators, one leaf, 1,000 and 10,000 leaves, within a budget."""
+  import argparse
+
+  from rdt_jax import bench
+
+  commands = _bench_commands()
+  assert set(commands) == {"weight-sync", "bench"}
+  parser = argparse.ArgumentParser()
+  bench.add_arguments(parser)
+  weights = parser.parse_args(commands["weight-sync"])
+  assert weights.device == "gpu" and weights.budget == 1.0  # passed through from the step's share
+  assert weights.weight_sync_generators == "1,2,4" and weights.weight_sync_leaves == "1000,10000"
+  assert weights.weight_sync_big_mb > 0 and weights.weight_sync_small_kb > 0  # the one-leaf trees
+  args = parser.parse_args(commands["bench"])
+  assert {"ray_nixl_torch", "ray_cuda_ipc_torch", "object_store_jax", "device_memcpy"} <= set(args.paths)
+  bench.validate(bench.config_from_args(args))  # raises for an unknown path or case

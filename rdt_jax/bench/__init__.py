@@ -1,9 +1,12 @@
 """`rdt-jax bench`: every way of moving arrays between Ray actors, side by side.
 
 In one run it measures, per case and interleaved: every registered rdt_jax
-transport, Ray's built-in `nixl` transport with torch tensors, the object
-store with NumPy arrays and with jax.Arrays, and the memcpy limit; plus the
-plain-method check of issue 3 and the peak memory of each side. It writes
+transport, Ray's built-in `nixl` transport with torch tensors (and on a GPU
+Ray's `cuda_ipc`), the object store with NumPy arrays and with jax.Arrays,
+and the memcpy limit (on a GPU the device copy's); plus the plain-method
+check of issue 3 and the peak memory of each side. Every actor that may
+create a NIXL agent, Ray's included, runs with the same UCX settings
+(recorded in the environment section). It writes
 `bench-<label>.json` (every sample and the summary), `bench-<label>.md` (also
 printed) and `bench-<label>.png` (bandwidth vs size) under `--out`.
 
@@ -40,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="comma-separated path ids to run: rdt_jax transport names "
                            "(jax_nixl, ...), ray_nixl_torch, object_store_numpy, "
                            "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax; "
+                           "device cases only: ray_cuda_ipc_torch, ray_nccl_torch, device_memcpy; "
                            "opt-in (only when named): jax_nixl_oob (in-band off), "
                            "jax_nixl_inband (in-band on up to 100 KiB), jax_nixl_ucx (node-local reads off)")
   parser.add_argument("--cases", type=_csv, default=None,
@@ -119,13 +123,16 @@ def run(config: BenchConfig) -> dict[str, Any]:
   import ray
 
   import rdt_jax
-  from rdt_jax.bench import _report, _runner
+  from rdt_jax.bench import _env, _paths, _report, _runner
 
   progress = _runner.Progress()
   cases = config.case_list()
   registered = rdt_jax.register()
   state = _runner.RunState(config, cases, registered=registered)
   state.paths = _runner.select_paths(_runner.make_paths(registered, cases), config.paths)
+  ucx = _env.ucx_record(
+      _env.nixl_actor_env(), dict(_paths.GROUP_ENV[p.id] for p in state.paths if p.id in _paths.GROUP_ENV)
+  )
   stem = pathlib.Path(config.out) / f"bench-{config.file_label()}"
   load_start = _runner.loadavg()
   date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -139,7 +146,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     state.timings["setup_s"] = time.perf_counter() - t0
     for i, case in enumerate(cases):
       _runner.run_case(state, case, i, progress)
-      doc = _document(state, config, date, git, load_start, time.perf_counter() - t0, partial=True)
+      doc = _document(state, config, date, git, load_start, time.perf_counter() - t0, ucx, partial=True)
       _report.write_json(doc, stem.with_suffix(".json"))
       _print_case(progress, doc, case.id)
   finally:
@@ -147,7 +154,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     if started:
       ray.shutdown()
   wall = time.perf_counter() - t0
-  doc = _document(state, config, date, git, load_start, wall, partial=False)
+  doc = _document(state, config, date, git, load_start, wall, ucx, partial=False)
   _report.write_json(doc, stem.with_suffix(".json"))
   text = _report.markdown(doc)
   stem.with_suffix(".md").write_text(text)
@@ -179,9 +186,11 @@ def _document(
     git: dict[str, Any],
     load_start: list[float],
     wall: float,
+    ucx: dict[str, Any],
     partial: bool,
 ) -> dict[str, Any]:
-  """The JSON document of a run (see the module docstring)."""
+  """The JSON document of a run (see the module docstring); `ucx` is the
+  run's UCX settings (`_env.ucx_record`)."""
   from rdt_jax.bench import _runner, _stats
 
   summaries = _stats.summarize(state.samples, state.cases)
@@ -211,6 +220,7 @@ def _document(
           "loadavg_start": load_start,
           "loadavg_end": _runner.loadavg(),
           "load_per_case": state.load,
+          "ucx": ucx,
           "note": "shared host: other jobs may run during the benchmark; see the load averages",
       },
       "timings": state.timings,
@@ -252,6 +262,11 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
   An invalid combination of options exits through `parser.error`.
   """
+  budget = getattr(args, "budget", None)
+  if budget is not None and not getattr(args, "weight_sync", False):
+    parser.error("--budget applies to --weight-sync only; limit other runs with --cases and --reps")
+  if budget is not None and budget <= 0:
+    parser.error(f"--budget {budget:g}: give a positive number of seconds")
   if getattr(args, "two_host", False):
     from rdt_jax.bench import _twohost
 

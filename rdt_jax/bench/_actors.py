@@ -143,8 +143,15 @@ class BenchActor:
     ref = ray.put(value, _tensor_transport=transport)
     return [ref], time.perf_counter() - t0
 
-  def device_memcpy(self, key: str, copies: int) -> float:
-    """Seconds to copy the kept cuda torch objects `copies` times into ready buffers."""
+  def device_memcpy(self, key: str, copies: int) -> tuple[float, int]:
+    """Copies every leaf of the cuda torch objects kept under `key`, `copies`
+    times, into tensors allocated before the clock starts.
+
+    Returns:
+      the seconds the copies took (synchronized before and after), and the
+      checksum of the copies (the sum of the objects' `value_checksum`s,
+      modulo 2**64; computed after the clock stops).
+    """
     import torch
 
     sources = [x for v in self._values[key] for x in _cases.value_leaves(v)]
@@ -155,7 +162,9 @@ class BenchActor:
       for s, d in zip(sources, targets):
         d.copy_(s)
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    checksum = sum(_cases.leaf_checksum(d) for d in targets) % (1 << 64)
+    return seconds, checksum
 
   # ---- consumer
 

@@ -4,12 +4,19 @@
   used as is, two-sided ones get a collective group over their actors);
 * `ray_nixl_torch`: Ray's built-in `nixl` transport with torch tensors; on
   cuda also `ray_nccl_torch` (Ray's `nccl`, over an "nccl" collective group)
-  and `ray_cuda_ipc_torch` (Ray's `cuda_ipc`, same-node GPU sharing);
+  and `ray_cuda_ipc_torch` (Ray's `cuda_ipc`: the consumer maps the
+  producer's tensor, on the GPU Ray assigned to both);
 * `object_store_numpy` / `object_store_jax`: a method without
   `tensor_transport` returning NumPy arrays / jax.Arrays;
 * `memcpy`: NumPy copies of the same bytes in the driver, into buffers that
   are already faulted in (the limit for any path on one host);
+* `device_memcpy`: on cuda, torch copies of the same bytes between two
+  tensors on the GPU, in one actor (the limit for any device path);
 * `plain_without_rdt_jax` / `plain_with_rdt_jax`: the plain-method check.
+
+Every actor that may create a NIXL agent gets the same UCX settings
+(`_env.nixl_actor_env`), so Ray's `nixl` reads device memory as rdt_jax's
+transports do.
 
 A path's actors live in an `ActorGroup`. Groups not being measured are paused
 with SIGSTOP: on this 2-core host, the spinning NIXL progress thread of Ray's
@@ -29,7 +36,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax.bench import _actors, _cases
+from rdt_jax.bench import _actors, _cases, _env
 
 #: Baseline path ids, in table order.
 RAY_NIXL: Final = "ray_nixl_torch"
@@ -40,9 +47,14 @@ RAY_TORCH_PATHS: Final = (RAY_NIXL, RAY_NCCL, RAY_CUDA_IPC)
 OS_NUMPY: Final = "object_store_numpy"
 OS_JAX: Final = "object_store_jax"
 MEMCPY: Final = "memcpy"
+DEVICE_MEMCPY: Final = "device_memcpy"
 PLAIN_WITHOUT: Final = "plain_without_rdt_jax"
 PLAIN_WITH: Final = "plain_with_rdt_jax"
-BASELINES: Final = (OS_NUMPY, OS_JAX, RAY_NIXL, MEMCPY)
+#: Paths every other path's ratios are computed against, where both ran.
+BASELINES: Final = (OS_NUMPY, OS_JAX, RAY_NIXL, MEMCPY, RAY_CUDA_IPC, DEVICE_MEMCPY)
+#: The actor group of the paths that move torch tensors (Ray's transports,
+#: and the device copy, which shares their prepared tensors).
+TORCH_GROUP: Final = "ray_nixl"
 #: jax_nixl with its actors' UCX restricted to sockets (the network path).
 NIXL_TCP: Final = "jax_nixl_tcp"
 #: The environment of that path's actors: UCX may use TCP only, so NIXL reads
@@ -87,12 +99,12 @@ _ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")
 #: "torch_gloo" group, jax_nccl an "nccl" one).
 _KNOWN_GROUP_BACKENDS: Final = {"jax_gloo": "torch_gloo", "jax_nccl": "nccl", RAY_NCCL: "nccl"}
 
-#: Ray options of actors that hold cuda memory: a share of the one GPU each,
-#: and no up-front reservation of most of its memory by jax.
-_GPU_ACTOR_OPTIONS: Final = {
-    "num_gpus": 0.1,
-    "runtime_env": {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}},
-}
+#: The share of the one GPU each actor that holds cuda memory gets (Ray
+#: assigns it, so Ray's CUDA_IPC finds the same GPU index on both sides).
+GPU_SHARE: Final = 0.1
+#: The environment of those actors: no up-front reservation of most of the
+#: GPU's memory by jax.
+GPU_ENV: Final = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 @dataclass
@@ -268,20 +280,33 @@ def process_cpu_seconds(pid: int) -> float:
   return t.user + t.system
 
 
+def actor_env(gpu: bool, env: dict[str, str] | None = None) -> dict[str, str]:
+  """The env_vars of a BenchActor's runtime_env: the UCX settings every
+  NIXL-capable actor gets (`_env.nixl_actor_env`), then `GPU_ENV` when
+  `gpu`, then `env` (a path's own, which wins on a conflict).
+
+  Ray merges them into the job's env_vars (PYTHONPATH stays the job's).
+  """
+  out = _env.nixl_actor_env()
+  if gpu:
+    out.update(GPU_ENV)
+  out.update(env or {})
+  return out
+
+
 def bench_actor_class(gpu: bool, env: dict[str, str] | None = None) -> Any:
-  """The BenchActor as a Ray actor class, with GPU options when `gpu` and
-  `env` added to its environment."""
+  """The BenchActor as a Ray actor class: a `GPU_SHARE` of the GPU when
+  `gpu`, and the environment `actor_env(gpu, env)`."""
   import ray
 
   # Ray's type stubs do not know enable_tensor_transport yet.
   cls = ray.remote(enable_tensor_transport=True)(_actors.BenchActor)  # type: ignore[call-overload]
   options: dict[str, Any] = {"num_cpus": 0}
   if gpu:
-    options.update(_GPU_ACTOR_OPTIONS)
-  if env:
-    import os
-
-    options["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env}}
+    options["num_gpus"] = GPU_SHARE
+  env_vars = actor_env(gpu, env)
+  if env_vars:
+    options["runtime_env"] = {"env_vars": env_vars}
   return cls.options(**options)
 
 
@@ -534,26 +559,19 @@ class ActorPath(Path):
 
 
 class MemcpyPath(Path):
-  """NumPy copies of the same bytes in one process: the limit for any path."""
+  """NumPy copies of the same bytes in the driver: the limit for any path
+  between host memories (device cases compare with `DeviceMemcpyPath`)."""
 
   def __init__(self) -> None:
     super().__init__(MEMCPY, "memcpy", "baseline")
     self._buffers: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
   def case_skip(self, case: _cases.Case) -> str | None:
-    if case.device == "cpu":
-      return None
-    return super().case_skip(case)
-
-  def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
-    return None if case.device == "cpu" else [self.group_of(case).producer]
+    if case.device != "cpu":
+      return f"memcpy copies host memory; the limit for {case.device} cases is {DEVICE_MEMCPY}"
+    return None
 
   def prepare(self, case: _cases.Case, timeout: float) -> None:
-    if case.device != "cpu":
-      g = self.group_of(case)
-      key = f"{case.id}/torch"
-      g.prepare(key, lambda: g.producer.prepare.remote(key, case, "torch"), timeout)
-      return
     self._buffers.clear()
     sources = [
         x
@@ -566,13 +584,7 @@ class MemcpyPath(Path):
     self._buffers[case.id] = (sources, targets)
 
   def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
-    import ray
-
     copies = int(variant[1:]) if case.kind == "fanout" else 1
-    if case.device != "cpu":
-      g = self.group_of(case)
-      seconds = ray.get(g.producer.device_memcpy.remote(f"{case.id}/torch", copies), timeout=timeout)
-      return Measurement(seconds)
     sources, targets = self._buffers[case.id]
     t0 = time.perf_counter()
     for _ in range(copies):
@@ -582,6 +594,50 @@ class MemcpyPath(Path):
 
   def release(self) -> None:
     self._buffers.clear()
+
+
+class DeviceMemcpyPath(Path):
+  """torch copies of a cuda case's bytes between two tensors on the GPU, in
+  one actor: the limit for any device-to-device path.
+
+  One sample is one call to the producer of the torch group
+  (`BenchActor.device_memcpy`): it copies every leaf of the case's object
+  (`N` times for an `xN` fan-out variant) into tensors allocated before the
+  clock starts, synchronized before and after; the seconds are the actor's.
+  The tensors are the ones Ray's torch paths send (same group, same key).
+  """
+
+  #: The array type of the copied tensors (for `device_support`).
+  framework: Final = "torch"
+
+  def __init__(self) -> None:
+    super().__init__(DEVICE_MEMCPY, "device memcpy (torch)", "baseline")
+
+  def case_skip(self, case: _cases.Case) -> str | None:
+    if case.device != "cuda":
+      return f"device_memcpy copies cuda memory; the limit for {case.device} cases is {MEMCPY}"
+    return super().case_skip(case)
+
+  def actors_for(self, case: _cases.Case, variant: str) -> list[Any] | None:
+    return [self.group_of(case).producer]
+
+  def _key(self, case: _cases.Case) -> str:
+    return f"{case.id}/{self.framework}"
+
+  def prepare(self, case: _cases.Case, timeout: float) -> None:
+    g = self.group_of(case)
+    key = self._key(case)
+    g.prepare(key, lambda: g.producer.prepare.remote(key, case, self.framework), timeout)
+
+  def run(self, case: _cases.Case, variant: str, timeout: float, memory: bool) -> Measurement:
+    import ray
+
+    g = self.group_of(case)
+    copies = int(variant[1:]) if case.kind == "fanout" else 1
+    key = self._key(case)
+    seconds, checksum = ray.get(g.producer.device_memcpy.remote(key, copies), timeout=timeout)
+    _check(checksum, sum(g.prepared[key]) % (1 << 64))
+    return Measurement(seconds)
 
 
 class PlainPath(Path):

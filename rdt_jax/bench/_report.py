@@ -11,10 +11,12 @@ import math
 import pathlib
 from typing import Any, Final
 
-from rdt_jax.bench import _cases, _paths
+from rdt_jax.bench import _cases, _env, _paths
 
 #: Column order of the tables: our transports first, then the baselines.
-_BASELINE_ORDER: Final = (_paths.RAY_NIXL, _paths.OS_NUMPY, _paths.OS_JAX, _paths.MEMCPY)
+_BASELINE_ORDER: Final = (
+    _paths.RAY_NIXL, _paths.RAY_CUDA_IPC, _paths.OS_NUMPY, _paths.OS_JAX, _paths.MEMCPY, _paths.DEVICE_MEMCPY,
+)
 
 
 def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
@@ -122,9 +124,13 @@ def markdown(doc: dict[str, Any]) -> str:
       "(n=...) marks a slow path that ran fewer repetitions than the others, to "
       "stay within its time budget per case.",
       "",
-      "## End-to-end time",
-      "",
   ]
+  if env.get("ucx") is not None:
+    lines += [_env.ucx_text(env["ucx"]), ""]
+  device_notes = _device_notes({s["path"] for s in doc["summary"]})
+  if device_notes:
+    lines += [device_notes, ""]
+  lines += ["## End-to-end time", ""]
 
   def cell(case, variant, col, fmt) -> str:
     s = index.get((case["id"], col, variant))
@@ -218,6 +224,22 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["", "## Notes", ""]
     lines += [f"* {p['id']}: {p['note']}" for p in notes]
   return "\n".join(lines) + "\n"
+
+
+def _device_notes(measured: set[str]) -> str:
+  """What the device baselines among the `measured` paths compare, or ""."""
+  notes = []
+  if _paths.RAY_CUDA_IPC in measured:
+    notes.append(
+        "Ray cuda_ipc maps the producer's tensor instead of copying it (both actors hold a share of the "
+        "same GPU); its consumer reads every byte on the GPU, as every path's consumer does."
+    )
+  if _paths.DEVICE_MEMCPY in measured:
+    notes.append(
+        "Device memcpy: torch copies of the same bytes between two tensors on the GPU in one actor, "
+        "synchronized before and after, timed in that actor: the limit for device cases."
+    )
+  return " ".join(notes)
 
 
 def _overhead_lines(doc: dict[str, Any], labels: dict[str, str]) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from rdt_jax.bench import _cases, _paths
 from rdt_jax.bench._paths import ActorGroup, ActorPath, Path
@@ -231,22 +231,42 @@ def _transport_paths(registered: list[str]) -> list[ActorPath]:
   return paths
 
 
+#: Ray's device-to-device transports with torch tensors: path id, Ray's
+#: transport name, label, and for "refs" cases why a getter actor gets the
+#: refs instead of the driver (None: the driver gets them).
+_RAY_CUDA_TRANSPORTS: Final = (
+    (_paths.RAY_NCCL, "NCCL", "Ray nccl (torch)", None),
+    (_paths.RAY_CUDA_IPC, "CUDA_IPC", "Ray cuda_ipc (torch)", (
+        "in refs cases a getter actor plays the driver (calls the producer, gets and reads the refs; "
+        "one more actor call per sample): a CUDA_IPC reader needs the GPU Ray assigned to the producer, "
+        "and the driver holds none"
+    )),
+)
+
+
 def _ray_cuda_paths() -> list[ActorPath]:
   """Ray's own device-to-device transports with torch tensors: NCCL (two-sided,
-  over an "nccl" group of the path's actors) and CUDA IPC, where this Ray has
-  them."""
+  over an "nccl" group of the path's actors) and CUDA_IPC (one-sided: the
+  consumer maps the producer's tensor, which Ray allows only between actors
+  holding the same GPU; `bench_actor_class(gpu=True)` gives each a share).
+
+  Both are always listed; one this Ray does not register (Ray registers them
+  only where torch imports) gets a `skip_reason` saying so.
+  """
   from ray.experimental.rdt import util
 
   util._ensure_default_transports_registered()
   paths = []
-  for pid, name, label in (
-      (_paths.RAY_NCCL, "NCCL", "Ray nccl (torch)"),
-      (_paths.RAY_CUDA_IPC, "CUDA_IPC", "Ray cuda_ipc (torch)"),
-  ):
+  for pid, name, label, refs_getter in _RAY_CUDA_TRANSPORTS:
+    path = ActorPath(pid, label, "baseline", "torch", name.lower(), ("cuda",), refs_getter=refs_getter)
     info = util.transport_manager_info.get(name)
     if info is None:
+      path.skip_reason = (
+          f"Ray's {name} tensor transport is not registered in this process (Ray registers it only "
+          "where torch imports): install torch"
+      )
+      paths.append(path)
       continue
-    path = ActorPath(pid, label, "baseline", "torch", name.lower(), ("cuda",))
     path.transport_class = info.transport_manager_class
     path.one_sided = bool(info.transport_manager_class.is_one_sided())
     if not path.one_sided:
@@ -270,6 +290,7 @@ def make_paths(registered: list[str], cases: list[_cases.Case]) -> list[Path]:
   paths.append(ActorPath(_paths.OS_NUMPY, "object store (NumPy)", "baseline", "numpy", None, ("cpu",)))
   paths.append(ActorPath(_paths.OS_JAX, "object store (jax.Array)", "baseline", "jax", None, ("cpu", "cuda")))
   paths.append(_paths.MemcpyPath())
+  paths.append(_paths.DeviceMemcpyPath())
   if any(c.kind == "plain" for c in cases):
     paths += [_paths.PlainPath(False), _paths.PlainPath(True)]
   return paths
@@ -322,17 +343,24 @@ def setup(state: RunState, progress: Progress) -> None:
       p.groups["cpu"] = group(p.id, "cpu", lambda p=p: _paths.make_plain_group(p.id, p.use_rdt_jax, config.pause))
       continue
     if isinstance(p, _paths.MemcpyPath):
+      continue
+    if isinstance(p, _paths.DeviceMemcpyPath):
       if "cuda" in actor_devices:
         p.groups["cuda"] = group(
-            "main", "cuda", lambda: _paths.make_group("main", fan, config.pause, True, ("jax",))
+            _paths.TORCH_GROUP,
+            "cuda",
+            lambda: _paths.make_group(_paths.TORCH_GROUP, fan, config.pause, True, ("torch",)),
         )
       continue
     assert isinstance(p, _paths.ActorPath)
+    if p.skip_reason:
+      continue
     for device in actor_devices:
       if device not in p.devices:
         continue
-      name, env = _paths.GROUP_ENV.get(p.id, ("ray_nixl" if p.id in _paths.RAY_TORCH_PATHS else "main", None))
-      preload = ("torch",) if p.id in _paths.RAY_TORCH_PATHS else ("jax",)
+      torch_path = p.id in _paths.RAY_TORCH_PATHS
+      name, env = _paths.GROUP_ENV.get(p.id, (_paths.TORCH_GROUP if torch_path else "main", None))
+      preload = ("torch",) if torch_path else ("jax",)
       p.groups[device] = group(
           name,
           device,
@@ -342,16 +370,22 @@ def setup(state: RunState, progress: Progress) -> None:
       )
   progress.line(f"starting {sum(len(g.actors) for g in groups)} actors in {len(groups)} groups")
   t0 = time.perf_counter()
+  started: list[ActorGroup] = []
   for g in groups:
-    g.start(_START_TIMEOUT_S)
+    try:
+      g.start(_START_TIMEOUT_S)
+    except Exception as e:  # the group's paths are skipped with the reason; the others run
+      _drop_group(paths, g, f"actors did not start: {_paths.first_line(e)}", progress)
+      continue
+    started.append(g)
     state.groups[g.name] = {"pids": g.pids, "infos": g.infos}
   state.timings["actors_start_s"] = time.perf_counter() - t0
   if config.pause:
-    state.resume_guard = _paths.start_resume_guard([pid for g in groups for pid in g.pids])
+    state.resume_guard = _paths.start_resume_guard([pid for g in started for pid in g.pids])
   for p in paths:
-    if isinstance(p, ActorPath) and not p.one_sided:
+    if isinstance(p, ActorPath) and not p.one_sided and not p.skip_reason:
       p.skip_reason = _make_collective_groups(p)
-    if isinstance(p, _paths.PlainPath):
+    if isinstance(p, _paths.PlainPath) and "cpu" in p.groups:
       info = p.groups["cpu"].infos
       if any(i["rdt_jax"] != p.use_rdt_jax for i in info):
         p.skip_reason = f"rdt_jax imported in the actors is {info[0]['rdt_jax']}, expected {p.use_rdt_jax}"
@@ -359,7 +393,7 @@ def setup(state: RunState, progress: Progress) -> None:
     _check_gpu_frameworks(paths)
   for p in paths:
     p.gpu_skip = p.gpu_skip or gpu_reason
-  for g in groups:
+  for g in started:
     g.pause()
   t0 = time.perf_counter()
   _smoke_test(state, progress)
@@ -368,8 +402,23 @@ def setup(state: RunState, progress: Progress) -> None:
       f"actors up in {state.timings['actors_start_s']:.1f} s, "
       f"smoke tests {state.timings['smoke_test_s']:.1f} s"
   )
-  _measure_idle(state, groups, progress)
+  _measure_idle(state, started, progress)
   state.gpu_reason = gpu_reason
+
+
+def _drop_group(paths: list[Path], group: ActorGroup, reason: str, progress: Progress) -> None:
+  """Takes `group`, whose actors did not start, from every path that uses
+  it; `reason` becomes each such path's `skip_reason` (a cpu group) or
+  `gpu_skip` (a cuda group)."""
+  for p in paths:
+    for device, g in list(p.groups.items()):
+      if g is group:
+        del p.groups[device]
+        if device == "cpu":
+          p.skip_reason = reason
+        else:
+          p.gpu_skip = reason
+  progress.line(f"skipping the paths of actor group {group.name}: {reason}")
 
 
 def teardown(state: RunState) -> None:
@@ -402,14 +451,19 @@ def _make_collective_groups(path: ActorPath) -> str | None:
 
 
 def _check_gpu_frameworks(paths: list[Path]) -> None:
+  """Takes the cuda actors away from each path whose array type cannot make
+  cuda arrays there, the reason becoming its `gpu_skip`."""
   import ray
 
   for p in paths:
-    if not isinstance(p, ActorPath) or "cuda" not in p.groups:
+    if not isinstance(p, (ActorPath, _paths.DeviceMemcpyPath)) or "cuda" not in p.groups:
       continue
     g = p.groups["cuda"]
     framework = "torch" if p.framework == "torch" else "jax"
-    reason = ray.get(g.producer.device_support.remote(framework))
+    try:
+      reason = ray.get(g.producer.device_support.remote(framework), timeout=_START_TIMEOUT_S)
+    except Exception as e:
+      reason = f"checking {framework} on the GPU failed: {_paths.first_line(e)}"
     if reason:
       del p.groups["cuda"]
       p.gpu_skip = reason

@@ -41,6 +41,15 @@ work is done (`torch.cuda.synchronize`); `store` is the trainer's
 device-to-host copy and `ray.put`, then each generator's host-to-device
 copy. No host memcpy rate is measured. Writes
 `bench-weight-sync-gpu.{json,md}`.
+
+Rows (tree x generators x path) are written to the outputs as each
+finishes. A row that fails is recorded under `skipped` with its error, and
+the run goes on. With `--budget S` the run ends within about S seconds of
+its start (Ray's start included): a row whose estimated time (`budget_skip`)
+no longer fits is not started, and a row still running when the budget runs
+out is cut off, the rows after it not started; each is recorded under
+`skipped` with the reason. Every actor gets the UCX settings of the
+benchmark's NIXL-capable actors (`_env.nixl_actor_env`, recorded as `ucx`).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import numpy as np
 import ray
 
 import rdt_jax
+from rdt_jax.bench import _env, _paths
 
 PATHS = ("rdt", "rdt_donate", "pytree", "store")
 KINDS = ("torch", "jax", "slice")
@@ -100,6 +110,12 @@ def _checksum(arrays: list[Any]) -> str:
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Trainer:
+  def ready(self, device: str) -> None:
+    """Imports jax and finds its `device` ("cpu" or "gpu"), before any row is timed."""
+    import jax
+
+    jax.devices(device)
+
   def setup(self, case: str, path: str, device: str = "cpu") -> None:
     import jax
 
@@ -137,6 +153,13 @@ class _Trainer:
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Generator:
+  def ready(self, device: str) -> None:
+    """Imports torch (and with `device` "gpu" starts CUDA in it), before any row is timed."""
+    import torch
+
+    if device == "gpu":
+      torch.empty(1, device="cuda")
+
   def setup(self, case: str, kind: str, index: int, device: str = "cpu") -> None:
     import torch
 
@@ -220,6 +243,10 @@ def add_arguments(parser: Any) -> None:
                      help="size of the one-leaf tree that measures the fixed cost (default 4; 0 leaves it out)")
   group.add_argument("--weight-sync-generators", default="1,2,4", help="generator counts (default 1,2,4)")
   group.add_argument("--weight-sync-paths", default=",".join(PATHS), help=f"paths (default {','.join(PATHS)})")
+  group.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                     help="with --weight-sync: end within about SECONDS of the start; rows that no longer fit "
+                          "are not started, a row still running is cut off, each recorded as skipped with the "
+                          "reason (default: no limit)")
 
 
 def _memcpy_ms(nbytes: int, reps: int = 5) -> float:
@@ -234,8 +261,123 @@ def _memcpy_ms(nbytes: int, reps: int = 5) -> float:
   return _ms(statistics.median(times))
 
 
+def _actor_options(device: str, generator: bool) -> dict[str, Any]:
+  """Ray options of the trainer (`generator` False) or a generator: the UCX
+  settings (`_env.nixl_actor_env`), then with `device` "gpu" a `GPU_SHARE`
+  and `GPU_ENV`, else for a generator `TWO_DEVICES`."""
+  env = _env.nixl_actor_env()
+  options: dict[str, Any] = {}
+  if device == "gpu":
+    env.update(GPU_ENV["env_vars"])
+    options["num_gpus"] = GPU_SHARE
+  elif generator:
+    env.update(TWO_DEVICES["env_vars"])
+  if env:
+    options["runtime_env"] = {"env_vars": env}
+  return options
+
+
+def _estimate_s(done: list[dict[str, Any]], case: str, generators: int, path: str) -> float | None:
+  """Seconds a row of `case` x `generators` x `path` is expected to take,
+  from the rows `done` before it (each with its `wall_s`), or None if none
+  is done.
+
+  The longest row of the same tree and path, else of the same tree, else of
+  any tree, each scaled by `generators` over its own count where that is
+  larger (a pull goes to every generator).
+  """
+  for same in (
+      lambda r: r["case"] == case and r["path"] == path,
+      lambda r: r["case"] == case,
+      lambda r: True,
+  ):
+    like = [r for r in done if same(r)]
+    if like:
+      return max(r["wall_s"] * max(1.0, generators / r["generators"]) for r in like)
+  return None
+
+
+def budget_skip(
+    done: list[dict[str, Any]], case: str, generators: int, path: str, elapsed_s: float, budget_s: float | None
+) -> str | None:
+  """Why a row of `case` x `generators` x `path` is not started, `elapsed_s`
+  into a run of `budget_s` seconds (None: no budget), or None to start it.
+
+  A row is started while time is left and, once rows are `done` (each with
+  its `wall_s`), its estimate (`_estimate_s`) fits in the time left.
+  """
+  if budget_s is None:
+    return None
+  left = budget_s - elapsed_s
+  estimate = _estimate_s(done, case, generators, path)
+  if left <= 0:
+    return f"not started: --budget {budget_s:g} s was spent ({elapsed_s:.0f} s in)"
+  if estimate is not None and estimate > left:
+    return (f"not started: about {estimate:.0f} s needed (from the rows before it), {left:.0f} s left of "
+            f"--budget {budget_s:g} s")
+  return None
+
+
+class _CutOff(Exception):
+  """A row still running when the budget ran out."""
+
+
+def _get(refs: Any, deadline: float | None, what: str) -> Any:
+  """`ray.get(refs)`, waiting at most until `deadline` (a `perf_counter`
+  time; None: no limit).
+
+  Raises:
+    _CutOff: naming `what` was being waited for, when the deadline passes.
+  """
+  if deadline is None:
+    return ray.get(refs)
+  try:
+    return ray.get(refs, timeout=max(0.0, deadline - time.perf_counter()))
+  except ray.exceptions.GetTimeoutError:
+    raise _CutOff(f"cut off by the budget during {what}") from None
+
+
+def _run_row(
+    trainer: Any, gens: list[Any], kinds: list[str], case: str, path: str, device: str, steps: int,
+    deadline: float | None,
+) -> list[dict[str, float]]:
+  """Sets the trainer and `gens` up for `case` and `path` (a new subscriber
+  each) and runs `steps` steps; returns each step's times.
+
+  Raises:
+    RuntimeError: if a generator's bytes differ from the trainer's.
+    _CutOff: when `deadline` passes first.
+  """
+  _get(trainer.setup.remote(case, path, device), deadline, "set-up")
+  _get([g.setup.remote(case, kinds[i], i, device) for i, g in enumerate(gens)], deadline, "set-up")
+  samples = []
+  for k in range(steps):
+    out, step_s, publish_s, want = _get(trainer.step.remote(), deadline, f"step {k + 1} of {steps}")
+    if path == "store":
+      calls = [g.get_copy.remote(out) for g in gens]
+    else:
+      calls = [g.pull.remote(out) for g in gens]
+    got = _get(calls, deadline, f"step {k + 1} of {steps}")
+    pull_s = max(s for s, _ in got)
+    if any(want[key] != value for _, (key, value) in got):
+      raise RuntimeError(f"{case} {path}: a generator's bytes differ from the trainer's")
+    samples.append({"step_s": step_s, "publish_s": publish_s, "pull_s": pull_s})
+    del out
+  return samples
+
+
 def run(args: Any) -> dict[str, Any]:
-  """Runs the case, writes `bench-weight-sync.{json,md}` under `args.out`."""
+  """Runs the case, writes `bench-weight-sync.{json,md}` under `args.out`.
+
+  Raises:
+    SystemExit: for unknown paths, a budget that is not positive, or
+      `--device gpu` on a host without a GPU.
+  """
+  t_start = time.perf_counter()
+  budget = getattr(args, "budget", None)
+  if budget is not None and budget <= 0:
+    raise SystemExit(f"--budget {budget:g}: give a positive number of seconds")
+  deadline = None if budget is None else t_start + budget
   steps = (args.reps or (4 if args.quick else 6)) + 1
   counts = [int(n) for n in str(args.weight_sync_generators).split(",") if n]
   paths = [p for p in str(args.weight_sync_paths).split(",") if p]
@@ -247,6 +389,7 @@ def run(args: Any) -> dict[str, Any]:
   cases += [f"{n}x{args.weight_sync_mb}MiB" for n in str(args.weight_sync_leaves).split(",") if n]
   device = getattr(args, "device", "cpu")
   rdt_jax.register()
+  ucx = _env.ucx_record(_env.nixl_actor_env(), {})
   started = not ray.is_initialized()
   if started:
     ray.init(num_cpus=max(counts) + 2, include_dashboard=False, logging_level=logging.WARNING)
@@ -259,62 +402,82 @@ def run(args: Any) -> dict[str, Any]:
         ray.shutdown()
       raise SystemExit(f"--weight-sync --device gpu: {reason}")
   rows: list[dict[str, Any]] = []
-  t_start = time.perf_counter()
+  skipped: list[dict[str, Any]] = []
   memcpy = {} if device == "gpu" else {
       case: _memcpy_ms(sum(int(np.prod(s)) * 4 for s in _leaf_shapes(case))) for case in cases
   }
+
+  def write() -> dict[str, Any]:  # after every row: a run cut short keeps its rows
+    return _write(args, device, rows, steps, t_start, memcpy, skipped=skipped, budget_s=budget, ucx=ucx)
+
   try:
-    if device == "gpu":
-      on_gpu: dict[str, Any] = {"num_gpus": GPU_SHARE, "runtime_env": GPU_ENV}
-      trainer = _Trainer.options(**on_gpu).remote()  # type: ignore[attr-defined]
-      gens = [_Generator.options(**on_gpu).remote() for _ in range(max(counts))]  # type: ignore[attr-defined]
-      kinds = [GPU_KINDS[i % len(GPU_KINDS)] for i in range(len(gens))]
-    else:
-      trainer = _Trainer.remote()  # type: ignore[attr-defined]
-      gens = [
-          _Generator.options(runtime_env=TWO_DEVICES).remote()  # type: ignore[attr-defined]
-          for _ in range(max(counts))
-      ]
-      kinds = [KINDS[i % len(KINDS)] for i in range(len(gens))]
-    for case in cases:
-      for n in counts:
-        for path in paths:
-          ray.get(trainer.setup.remote(case, path, device))
-          # a new subscriber per run
-          ray.get([g.setup.remote(case, kinds[i], i, device) for i, g in enumerate(gens[:n])])
-          samples = []
-          for _ in range(steps):
-            out, step_s, publish_s, want = ray.get(trainer.step.remote())
-            if path == "store":
-              got = ray.get([g.get_copy.remote(out) for g in gens[:n]])
-            else:
-              got = ray.get([g.pull.remote(out) for g in gens[:n]])
-            pull_s = max(s for s, _ in got)
-            if any(want[key] != value for _, (key, value) in got):
-              raise RuntimeError(f"{case} {path}: a generator's bytes differ from the trainer's")
-            samples.append({"step_s": step_s, "publish_s": publish_s, "pull_s": pull_s})
-            del out
-          rows.append(_row(case, n, path, samples, ",".join(kinds[:n])))
+    trainer = _Trainer.options(**_actor_options(device, False)).remote()  # type: ignore[attr-defined]
+    gens = [
+        _Generator.options(**_actor_options(device, True)).remote()  # type: ignore[attr-defined]
+        for _ in range(max(counts))
+    ]
+    kind_list = GPU_KINDS if device == "gpu" else KINDS
+    kinds = [kind_list[i % len(kind_list)] for i in range(len(gens))]
+    stopped: str | None = None  # why no further row starts (a row was cut off, or the actors did not start)
+    try:  # the actors' start and imports, once, so that no row's time includes them
+      _get([trainer.ready.remote(device), *(g.ready.remote(device) for g in gens)], deadline, "the actors' start")
+    except _CutOff as e:
+      stopped = f"not started: {e} (--budget {budget:g} s)"
+    except Exception as e:
+      stopped = f"not started: the actors did not start: {_paths.first_line(e)}"
+    for case, n, path in [(c, n, p) for c in cases for n in counts for p in paths]:
+      kinds_n = ",".join(kinds[:n])
+      names = {"case": case, "generators": n, "kinds": kinds_n, "path": path}
+      reason = stopped or budget_skip(rows, case, n, path, time.perf_counter() - t_start, budget)
+      if reason is None:
+        t_row = time.perf_counter()
+        try:
+          samples = _run_row(trainer, gens[:n], kinds, case, path, device, steps, deadline)
+        except _CutOff as e:
+          reason = f"{e} ({time.perf_counter() - t_row:.0f} s into the row; --budget {budget:g} s)"
+          stopped = "not started: an earlier row was cut off by the budget"
+        except Exception as e:  # this row's failure, recorded; the next rows set up anew
+          reason = f"failed: {_paths.first_line(e)}"
+        else:
+          rows.append(_row(case, n, path, samples, kinds_n, time.perf_counter() - t_row))
           print(_format_row(rows[-1]), flush=True)
-          _write(args, device, rows, steps, t_start, memcpy)  # a run cut short keeps its rows
+      if reason is not None:
+        skipped.append({**names, "reason": reason})
+        print(f"{case:>12} x{n} {path:<10} skipped: {reason}", flush=True)
+      write()
   finally:
     if started:
       ray.shutdown()
-  result = _write(args, device, rows, steps, t_start, memcpy)
+  result = write()
   print(markdown(result))
   return result
 
 
 def _write(
-    args: Any, device: str, rows: list[dict[str, Any]], steps: int, t_start: float, memcpy: dict[str, float]
+    args: Any,
+    device: str,
+    rows: list[dict[str, Any]],
+    steps: int,
+    t_start: float,
+    memcpy: dict[str, float],
+    skipped: list[dict[str, Any]] | None = None,
+    budget_s: float | None = None,
+    ucx: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Writes the rows so far as `bench-weight-sync[-gpu].{json,md}` under
-  `args.out`; returns the result written."""
-  result = {
+  `args.out`; returns the result written (with `skipped` rows and their
+  reasons, the `budget_s` and the `ucx` settings where given)."""
+  result: dict[str, Any] = {
       "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "host": {"platform": platform.platform(), "python": platform.python_version()},
       "steps": steps, "wall_s": round(time.perf_counter() - t_start, 1), "memcpy_ms": memcpy, "rows": rows,
   }
+  if budget_s is not None:
+    result["budget_s"] = budget_s
+  if skipped is not None:
+    result["skipped"] = skipped
+  if ucx is not None:
+    result["ucx"] = ucx
   if device == "gpu":
     result["device"] = _gpu_name()
   out_dir = pathlib.Path(args.out)
@@ -337,7 +500,11 @@ def _ms(x: float) -> float:
   return round(x * 1e3, 2)
 
 
-def _row(case: str, n: int, path: str, samples: list[dict[str, float]], kinds: str) -> dict[str, Any]:
+def _row(
+    case: str, n: int, path: str, samples: list[dict[str, float]], kinds: str, wall_s: float
+) -> dict[str, Any]:
+  """One row of the results: the first step apart, medians of the others,
+  and the `wall_s` the row took (set-up included)."""
   first, steady = samples[0], samples[1:]
 
   def med(key: str) -> float:
@@ -348,7 +515,7 @@ def _row(case: str, n: int, path: str, samples: list[dict[str, float]], kinds: s
       "first_publish_ms": _ms(first["publish_s"]), "first_pull_ms": _ms(first["pull_s"]),
       "step_ms": med("step_s"), "publish_ms": med("publish_s"), "pull_ms": med("pull_s"),
       "sync_ms": _ms(statistics.median(s["publish_s"] + s["pull_s"] for s in steady)),
-      "samples": len(steady),
+      "samples": len(steady), "wall_s": round(wall_s, 2),
   }
 
 
@@ -404,7 +571,8 @@ def markdown(result: dict[str, Any]) -> str:
       "",
       f"{result['when']}, {result['host']['platform']}, Python {result['host']['python']}; "
       f"{result['steps']} steps per run, the first reported apart, medians of the others; {result['wall_s']} s. "
-      + kinds,
+      + kinds
+      + (f" Budget: {result['budget_s']:g} s." if result.get("budget_s") is not None else ""),
       "",
       "| tree | generators | path | trainer step ms | first publish + pull ms | publish ms | pull ms "
       "| publish + pull ms | vs store |",
@@ -445,4 +613,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{f'{against:.2f}x' if against is not None else '-'} | {goal} | {met} | "
         f"{copy if copy is not None else '-'} | {fixed} |"
     )
+  if result.get("skipped"):
+    lines += ["", "## Skipped", ""]
+    lines += [f"* {r['case']} x{r['generators']} {r['path']}: {r['reason']}" for r in result["skipped"]]
+  if result.get("ucx") is not None:
+    lines += ["", _env.ucx_text(result["ucx"])]
   return "\n".join(lines) + "\n"
