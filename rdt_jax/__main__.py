@@ -5,6 +5,9 @@ Subcommands:
           (see `rdt-jax bench --help` and `rdt_jax.bench`).
   soak    run the trainer -> generators weight-sync loop for N minutes and
           report transfers, bytes, errors and memory high-water marks.
+  doctor  check this host before the first transfer (versions, transports,
+          GPUs, the UCX paths NIXL reads with); exit status 1 on a
+          configuration that will fail or be slow (see `rdt_jax._doctor`).
 """
 
 from __future__ import annotations
@@ -33,9 +36,22 @@ def main(argv: list[str] | None = None) -> int:
       description=_soak.__doc__.split("\n\n")[0],
   )
   _soak.add_arguments(soak)
+  from rdt_jax import _doctor
+
+  doctor = commands.add_parser(
+      "doctor",
+      help="check versions, transports, GPUs and UCX's paths before the first transfer",
+      description="Print what rdt_jax will do on this host: versions and CUDA builds, registered "
+                  "transports, GPUs and their peer access, and which UCX protocol a NIXL READ of host "
+                  "and device memory uses (a loopback READ between two processes). Exit status 1 if "
+                  "a finding is a fail: a configuration that will fail or be slow.",
+  )
+  _doctor.add_arguments(doctor)
   args = parser.parse_args(argv)
   if args.command == "soak":
     return _soak.run(args)
+  if args.command == "doctor":
+    return _doctor.run(args)
   return run_from_args(args, bench)
 
 
