@@ -172,8 +172,73 @@ def _array_paths(tree: Any) -> list[str]:
   return [path for path, x in _flatten(tree) if _dlpack.is_array(x)]
 
 
-def _digest(structure: tuple[LeafEntry, ...]) -> str:
-  return hashlib.blake2b(repr(structure).encode(), digest_size=12).hexdigest()
+def _digest(structure: tuple[LeafEntry, ...], tree: Any) -> str:
+  """The digest of a value's structure: its array leaves (`structure`) and
+  its pytree structure, non-array leaves included, so a value that gains,
+  loses or moves a non-array leaf is a new structure."""
+  import jax
+
+  treedef = jax.tree_util.tree_structure(tree, is_leaf=_is_template_leaf)
+  return hashlib.blake2b(f"{structure!r}|{treedef}".encode(), digest_size=12).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Published:
+  """What a publisher tells a subscriber of one structure: its array leaves
+  and, for a structure published packed, its layout."""
+
+  entries: tuple[LeafEntry, ...]
+  packed: _packed.PackedLayoutInfo | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+  """The publisher's answer to a subscriber's question (`_query`): the
+  versions it keeps (None: closed or gone) and the structure asked for
+  (None: not asked, or not known)."""
+
+  kept: tuple[int, ...] | None
+  structure: _Published | None = None
+
+
+@dataclass(frozen=True)
+class _ObjectAnswer:
+  """The publisher's answer to a request for a packed version's bucket
+  objects (`_object_query`): their refs (None: the version is not kept),
+  their size, and the versions kept (None: closed or gone)."""
+
+  refs: tuple[Any, ...] | None
+  bucket_bytes: int
+  kept: tuple[int, ...] | None
+
+
+#: At most this many versions in a publisher's answer (a bound on what is trusted).
+MAX_KEPT: Final = 1 << 16
+
+
+def _check_kept(kept: Any, label: str) -> tuple[int, ...] | None:
+  if kept is None:
+    return None
+  if not (isinstance(kept, tuple) and len(kept) <= MAX_KEPT and all(type(v) is int for v in kept)):
+    raise MetadataError(label, "kept versions", f"are {type(kept).__name__}, not a tuple of at most {MAX_KEPT} ints")
+  return kept
+
+
+def _check_answer(answer: Any, label: str) -> tuple[tuple[int, ...] | None, _Published | None]:
+  """(kept versions, structure) of a publisher's `_Answer`, checked.
+
+  Raises:
+    MetadataError: naming the field that does not hold together.
+  """
+  if not isinstance(answer, _Answer):
+    raise MetadataError(label, "publisher answer", f"is a {type(answer).__name__}, not an answer of rdt_jax's")
+  structure = answer.structure
+  if structure is not None and not (
+      isinstance(structure, _Published) and isinstance(structure.entries, tuple)
+      and (structure.packed is None or isinstance(structure.packed, _packed.PackedLayoutInfo))
+  ):
+    raise MetadataError(label, "structure", "is not a published structure")
+  return _check_kept(answer.kept, label), structure
 
 
 def _describe(entry: LeafEntry) -> str:
@@ -238,6 +303,7 @@ class _Kept:
   buffer: Any  # a packed version's buffer, else None
   buckets: list[Any] | None = None  # a packed version's bucket objects, made at the first request
   bucket_bytes: int = 0  # their size (the last may be shorter)
+  value: Any = None  # a pytree version's value, as its RDT object holds it (for subscribers in this process)
 
 
 def bucket_bytes() -> int:
@@ -251,25 +317,25 @@ def bucket_bytes() -> int:
 _publishers: Final[weakref.WeakValueDictionary[str, WeightPublisher]] = weakref.WeakValueDictionary()
 
 
-def _query(_actor: Any, publisher: str, structure: str | None) -> tuple[tuple[int, ...] | None, Any]:
+def _query(_actor: Any, publisher: str, structure: str | None) -> _Answer:
   """Runs in the publisher's process (Ray's system concurrency group): the
   versions publisher `publisher` keeps (None if it is closed or gone) and,
   if asked, the structure behind digest `structure` (its `LeafEntry`s and,
   if it is published packed, its `PackedLayoutInfo`)."""
   pub = _publishers.get(publisher)
   if pub is None:
-    return None, None
+    return _Answer(None)
   return pub._answer(structure)
 
 
-def _object_query(_actor: Any, publisher: str, version: int) -> tuple[list[Any] | None, int, tuple[int, ...] | None]:
+def _object_query(_actor: Any, publisher: str, version: int) -> _ObjectAnswer:
   """Runs in the publisher's process (Ray's system concurrency group): the
   refs of `version`'s bucket objects (made now if this is the first request:
   `WeightPublisher._object_of`), or None if the version is not kept; their
   size; and the versions kept (None if the publisher is closed or gone)."""
   pub = _publishers.get(publisher)
   if pub is None:
-    return None, 0, None
+    return _ObjectAnswer(None, 0, None)
   return pub._object_of(version)
 
 
@@ -355,9 +421,9 @@ class WeightPublisher:
     self._lock = threading.Lock()
     self._kept: list[_Kept] = []
     # digest -> (structure, packed layout or None)
-    self._structures: dict[str, tuple[tuple[LeafEntry, ...], _packed.PackedLayoutInfo | None]] = {}
+    self._structures: dict[str, _Published] = {}
     self.pack = bool(pack)
-    self._stream = _packed.Stream(keep) if transport == "jax_nixl" and self.pack else None
+    self._stream = _packed.Stream(keep, self._id) if transport == "jax_nixl" and self.pack else None
     self._closed = False
     _publishers[self._id] = self
 
@@ -416,12 +482,12 @@ class WeightPublisher:
 
       def digest_of(t: Any) -> str:
         new_structure.append(structure_of(t))
-        return _digest(new_structure[0])
+        return _digest(new_structure[0], t)
 
       info, digest, arrays, rest = self._stream.structure(tree, digest_of, _array_paths)
       if new_structure:
         with self._lock:
-          self._structures[digest] = (new_structure[0], None if info is None else info.info)
+          self._structures[digest] = _Published(new_structure[0], None if info is None else info.info)
       if info is not None:
         buffer = _dlpack.host_pool.acquire(info.info.layout.total)
         try:
@@ -432,18 +498,19 @@ class WeightPublisher:
           packed = self._stream.source(version, buffer, rest)
     else:
       structure = structure_of(tree)
-      digest = _digest(structure)
+      digest = _digest(structure, tree)
       with self._lock:
-        self._structures.setdefault(digest, (structure, None))
+        self._structures.setdefault(digest, _Published(structure))
     if packed is None and self._stream is not None and digest not in self._structures:
       with self._lock:
-        self._structures[digest] = (structure_of(tree), None)
+        self._structures[digest] = _Published(structure_of(tree))
     # A packed version becomes an RDT object only when a subscriber that
     # cannot read it node-locally asks (`_object_of`): a put costs a few ms.
-    ref = None if packed is not None else ray.put(_device_copies(tree), _tensor_transport=self.transport)
+    value = None if packed is not None else _device_copies(tree)
+    ref = None if value is None else ray.put(value, _tensor_transport=self.transport)
     with self._lock:
       dropped = self._drop_oldest(self.keep - 1)
-      self._kept.append(_Kept(version, ref, digest, buffer))
+      self._kept.append(_Kept(version, ref, digest, buffer, value=value))
       if self._stream is not None and packed is not None:
         self._stream.table.add(version)
       live = {k.digest for k in self._kept}
@@ -452,7 +519,7 @@ class WeightPublisher:
     _free(dropped)
     return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
 
-  def _object_of(self, version: int) -> tuple[list[Any] | None, int, tuple[int, ...] | None]:
+  def _object_of(self, version: int) -> _ObjectAnswer:
     """`_object_query`'s answer for a packed version: the refs of its bucket
     objects (consecutive byte ranges of its buffer of `bucket_bytes()` each,
     the last one shorter), put at the first request for the version (under
@@ -460,18 +527,18 @@ class WeightPublisher:
     Then the bucket size, and the versions kept (None once closed)."""
     with self._lock:
       if self._closed:
-        return None, 0, None
+        return _ObjectAnswer(None, 0, None)
       kept = tuple(k.version for k in self._kept)
       entry = next((k for k in self._kept if k.version == version), None)
       if entry is None or entry.buffer is None:
-        return None, 0, kept
+        return _ObjectAnswer(None, 0, kept)
       if entry.buckets is None:
         size, buffer = bucket_bytes(), entry.buffer
         entry.buckets = [
             ray.put(buffer[at : at + size], _tensor_transport=self.transport) for at in range(0, buffer.nbytes, size)
         ]
         entry.bucket_bytes = size
-      return list(entry.buckets), entry.bucket_bytes, kept
+      return _ObjectAnswer(tuple(entry.buckets), entry.bucket_bytes, kept)
 
   def _drop_oldest(self, room: int) -> list[_Kept]:
     """Drops the oldest kept versions until at most `room` are left (lock
@@ -489,14 +556,28 @@ class WeightPublisher:
     with self._lock:
       self._closed = True
       dropped = self._drop_oldest(0)
+      if self._stream is not None:
+        self._stream.table.retire()
     _free(dropped)
     _publishers.pop(self._id, None)
 
-  def _answer(self, structure: str | None) -> tuple[tuple[int, ...] | None, Any]:
+  def _answer(self, structure: str | None) -> _Answer:
+    """The versions kept (None once closed) and, if asked, the structure
+    behind digest `structure`."""
     with self._lock:
       if self._closed:
-        return None, None
-      return tuple(k.version for k in self._kept), None if structure is None else self._structures.get(structure)
+        return _Answer(None)
+      return _Answer(tuple(k.version for k in self._kept),
+                     None if structure is None else self._structures.get(structure))
+
+  def _local_value(self, version: int) -> Any:
+    """A kept pytree version's value, for a subscriber in this process; None
+    if the version is not kept (or is packed)."""
+    with self._lock:
+      if self._closed:
+        return None
+      entry = next((k for k in self._kept if k.version == version), None)
+      return None if entry is None else entry.value
 
 
 def _free(dropped: list[_Kept]) -> None:
@@ -521,6 +602,87 @@ def _fetcher() -> concurrent.futures.ThreadPoolExecutor:
     if not _fetch_pool:
       _fetch_pool.append(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rdt-jax-bucket"))
     return _fetch_pool[0]
+
+
+_async_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
+  """The threads `pull_async` runs pulls in (created at the first one)."""
+  with _fetch_lock:
+    if not _async_pool:
+      _async_pool.append(concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="rdt-jax-pull"))
+    return _async_pool[0]
+
+
+class _PullCancelled(Exception):
+  """A `pull_async` whose task was cancelled, stopped at its next step."""
+
+
+def _cancelled(cancel: threading.Event | None, handle: WeightsHandle) -> None:
+  """Stops a pull whose `pull_async` was cancelled (at a step where that
+  leaves the state of a failed pull)."""
+  if cancel is not None and cancel.is_set():
+    raise _PullCancelled(f"The pull of version {handle.version} was cancelled.")
+
+
+def _local_copy(value: Any, target: Any) -> Any:
+  """`value`, a version kept by a publisher in this process, with each array
+  leaf copied as the template (or atomic staging) `target` says: into its
+  in-place arrays (on their device: no host staging for device memory), as
+  new jax arrays with its placements, cut by its `Slice`s. Nothing returned
+  aliases `value`'s arrays, so writing into the pulled tree (or donating it)
+  never changes the kept version."""
+  import jax
+
+  wanted = dict(_flatten(target))
+  flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_template_leaf)
+  copies: list[tuple[Any, Any]] = []
+  out = []
+  for p, x in flat:
+    if not _dlpack.is_array(x):
+      out.append(x)
+      continue
+    path = jax.tree_util.keystr(p)
+    out.append(_local_leaf(path, x, wanted.get(path), copies))
+  _dlpack.copy_into_many(copies)
+  _dlpack.mark_written_many([t for t, _ in copies])
+  return treedef.unflatten(out)  # type: ignore[attr-defined]
+
+
+def _local_leaf(path: str, x: Any, want: Any, copies: list[tuple[Any, Any]]) -> Any:
+  """One leaf of `_local_copy`: what the pulled tree holds for kept array
+  `x` at `path`, given the template leaf `want`; copies into caller arrays
+  are appended to `copies` (made together, one wait per device)."""
+  if isinstance(want, _dlpack.Slice):
+    box = want.box(tuple(int(n) for n in x.shape), path)
+    x = x[tuple(slice(a, b) for a, b in box)]
+    want = want.into
+    if want is None:
+      return _own_copy(x)
+  if want is None:
+    return _own_copy(x)
+  if _dlpack.is_sharding(want) or _dlpack.framework_of(want) == "jax":
+    import jax
+
+    sharding = want if _dlpack.is_sharding(want) else want.sharding
+    if _dlpack.framework_of(x) != "jax":
+      x = _dlpack.convert_leaf(x, "jax", path)
+    return jax.device_put(x, sharding, may_alias=False)
+  copies.append((want, x))
+  return want
+
+
+def _own_copy(x: Any) -> Any:
+  """A copy of array `x` in its own framework and device."""
+  fw = _dlpack.framework_of(x)
+  if fw == "jax":
+    import jax
+
+    return jax.device_put(x, x.sharding, may_alias=False)
+  if fw == "torch":
+    return x.clone()
+  return x.copy()
 
 
 def _empty_like(x: Any) -> Any:
@@ -602,6 +764,8 @@ class WeightSubscriber:
     if not self._flat:
       raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
     self._version: int | None = None
+    self._reached: int | None = None  # the newest version a pull reached (see `pull`)
+    self._lock = threading.Lock()  # one pull at a time, whoever calls
     self._checked: set[str] = set()  # structures the template was checked against
     self._fits: set[str] = set()  # structures a pull of which succeeded with this target
     self._flat_target: dict[str, Any] = {}
@@ -616,9 +780,21 @@ class WeightSubscriber:
   def pull(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
     """Pulls `handle`'s version into the template.
 
+    Pulls of one subscriber run one at a time, whoever calls them (threads,
+    `pull_async`, Ray's concurrency groups): a pull waits for the one
+    running, then checks its version against the newest version a pull
+    reached. `version` never decreases, except to None for a torn
+    `atomic=False` pull.
+
+    A publisher in this very process (a colocated trainer and generator)
+    is pulled from like any other: the template receives the bytes in place
+    (in device memory, a copy on the device), and the pulled tree never
+    holds the publisher's kept arrays.
+
     Args:
       handle: a `WeightsHandle` from `WeightPublisher.publish`.
-      timeout: seconds the whole pull may take (None: no limit).
+      timeout: seconds the whole pull may take, waiting for a pull running
+        in another thread included (None: no limit).
 
     Returns:
       The pulled tree: the template's in-place arrays themselves holding the
@@ -627,35 +803,99 @@ class WeightSubscriber:
 
     Raises:
       TypeError: if `handle` is not a `WeightsHandle`.
-      StaleWeightsError: for a version not newer than `version`, or not kept
-        by the publisher (before anything moves), or freed while it was read.
+      StaleWeightsError: for a version not newer than the newest version a
+        pull of this subscriber reached (`version`, or the one before a torn
+        pull), or not kept by the publisher (before anything moves), or
+        freed while it was read; for a handle of a publisher that was
+        closed or replaced since.
       ValueError, UnsupportedLeafError: at the first pull of a structure,
         naming the leaf path where template and published value differ.
-      ray.exceptions.RayError: the publisher's actor died, or the pull ran
-        out of time (`GetTimeoutError`); `version` is then as the class
-        docstring says for a failed pull.
+      MetadataError: for a handle or layout that does not hold together
+        (naming the field); nothing is read.
+      ray.exceptions.GetTimeoutError: the pull (or the wait for the pull
+        running) ran out of time; `version` is then as the class docstring
+        says for a failed pull.
+      ray.exceptions.RayError: the publisher's actor died.
     """
+    self._check_handle(handle)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return self._serialized(handle, deadline, None)
+
+  async def pull_async(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
+    """`pull`, awaitable: for async actors and drivers, whose event loop it
+    does not block (the pull runs in a worker thread). Same arguments,
+    result, errors and serialization as `pull`.
+
+    Cancelling the awaiting task ends the pull like a failed one: the
+    template is unchanged with `atomic=True`, and with `atomic=False`
+    `version` is None if bytes may have reached the template. The
+    cancellation returns only once the pull has stopped: nothing writes into
+    the template after it.
+    """
+    import asyncio
+
+    self._check_handle(handle)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    cancel = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(_async_executor(), self._serialized, handle, deadline, cancel)
+    try:
+      return await asyncio.shield(future)
+    except asyncio.CancelledError:
+      cancel.set()
+      while not future.done():  # the pull stops at its next step; wait for it, whatever cancels us again
+        try:
+          await asyncio.shield(future)
+        except asyncio.CancelledError:
+          continue
+        except BaseException:
+          break
+      if not future.cancelled():
+        future.exception()  # retrieved: the pull's own error is superseded by the cancellation
+      raise
+
+  @staticmethod
+  def _check_handle(handle: Any) -> None:
     if not isinstance(handle, WeightsHandle):
       raise TypeError(f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
-    deadline = None if timeout is None else time.monotonic() + timeout
+
+  def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
+    """Runs one pull once no other pull of this subscriber runs."""
+    wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+    if not self._lock.acquire(timeout=wait):
+      raise ray.exceptions.GetTimeoutError(
+          f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
+    try:
+      _cancelled(cancel, handle)
+      value = self._pull(handle, deadline, cancel)
+      self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
+      return value
+    finally:
+      self._lock.release()
+
+  def _pull(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
+    """One pull (`pull`), the subscriber's lock held."""
     current = self._version
-    if current is not None and handle.version <= current:
+    newest = self._reached if self._reached is not None else current
+    if newest is not None and handle.version <= newest:
+      held = f"version {current}, which this subscriber holds" if current == newest else (
+          f"version {newest}, which a pull of this subscriber reached (it holds {current})")
       raise StaleWeightsError(
-          f"Version {handle.version} is not newer than version {current}, which this subscriber holds; "
-          "pull a newer handle.",
+          f"Version {handle.version} is not newer than {held}; pull a newer handle.",
           handle.version, current,
       )
     if handle.packed is not None:
-      return self._pull_packed(handle, deadline, current)
+      return self._pull_packed(handle, deadline, current, cancel)
+    local = _publishers.get(handle.publisher)
+    if local is not None:
+      return self._pull_local(local, handle, current, cancel)
     structure = self._ask(handle, deadline, want_structure=handle.structure not in self._checked, current=current)
-    if isinstance(structure, tuple) and len(structure) == 2 and isinstance(structure[0], tuple):
-      structure = structure[0]  # (structure, packed layout)
     if handle.structure not in self._checked:
       if structure is None:
         raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
-      check_template(self._flat, structure)
+      check_template(self._flat, structure.entries)
       self._checked.add(handle.structure)
     target = self._target()
+    _cancelled(cancel, handle)
     if not self.atomic:
       self._version = None  # torn from here until the pull succeeds
     try:
@@ -665,6 +905,7 @@ class WeightSubscriber:
         _targets.set_target_for_ref(handle.ref, target)
       value = ray.get(handle.ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
       self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
+      _cancelled(cancel, handle)
     except BaseException as e:
       if not self.atomic:
         e.add_note(f"rdt_jax: the pull of version {handle.version} failed after it started: the template may "
@@ -678,14 +919,55 @@ class WeightSubscriber:
     self._version = handle.version
     return value
 
+  def _pull_local(self, pub: WeightPublisher, handle: WeightsHandle, current: int | None,
+                  cancel: threading.Event | None) -> Any:
+    """A pull of a pytree version whose publisher lives in this process.
+
+    Ray would hand back the publisher's own stored arrays here (a process
+    reading its own RDT object gets the stored objects, and no transport
+    runs), leaving the template unwritten. So the kept value is copied: into
+    the template's in-place arrays (on their device), and into new jax
+    arrays with the template's placements; nothing returned aliases it."""
+    answer = pub._answer(handle.structure if handle.structure not in self._checked else None)
+    kept, structure = answer.kept, answer.structure
+    if kept is None or handle.version not in kept:
+      raise self._stale(handle, set(kept or ()), current, after_read=False)
+    if handle.structure not in self._checked:
+      if structure is None:
+        raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+      check_template(self._flat, structure.entries)
+      self._checked.add(handle.structure)
+    value = pub._local_value(handle.version)
+    if value is None:
+      raise self._stale(handle, set(pub.versions), current, after_read=False)
+    _cancelled(cancel, handle)
+    if not self.atomic:
+      self._version = None  # torn from here until the pull succeeds
+    try:
+      out = _local_copy(value, self._target())
+      kept = pub._answer(None).kept
+      if kept is None or handle.version not in kept:
+        raise self._stale(handle, set(kept or ()), current, after_read=True)
+      _cancelled(cancel, handle)
+    except BaseException as e:
+      if not self.atomic:
+        e.add_note(f"rdt_jax: the pull of version {handle.version} failed after it started: the template may "
+                   "hold some of its bytes, and the subscriber's version is None until the next successful pull.")
+      raise
+    if self.atomic:
+      out = self._commit(out)
+    self._version = handle.version
+    return out
+
   def _ask(self, handle: WeightsHandle, deadline: float | None, want_structure: bool,
-           current: int | None, after_read: bool = False) -> Any:
+           current: int | None, after_read: bool = False) -> _Published | None:
     """Asks the publisher whether `handle`'s version is kept (and for its
     structure, if `want_structure`); raises `StaleWeightsError`, naming
     `current` (the version held when the pull began), if not."""
     ref = _seam.call_on_system_group(handle.actor, _query, handle.publisher,
                                      handle.structure if want_structure else None)
-    kept, structure = ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    answer = ray.get(ref, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+    kept, structure = _check_answer(answer, _label(handle))
     if kept is None or handle.version not in kept:
       when = "was freed while it was being read (its bytes may be another version's)" if after_read else (
           "is no longer kept by its publisher")
@@ -707,21 +989,23 @@ class WeightSubscriber:
     if plan is not None:
       return plan
     answer = self._ask(handle, deadline, want_structure=True, current=current)
-    if not (isinstance(answer, tuple) and len(answer) == 2 and answer[1] is not None):
+    if answer is None or answer.packed is None:
       raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
-    structure, info = answer
-    check_template(self._flat, structure)
+    _packed.check_layout(answer.packed, answer.entries, _label(handle))
+    check_template(self._flat, answer.entries)
     self._checked.add(handle.structure)
-    plan = _packed.PackedPlan(info, structure, dict(self._flat), self.atomic)
+    plan = _packed.PackedPlan(answer.packed, answer.entries, dict(self._flat), self.atomic)
     if len(self._plans) >= 4:  # structures change rarely: keep the last few
       self._plans.pop(next(iter(self._plans)))
     self._plans[handle.structure] = plan
     return plan
 
-  def _pull_packed(self, handle: WeightsHandle, deadline: float | None, current: int | None) -> Any:
+  def _pull_packed(self, handle: WeightsHandle, deadline: float | None, current: int | None,
+                   cancel: threading.Event | None) -> Any:
     """A pull of a packed version (`WeightSubscriber.pull`)."""
     source = handle.packed
     assert source is not None
+    _packed.check_source(source, _label(handle))
     plan = self._plan(handle, deadline, current)
     plan.check_targets()
     if source.digest != source.expected_digest(handle.version):
@@ -730,10 +1014,16 @@ class WeightSubscriber:
       raise MetadataError(_label(handle), "packed.nbytes",
                           f"is {source.nbytes}, but the structure's layout takes {plan.info.layout.total} bytes")
     staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+    if len(plan.info.array_positions) + len(source.rest) != plan.info.treedef.num_leaves:
+      raise MetadataError(_label(handle), "packed.rest",
+                          f"holds {len(source.rest)} leaves; the structure has "
+                          f"{plan.info.treedef.num_leaves - len(plan.info.array_positions)} non-array leaves")
     if deadline is not None and time.monotonic() > deadline:
       raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
+    _cancelled(cancel, handle)
     if not (_packed.can_read_directly(source) and self._pull_directly(handle, plan, staging, current)):
-      self._pull_through_ray(handle, plan, staging, deadline, current)
+      self._pull_through_ray(handle, plan, staging, deadline, current, cancel)
+    _cancelled(cancel, handle)
     leaves = plan.commit(staging)
     value = _unflatten(plan.info, leaves, source.rest)
     self._version = handle.version
@@ -748,9 +1038,11 @@ class WeightSubscriber:
     assert source is not None
     obj_id = _label(handle)
     try:
-      kept = _packed.read_table(source)
+      kept = _packed.read_table(source, handle.publisher)
     except PermissionError:
       return False
+    except _packed.ForeignTable:
+      raise self._replaced(handle, current) from None
     except OSError as e:
       raise _packed.dead_publisher_error(obj_id, handle.actor, e) from None
     if handle.version not in kept:
@@ -767,21 +1059,32 @@ class WeightSubscriber:
         return False
       if _faults.ON:
         _faults.hit("weights.copied")
-      kept = _packed.read_table(source)
+      kept = _packed.read_table(source, handle.publisher)
+      if handle.version not in kept:
+        raise self._stale(handle, kept, current, after_read=True)
     except BaseException as e:
+      error = e
+      if isinstance(e, _packed.ForeignTable):
+        error = self._replaced(handle, current)
+      elif isinstance(e, OSError) and not isinstance(e, ProcessLookupError):
+        now = _packed.read_table_or_empty(source, handle.publisher)
+        # A version larger than the host pool keeps is unmapped when dropped:
+        # a read of it then fails instead of reading reused memory.
+        error = self._stale(handle, now, current, after_read=True) if handle.version not in now else (
+            _packed.dead_publisher_error(obj_id, handle.actor, e))
+      elif isinstance(e, ProcessLookupError):
+        error = _packed.dead_publisher_error(obj_id, handle.actor, e)
       if writes_template:
-        e.add_note(f"rdt_jax: the pull of version {handle.version} failed while it copied into the template: "
-                   "the template may hold some of its bytes, and the subscriber's version is None until the "
-                   "next successful pull.")
-      if isinstance(e, OSError):
-        raise _packed.dead_publisher_error(obj_id, handle.actor, e) from None
-      raise
-    if handle.version not in kept:
-      raise self._stale(handle, kept, current, after_read=True)
+        error.add_note(f"rdt_jax: the pull of version {handle.version} failed while it copied into the template: "
+                       "the template may hold some of its bytes, and the subscriber's version is None until the "
+                       "next successful pull.")
+      if error is e:
+        raise
+      raise error from None
     return True
 
   def _pull_through_ray(self, handle: WeightsHandle, plan: _packed.PackedPlan, staging: Any,
-                        deadline: float | None, current: int | None) -> None:
+                        deadline: float | None, current: int | None, cancel: threading.Event | None) -> None:
     """Fetches a packed version through Ray, in the buckets its publisher
     cuts it into (`bucket_bytes()`): asks the publisher for the buckets' RDT
     objects (made at the first request for the version), then fetches them
@@ -798,7 +1101,13 @@ class WeightSubscriber:
       return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     answer = _seam.call_on_system_group(handle.actor, _object_query, handle.publisher, handle.version)
-    refs, size, kept = ray.get(answer, timeout=left())
+    reply = ray.get(answer, timeout=left())
+    refs_ok = reply.refs is None or (
+        isinstance(reply.refs, tuple) and all(isinstance(r, ray.ObjectRef) for r in reply.refs)
+    ) if isinstance(reply, _ObjectAnswer) else False
+    if not refs_ok or type(reply.bucket_bytes) is not int:
+      raise MetadataError(_label(handle), "publisher answer", "is not a bucket answer of rdt_jax's")
+    refs, size, kept = reply.refs, reply.bucket_bytes, _check_kept(reply.kept, _label(handle))
     if refs is None:
       raise self._stale(handle, set(kept or ()), current, after_read=False)
     total = plan.info.layout.total
@@ -818,6 +1127,8 @@ class WeightSubscriber:
         except Exception:
           self._ask(handle, deadline, want_structure=False, current=current, after_read=True)
           raise
+        if cancel is not None and cancel.is_set():
+          raise _PullCancelled(f"The pull of version {handle.version} was cancelled.")
         if i + 1 < len(refs):
           pending = _fetcher().submit(ray.get, refs[i + 1], timeout=left())
         if _dlpack.framework_of(bucket) != "numpy" or bucket.nbytes != min(size, total - i * size):
@@ -837,6 +1148,14 @@ class WeightSubscriber:
                    "the template may hold some of its bytes, and the subscriber's version is None until the "
                    "next successful pull.")
       raise
+
+  def _replaced(self, handle: WeightsHandle, current: int | None) -> StaleWeightsError:
+    return StaleWeightsError(
+        f"Version {handle.version}'s publisher {handle.publisher} was closed or replaced (its table of kept "
+        f"versions now belongs to no publisher, or to another one); this subscriber held version {current}. "
+        "Pull a handle of the publisher that runs now.",
+        handle.version, current,
+    )
 
   def _stale(self, handle: WeightsHandle, kept: set[int], current: int | None, after_read: bool) -> StaleWeightsError:
     when = "was freed while it was being read (its bytes may be another version's)" if after_read else (
@@ -859,21 +1178,25 @@ class WeightSubscriber:
 
   def _commit(self, value: Any) -> Any:
     """Copies a successful atomic pull from the staging arrays into the
-    template; returns the pulled tree with the template's arrays in place."""
+    template; returns the pulled tree with the template's arrays in place.
+
+    Leaves are matched by pytree path, so the pulled value may hold
+    non-array leaves the template lacks. One wait per device before and
+    after: a CUDA template is written after work queued against it on any
+    stream, and holds the version on return."""
     import jax
 
+    in_place = {path: into for path, leaf in self._flat if (into := _in_place(leaf)) is not None}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_template_leaf)
     copies: list[tuple[Any, Any]] = []
-
-    def commit(leaf: Any, arrived: Any) -> Any:
-      into = _in_place(leaf)
+    out = []
+    for p, arrived in flat:
+      into = in_place.get(jax.tree_util.keystr(p)) if _dlpack.is_array(arrived) else None
       if into is None:
-        return arrived
+        out.append(arrived)
+        continue
       copies.append((into, arrived))
-      return leaf if not isinstance(leaf, _dlpack.Slice) else into
-
-    out = jax.tree_util.tree_map(commit, self.template, value, is_leaf=_is_template_leaf)
-    # One wait per device before and after: a CUDA template is written after
-    # work queued against it on any stream, and holds the version on return.
+      out.append(into)
     _dlpack.copy_into_many(copies)
-    return out
+    return treedef.unflatten(out)  # type: ignore[attr-defined]
 

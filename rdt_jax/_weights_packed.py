@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 import threading
 import zlib
@@ -55,8 +56,22 @@ from rdt_jax.transports import _lifetime
 from rdt_jax.transports.nixl import node_local
 
 __all__ = [
-    "KeptTable", "PackedLayoutInfo", "PackedPlan", "PackedSource", "PublishedStructure", "Stream",
-    "bucket_runs", "can_read_directly", "dead_publisher_error", "read_table", "read_version",
+  "ForeignTable",
+  "KeptTable",
+  "PackedLayoutInfo",
+  "PackedPlan",
+  "PackedSource",
+  "PublishedStructure",
+  "Stream",
+  "bucket_runs",
+  "can_read_directly",
+  "check_layout",
+  "check_source",
+  "dead_publisher_error",
+  "read_table",
+  "read_table_or_empty",
+  "read_version",
+  "table_token",
 ]
 
 #: A slot of the kept-versions table that holds no version.
@@ -120,18 +135,39 @@ class PackedSource:
 # Publisher
 
 
+@functools.lru_cache(maxsize=64)
+def table_token(publisher: str) -> tuple[int, int]:
+  """The two int64 words heading publisher `publisher`'s table (its id, a
+  128-bit hex string, read as two signed 64-bit integers)."""
+  raw = int(publisher, 16).to_bytes(16, "little", signed=False)
+  return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)
+
+
+class ForeignTable(LookupError):
+  """A kept-versions table that no longer belongs to the handle's publisher:
+  it was closed, or its memory now holds another publisher's table (a
+  publisher created again in the same process) or anything else."""
+
+
 class KeptTable:
   """The versions a publisher keeps, in memory its subscribers on the same
   host read directly.
 
-  One int64 slot per kept version (`EMPTY` when free). Each slot changes with
-  one aligned 8-byte store, so a reader sees a version either present or not.
-  A version leaves the table before its buffer can be reused.
+  Two header words name the publisher (`table_token`: a subscriber reads the
+  table only as the table of its handle's publisher; a closed table's header
+  is cleared), then one int64 slot per kept version (`EMPTY` when free). Each
+  slot changes with one aligned 8-byte store, so a reader sees a version
+  either present or not. A version leaves the table before its buffer can be
+  reused.
   """
 
-  def __init__(self, slots: int):
-    self._slots = np.full(slots, EMPTY, np.int64)
-    self.address = _dlpack.host_pointer(self._slots)
+  HEADER: Final = 2
+
+  def __init__(self, slots: int, publisher: str):
+    self._words = np.full(slots + self.HEADER, EMPTY, np.int64)
+    self._words[: self.HEADER] = table_token(publisher)
+    self._slots = self._words[self.HEADER :]
+    self.address = _dlpack.host_pointer(self._words)
     self.slots = slots
 
   def add(self, version: int) -> None:
@@ -147,6 +183,12 @@ class KeptTable:
   def clear(self) -> None:
     for i in range(self.slots):
       self._slots[i] = EMPTY
+
+  def retire(self) -> None:
+    """Empties the table and clears its header: a subscriber holding a
+    handle of this publisher then finds the table foreign."""
+    self.clear()
+    self._words[: self.HEADER] = 0
 
 
 @dataclass
@@ -170,10 +212,11 @@ class Stream:
 
   Args:
     keep: how many versions are kept (the table's length).
+    publisher: the publisher's id (heads its table).
   """
 
-  def __init__(self, keep: int):
-    self.table = KeptTable(keep)
+  def __init__(self, keep: int, publisher: str):
+    self.table = KeptTable(keep, publisher)
     self._structure: PublishedStructure | None = None
     self._treedef: Any = None
     self._signature: list[Any] | None = None
@@ -516,17 +559,105 @@ def _finish_jax(x: Any, leaf: _Leaf) -> Any:
 # Node-local pulls
 
 
-def read_table(source: PackedSource) -> set[int]:
-  """The versions the publisher keeps now, read from its table.
+#: At most this many slots in a kept-versions table a handle names (a bound on what is trusted).
+MAX_SLOTS: Final = 1 << 16
+#: At most this many bytes in a packed version a handle names.
+MAX_NBYTES: Final = 1 << 46
+
+
+def read_table(source: PackedSource, publisher: str) -> set[int]:
+  """The versions publisher `publisher` keeps now, read from its table.
 
   Raises:
+    ForeignTable: the table no longer names that publisher (closed, or its
+      memory reused).
     ProcessLookupError: the publisher's process exited.
     OSError: its memory could not be read.
   """
-  assert source.origin is not None
-  out = np.empty(source.slots, np.int64)
+  assert source.origin is not None and 0 < source.slots <= MAX_SLOTS
+  out = np.empty(source.slots + KeptTable.HEADER, np.int64)
   node_local.read(source.origin, [(_dlpack.host_pointer(out), source.table, out.nbytes)])
-  return {int(v) for v in out if v != EMPTY}
+  words = out.tolist()
+  if (words[0], words[1]) != table_token(publisher):
+    raise ForeignTable(f"the table at {source.table:#x} no longer belongs to publisher {publisher}")
+  kept = set(words[KeptTable.HEADER :])
+  kept.discard(EMPTY)
+  return kept
+
+
+def read_table_or_empty(source: PackedSource, publisher: str) -> set[int]:
+  """`read_table`, or an empty set where the table cannot be read or is
+  foreign (every version then counts as not kept)."""
+  try:
+    return read_table(source, publisher)
+  except (OSError, ForeignTable):
+    return set()
+
+
+def check_source(source: Any, label: str) -> None:
+  """Checks a handle's `PackedSource` before anything is read or allocated
+  from it.
+
+  Raises:
+    MetadataError: naming the field out of bounds or of the wrong type.
+  """
+  from rdt_jax._metadata import MetadataError
+
+  if not isinstance(source, PackedSource):
+    raise MetadataError(label, "packed", f"is a {type(source).__name__}, not a PackedSource")
+  for name, low, high in (("buffer", 1, 2**63 - 1), ("nbytes", 0, MAX_NBYTES), ("table", 1, 2**63 - 1),
+                          ("slots", 1, MAX_SLOTS)):
+    value = getattr(source, name)
+    if type(value) is not int or not low <= value <= high:
+      raise MetadataError(label, f"packed.{name}", f"is {value!r}, outside [{low}, {high}]")
+  if not isinstance(source.rest, tuple):
+    raise MetadataError(label, "packed.rest", f"is a {type(source.rest).__name__}, not a tuple")
+
+
+def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
+  """Checks a packed structure's layout, as its publisher sent it, against
+  the published array leaves `entries` before a plan is made from it: one
+  offset, size and shape per leaf, every leaf's bytes inside the buffer and
+  apart from the others, each size what its shape and dtype take.
+
+  Raises:
+    MetadataError: naming the field and leaf that do not hold together.
+  """
+  from rdt_jax._metadata import MetadataError
+
+  if not isinstance(info, PackedLayoutInfo) or not isinstance(info.layout, _dlpack.PackedLayout):
+    raise MetadataError(label, "packed layout", "is not a packed layout")
+  layout = info.layout
+  n = len(entries)
+  for name, seq in (("offsets", layout.offsets), ("sizes", layout.sizes), ("shapes", info.shapes),
+                    ("array_positions", info.array_positions)):
+    if not isinstance(seq, tuple) or len(seq) != n:
+      raise MetadataError(label, f"packed layout.{name}", f"has {len(seq) if isinstance(seq, tuple) else '?'} "
+                          f"entries for {n} array leaves")
+  if type(layout.total) is not int or not 0 <= layout.total <= MAX_NBYTES:
+    raise MetadataError(label, "packed layout.total", f"is {layout.total!r}")
+  end = 0
+  for _i, (entry, offset, size, shape) in enumerate(zip(entries, layout.offsets, layout.sizes, info.shapes)):
+    path, kind = entry[0], entry[1]
+    where = f"packed layout, leaf {path or '(the value itself)'}"
+    if type(offset) is not int or type(size) is not int or offset < end or size < 0 or offset + size > layout.total:
+      raise MetadataError(label, where, f"has offset {offset!r} and size {size!r}, outside the buffer of "
+                          f"{layout.total} bytes or over the leaf before it")
+    if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
+      raise MetadataError(label, where, f"has shape {shape!r}")
+    try:
+      itemsize = 4 if kind == "key" else _dlpack.np_dtype_from_name(entry[3]).itemsize
+    except TypeError:
+      raise MetadataError(label, where, f"has dtype {entry[3]!r}, which numpy and ml_dtypes lack") from None
+    if kind != "key" and tuple(shape) != tuple(entry[2]):
+      raise MetadataError(label, where, f"has shape {shape}, the structure {entry[2]}")
+    if size != math.prod(shape) * itemsize:
+      raise MetadataError(label, where, f"has {size} bytes; shape {shape} takes {math.prod(shape) * itemsize}")
+    end = offset + size
+  positions = info.array_positions
+  if any(type(p) is not int for p in positions) or list(positions) != sorted(set(positions)) or (
+      positions and not 0 <= positions[0] <= positions[-1] < info.treedef.num_leaves):
+    raise MetadataError(label, "packed layout.array_positions", "are not increasing leaf indices of the structure")
 
 
 def can_read_directly(source: PackedSource | None) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -69,6 +70,9 @@ READ_NOTIF = b"rdt-jax-read"
 PROGRESS_INTERVAL_S = PollPolicy().idle_s
 
 _policy = PollPolicy()
+#: Failed polls and ticks of this process's pollers, by kind.
+_failures: dict[str, int] = {}
+logger = logging.getLogger(__name__)
 #: Polls made by this process's pollers, and how many of them were followed by a busy sleep.
 _counts = {"polls": 0, "busy_polls": 0}
 
@@ -178,14 +182,31 @@ class Poller:
       time.sleep(policy.busy_s if busy else policy.idle_s)
 
   def _poll(self, policy: PollPolicy) -> bool:
-    """One poll and tick; True if the poll did work (see the module docstring)."""
+    """One poll and tick; True if the poll did work (see the module docstring).
+
+    The poll and the tick fail apart: an agent whose polls keep raising (a
+    broken peer) still has its parked READs retired, failed
+    deregistrations retried and idle producers forgotten. Failures are
+    logged, the first of each kind at warning level."""
     worked = False
     try:
       cpu = time.thread_time()
       notifs = self._agent.get_new_notifs()
       worked = bool(notifs) or time.thread_time() - cpu > policy.work_cpu_s
-      if self._tick is not None:
+    except Exception as e:  # a broken peer must not stop progress for the others
+      self._failed("poll", e)
+    if self._tick is not None:
+      try:
         self._tick()
-    except Exception:  # a broken peer must not stop progress for the others
-      pass
+      except Exception as e:
+        self._failed("tick", e)
     return worked
+
+  def _failed(self, what: str, error: Exception) -> None:
+    """Logs a failed poll or tick: the first of each kind as a warning, the
+    others at debug level (a failure that repeats every poll must not flood
+    the log)."""
+    _failures[what] = _failures.get(what, 0) + 1
+    level = logging.WARNING if _failures[what] == 1 else logging.DEBUG
+    logger.log(level, "rdt_jax NIXL progress %s failed (%d so far): %s: %s", what, _failures[what],
+               type(error).__name__, error)

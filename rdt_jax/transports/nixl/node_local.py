@@ -27,14 +27,15 @@ process's) fails the read, never delivers it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import logging
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Final
 
 from rdt_jax import _faults, _process, _settings
 
@@ -180,6 +181,22 @@ def read(origin: _process.Identity, pairs: Sequence[tuple[int, int, int]] | Prep
   _check_same_process(origin, "during")
 
 
+def wait_all(futures: Sequence[Future[Any]]) -> None:
+  """Waits until every one of `futures` has ended, even if the wait is
+  interrupted (a `KeyboardInterrupt` in the calling thread): the interrupt is
+  raised only once they all ended, so a read never writes into memory after
+  its caller saw it fail."""
+  interrupted: BaseException | None = None
+  while True:
+    try:
+      concurrent.futures.wait(futures)
+      break
+    except BaseException as e:  # an interrupt while waiting: the other threads still write
+      interrupted = interrupted or e
+  if interrupted is not None:
+    raise interrupted
+
+
 def _check_same_process(origin: _process.Identity, when: str) -> None:
   """Raises ProcessLookupError unless pid `origin[2]` still names the process
   `origin` (same start time): it exited, and its pid may now be another's."""
@@ -207,10 +224,10 @@ def _read_all(pid: int, prepared: Prepared) -> None:
     try:
       _read_run(pid, runs[0])
     finally:
-      errors = [f.exception() for f in futures]  # waits for every thread
-    for error in errors:
-      if error is not None:
-        raise error
+      wait_all(futures)  # no thread still writes when this returns or raises
+    for f in futures:
+      if f.exception() is not None:
+        raise f.exception()  # type: ignore[misc]
   except PermissionError:
     if not _state.get("refused"):
       logger.info("process_vm_readv was refused (ptrace_scope?); jax_nixl reads through NIXL from now on")

@@ -100,10 +100,16 @@ class NixlTransport(DlpackTransport):
       return self._agent
 
   def _tick(self) -> None:
-    """Progress-thread work after each poll."""
-    self._inflight.reap()
-    self._registrations.retry_stuck()
-    self._forget_producers()
+    """Progress-thread work after each poll; each step runs even if one
+    before it raised (the first error is raised after all ran)."""
+    error: Exception | None = None
+    for step in (self._inflight.reap, self._registrations.retry_stuck, self._forget_producers):
+      try:
+        step()
+      except Exception as e:
+        error = error or e
+    if error is not None:
+      raise error
 
   def _forget_producers(self) -> None:
     """At most every `FORGET_CHECK_S`: forgets each producer idle for
