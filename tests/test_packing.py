@@ -101,18 +101,25 @@ def test_jax_placement():
 def test_kept_table_is_read_node_locally():
   from rdt_jax import _weights_packed as packed
 
-  table = packed.KeptTable(2)
+  publisher, other = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+  table = packed.KeptTable(2, publisher)
   table.add(7)
   table.add(9)
   with pytest.raises(RuntimeError, match="no free slot"):
     table.add(10)
   source = packed.PackedSource(_process.identity(), 0, 0, table.address, table.slots)
-  assert packed.read_table(source) == {7, 9}
+  assert packed.read_table(source, publisher) == {7, 9}
   table.drop(7)
   table.add(11)
-  assert packed.read_table(source) == {9, 11}
+  assert packed.read_table(source, publisher) == {9, 11}
   table.clear()
-  assert packed.read_table(source) == set()
+  assert packed.read_table(source, publisher) == set()
+  with pytest.raises(packed.ForeignTable, match=other):  # read as another publisher's table
+    packed.read_table(source, other)
+  table.retire()
+  with pytest.raises(packed.ForeignTable):
+    packed.read_table(source, publisher)
+  assert packed.read_table_or_empty(source, publisher) == set()
 
 
 def test_packed_source_digest_covers_every_field():
@@ -255,7 +262,7 @@ def test_stream_split_reuses_positions_only_for_the_same_leaf_types():
   are; a tree of the same structure whose leaf types changed is split anew."""
   from rdt_jax import _weights_packed as packed
 
-  stream = packed.Stream(2)
+  stream = packed.Stream(2, "ab" * 16)
   first = {"a": jnp.ones(2), "b": 3}
   _, arrays, positions, rest = stream.split(first)
   assert positions == [0] and arrays[0] is first["a"] and rest == [3]
