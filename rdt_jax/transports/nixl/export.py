@@ -321,12 +321,17 @@ def _warn_if_not_ipc(pointer: int, nbytes: int, path: str) -> None:
   if _warned_not_ipc or _dlpack.ipc_capable(pointer) is not False:
     return
   _warned_not_ipc = True
+  if not _dlpack.importable("torch"):
+    why, fix = ("because torch is not installed in the producer (its pooled regions come from torch's "
+                "allocator)", "Install torch in the producer's environment")
+  else:
+    why, fix = (f"because the object's device bytes exceed one region of the device pool "
+                f"(RDT_JAX_DEVICE_POOL_BYTES={_dlpack.device_pool.max_bytes})",
+                "Set RDT_JAX_DEVICE_POOL_BYTES above the object's size in the producer")
   warnings.warn(
       f"rdt_jax (jax_nixl): leaf {path} ({nbytes} bytes) is read in place from device memory that CUDA IPC "
-      "cannot map (XLA's allocator), because the object's device bytes exceed one region of the device pool "
-      f"(RDT_JAX_DEVICE_POOL_BYTES={_dlpack.device_pool.max_bytes}): a READ of it from this host is emulated "
-      "through host memory and TCP, about 0.5 GB/s. Set RDT_JAX_DEVICE_POOL_BYTES above the object's size in "
-      "the producer, so its device bytes are copied into memory CUDA IPC can map.",
+      f"cannot map (XLA's allocator), {why}: a READ of it from this host is emulated through host memory and "
+      f"TCP, about 0.5 GB/s. {fix}, so its device bytes are copied into memory CUDA IPC can map.",
       RuntimeWarning, stacklevel=2,
   )
 
