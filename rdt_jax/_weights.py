@@ -1013,11 +1013,11 @@ class WeightSubscriber:
     if source.nbytes != plan.info.layout.total:
       raise MetadataError(_label(handle), "packed.nbytes",
                           f"is {source.nbytes}, but the structure's layout takes {plan.info.layout.total} bytes")
-    staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if len(plan.info.array_positions) + len(source.rest) != plan.info.treedef.num_leaves:
       raise MetadataError(_label(handle), "packed.rest",
                           f"holds {len(source.rest)} leaves; the structure has "
                           f"{plan.info.treedef.num_leaves - len(plan.info.array_positions)} non-array leaves")
+    staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if deadline is not None and time.monotonic() > deadline:
       raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
     _cancelled(cancel, handle)
