@@ -40,14 +40,14 @@ if TYPE_CHECKING:
   from rdt_jax._settings import SettingError as SettingError
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
-  from rdt_jax._weights import StaleWeightsError as StaleWeightsError
-  from rdt_jax._weights import WeightPublisher as WeightPublisher
-  from rdt_jax._weights import WeightsHandle as WeightsHandle
-  from rdt_jax._weights import WeightSubscriber as WeightSubscriber
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
   from rdt_jax.transports._base import WholeArrayTransport as WholeArrayTransport
   from rdt_jax.transports._plan import Destination as Destination
   from rdt_jax.transports._plan import Placement as Placement
+  from rdt_jax.weights import StaleWeightsError as StaleWeightsError
+  from rdt_jax.weights import WeightPublisher as WeightPublisher
+  from rdt_jax.weights import WeightsHandle as WeightsHandle
+  from rdt_jax.weights import WeightSubscriber as WeightSubscriber
 
 __version__ = "0.1.0"
 
@@ -64,14 +64,14 @@ _EXPORTS: dict[str, str] = {
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",
-    "StaleWeightsError": "rdt_jax._weights",
+    "StaleWeightsError": "rdt_jax.weights",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",
     "UnsupportedLeafError": "rdt_jax._dlpack",
     "UnsupportedRayError": "rdt_jax._errors",
-    "WeightPublisher": "rdt_jax._weights",
-    "WeightSubscriber": "rdt_jax._weights",
-    "WeightsHandle": "rdt_jax._weights",
+    "WeightPublisher": "rdt_jax.weights",
+    "WeightSubscriber": "rdt_jax.weights",
+    "WeightsHandle": "rdt_jax.weights",
     "WholeArrayTransport": "rdt_jax.transports._base",
     "get_async": "rdt_jax._aio",
     "receive_as": "rdt_jax._registry",

@@ -986,7 +986,7 @@ def _node_local_read(identity: Any, remote_ptr: int, nbytes: int) -> tuple[str, 
   import numpy as np
 
   from rdt_jax import _dlpack
-  from rdt_jax.transports.nixl import node_local
+  from rdt_jax import _node_local as node_local
 
   if not node_local.enabled():
     return "off", None

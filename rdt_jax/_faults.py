@@ -59,7 +59,7 @@ POINTS: Final = {
     "before it checks that the version is still kept",
     "weights.bucket": "on a WeightSubscriber pulling through Ray, after it copied one bucket of a packed "
     "version out, before it takes the next",
-    "cma.read": "on the consumer, before a node-local read (rdt_jax.transports.nixl.node_local); "
+    "cma.read": "on the consumer, before a node-local read (rdt_jax._node_local); "
     "fail stands for the kernel refusing it (EPERM, as under Yama's ptrace_scope)",
     "lifetime.check": "on the consumer, once a fetch's bytes are in place (or its move failed), "
     "before it asks Ray whether the object's producer has died; a delay lets a test kill the "

@@ -3,7 +3,7 @@
 An rdt_jax object's bytes live in its producer's process. Where a consumer
 shares the producer's host it can tell, from the producer's identity in the
 metadata, whether that process still runs: a node-local read
-(`rdt_jax.transports.nixl.node_local`) never reads a pid that now names
+(`rdt_jax._node_local`) never reads a pid that now names
 another process. Imports nothing outside the standard library.
 
 Whether a process still runs is asked several times per read (before and

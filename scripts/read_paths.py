@@ -6,7 +6,7 @@ process (the consumer) reads it, alternating per repetition:
 * `nixl`: jax_nixl's fetch with node-local reads off, i.e. one NIXL READ
   (UCX picks its `cma` transport on one host: `process_vm_readv`);
 * `direct`: jax_nixl's fetch with node-local reads on
-  (`rdt_jax.transports.nixl.node_local`: `process_vm_readv` called by rdt_jax);
+  (`rdt_jax._node_local`: `process_vm_readv` called by rdt_jax);
 * `syscall`: one `process_vm_readv` of the whole array into a buffer already
   faulted in, nothing else: the floor;
 * `memcpy`: a copy of the same size inside this process.
@@ -74,7 +74,8 @@ def main() -> None:
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax.transports.nixl import NixlTransport, node_local
+  from rdt_jax import _node_local as node_local
+  from rdt_jax.transports.nixl import NixlTransport
 
   cons = NixlTransport()
   libc = ctypes.CDLL(None, use_errno=True)

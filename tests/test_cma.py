@@ -1,5 +1,5 @@
 """Node-local reads: a jax_nixl consumer on its producer's host copies the
-producer's host memory itself (`rdt_jax.transports.nixl.node_local`), and falls back to
+producer's host memory itself (`rdt_jax._node_local`), and falls back to
 NIXL where the kernel refuses it or `RDT_JAX_NIXL_CMA=0` turns it off.
 
 Objects here are larger than the in-band threshold, so they are exported.
@@ -22,8 +22,8 @@ import ray
 import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
+from rdt_jax import _node_local as node_local
 from rdt_jax import _process
-from rdt_jax.transports.nixl import node_local
 
 rdt_jax.register()
 

@@ -55,7 +55,7 @@ class Node:
 
 
 #: Every test runs twice: with the defaults (the simulated nodes share a host,
-#: so jax_nixl reads node-locally, rdt_jax.transports.nixl.node_local) and with UCX
+#: so jax_nixl reads node-locally, rdt_jax._node_local) and with UCX
 #: restricted to TCP and node-local reads off, so that NIXL reads over sockets
 #: as it does between real nodes without RDMA. One cluster serves both: the
 #: environment is each actor's (`runtime_env`), the actors are new per run.

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from rdt_jax import _dlpack, _process
-from rdt_jax import _weights_packed as _weights_packed
 from rdt_jax._dlpack import _packing
+from rdt_jax.weights import _packed as _weights_packed
 
 torch = pytest.importorskip("torch")
 
@@ -99,7 +99,8 @@ def test_jax_placement():
 
 
 def test_kept_table_is_read_node_locally():
-  from rdt_jax import _weights_packed as packed
+  from rdt_jax.weights import _packed as packed
+  from rdt_jax.weights import _routes
 
   publisher, other = "0123456789abcdef" * 2, "fedcba9876543210" * 2
   table = packed.KeptTable(2, publisher)
@@ -108,22 +109,22 @@ def test_kept_table_is_read_node_locally():
   with pytest.raises(RuntimeError, match="no free slot"):
     table.add(10)
   source = packed.PackedSource(_process.identity(), 0, 0, table.address, table.slots)
-  assert packed.read_table(source, publisher) == {7, 9}
+  assert _routes.read_table(source, publisher) == {7, 9}
   table.drop(7)
   table.add(11)
-  assert packed.read_table(source, publisher) == {9, 11}
+  assert _routes.read_table(source, publisher) == {9, 11}
   table.clear()
-  assert packed.read_table(source, publisher) == set()
+  assert _routes.read_table(source, publisher) == set()
   with pytest.raises(packed.ForeignTable, match=other):  # read as another publisher's table
-    packed.read_table(source, other)
+    _routes.read_table(source, other)
   table.retire()
   with pytest.raises(packed.ForeignTable):
-    packed.read_table(source, publisher)
-  assert packed.read_table_or_empty(source, publisher) == set()
+    _routes.read_table(source, publisher)
+  assert _routes._read_table_or_empty(source, publisher) == set()
 
 
 def test_packed_source_digest_covers_every_field():
-  from rdt_jax import _weights_packed as packed
+  from rdt_jax.weights import _packed as packed
 
   src = packed.PackedSource(_process.identity(), 4096, 128, 8192, 2)
   digest = src.expected_digest(5)
@@ -134,8 +135,8 @@ def test_packed_source_digest_covers_every_field():
 
 
 def _plan(template: dict, atomic: bool = False, published: dict | None = None):
-  from rdt_jax import _weights
-  from rdt_jax import _weights_packed as packed
+  from rdt_jax.weights import _handle as _weights
+  from rdt_jax.weights import _packed as packed
 
   if published is None:
     published = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(5, jnp.bfloat16)}
@@ -143,7 +144,7 @@ def _plan(template: dict, atomic: bool = False, published: dict | None = None):
   leaves, treedef = jax.tree_util.tree_flatten(published)
   layout = _packing.PackedLayout.of([x.nbytes for x in leaves])
   info = packed.PackedLayoutInfo(layout, treedef, tuple(range(len(leaves))), tuple(x.shape for x in leaves))
-  plan = packed.PackedPlan(info, entries, dict(_weights._flatten(template)), atomic)
+  plan = packed.PackedPlan(info, entries, dict(_weights.flatten(template)), atomic)
   source = _dlpack.host_pool.acquire(layout.total)
   _packing.Packer(layout, [path for path, *_ in entries]).pack(leaves, _dlpack.host_pointer(source))
   return plan, source, published
@@ -245,7 +246,7 @@ def test_plan_refuses_a_slice_into_of_another_shape():
 
 
 def test_prepared_node_local_read_of_this_process():
-  from rdt_jax.transports.nixl import node_local
+  from rdt_jax import _node_local as node_local
 
   src = np.arange(5000, dtype=np.uint8)
   dst = np.zeros(5000, np.uint8)
@@ -260,7 +261,7 @@ def test_prepared_node_local_read_of_this_process():
 def test_stream_split_reuses_positions_only_for_the_same_leaf_types():
   """A publisher's split of a known structure reuses where its array leaves
   are; a tree of the same structure whose leaf types changed is split anew."""
-  from rdt_jax import _weights_packed as packed
+  from rdt_jax.weights import _packed as packed
 
   stream = packed.Stream(2, "ab" * 16)
   first = {"a": jnp.ones(2), "b": 3}

@@ -11,7 +11,8 @@ from ray.exceptions import RayError
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 
 import rdt_jax
-from rdt_jax import _dlpack, _seam, _weights
+from rdt_jax import _dlpack, _seam
+from rdt_jax import weights as _weights
 from rdt_jax.transports import _base, _plan
 
 

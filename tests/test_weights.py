@@ -7,7 +7,7 @@ tensors in place, or as jax arrays on a 2-device mesh of their own. Every
 check compares bytes (sha256 of each leaf) with what the trainer published.
 
 Host parameters published through `jax_nixl` are packed versions
-(`rdt_jax._weights_packed`): on this host generators copy them from the
+(`rdt_jax.weights._packed`): on this host generators copy them from the
 trainer's memory (node-local, the default), or, with node-local reads off
 (`READ_PATH`), fetch them with one NIXL READ. `jax_transfer` versions travel
 as pytrees.
@@ -239,7 +239,7 @@ def test_publisher_lives_in_an_actor_and_keeps_at_least_one():
 
 
 def test_bucket_runs_cut_copies_at_bucket_boundaries():
-  from rdt_jax import _weights_packed
+  from rdt_jax.weights import _packed as _weights_packed
 
   runs = _weights_packed.bucket_runs([(1000, 0, 10), (2000, 60, 10), (3000, 100, 28)], 64, 2)
   assert runs == [[(1000, 0, 10), (2000, 60, 4)], [(2004, 0, 6), (3000, 36, 28)]]
@@ -248,7 +248,7 @@ def test_bucket_runs_cut_copies_at_bucket_boundaries():
 
 
 def test_bucket_size_is_a_multiple_of_the_alignment(monkeypatch):
-  from rdt_jax import _weights
+  from rdt_jax.weights import _publisher as _weights
 
   monkeypatch.setenv("RDT_JAX_WEIGHT_BUCKET_BYTES", "5000")
   assert _weights.bucket_bytes() == 4992
@@ -257,10 +257,10 @@ def test_bucket_size_is_a_multiple_of_the_alignment(monkeypatch):
 
 
 def test_template_check_names_the_leaf():
-  from rdt_jax import _weights
+  from rdt_jax.weights import _handle as _weights
 
   published = _weights.structure_of(make_params(1) | {"layer": {"w": jnp.zeros((256, 512)), "b": jnp.zeros(512)}})
-  template = _weights._flatten(torch_template())
+  template = _weights.flatten(torch_template())
   _weights.check_template(template, published)  # matches
   key_rbg = dict(template) | {"['rng']": jax.random.key(0, impl="rbg")}
   with pytest.raises(ValueError, match=r"\['rng'\].*impl rbg.*impl threefry2x32"):

@@ -30,10 +30,11 @@ import pytest
 import ray
 
 import rdt_jax
+from _helpers import wait_for
 from conftest import worker_env
-from rdt_jax import _weights
-from rdt_jax import _weights_packed as packed
 from rdt_jax._metadata import MetadataError
+from rdt_jax.weights import _packed as packed
+from rdt_jax.weights import _protocol
 
 rdt_jax.register()
 
@@ -71,7 +72,7 @@ class Trainer:
     self.pub = rdt_jax.WeightPublisher(keep=self.keep, pack=self.pack)
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True, concurrency_groups={"probe": 1})
 class Generator:
   def __init__(self, atomic: bool = False, n: int = N):
     import torch
@@ -95,6 +96,13 @@ class Generator:
     from rdt_jax import _faults
 
     _faults.configure(spec)
+
+  @ray.method(concurrency_group="probe")
+  def injected(self) -> dict:
+    """How often each fault point acted (answered while a pull runs)."""
+    from rdt_jax import _faults
+
+    return _faults.injected()
 
   def template_holds(self) -> int | None:
     """The version whose bytes the template holds (None: none of them)."""
@@ -338,10 +346,11 @@ def test_a_version_larger_than_the_host_pool_freed_during_a_read_is_stale():
   try:
     assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
     handle = ray.get(t.publish.remote(2))
-    ray.get(g.faults.remote("cma.read:delay=2@2*1"))  # the pull's second read: the version's bytes
+    ray.get(g.faults.remote("cma.read:delay=6@2*1"))  # the pull's second read: the version's bytes
     pending = g.try_pull.remote(handle)
-    time.sleep(1.0)  # the table read is done; the version's read waits
-    ray.get(t.publish.remote(3))
+    # The table read is done once the version's read waits in the delay.
+    assert wait_for(lambda: ray.get(g.injected.remote()).get("cma.read", 0) >= 1, 60)
+    ray.get(t.publish.remote(3))  # well within the delay, even on a loaded host
     r = ray.get(pending, timeout=60)
     assert r.get("stale"), r
     assert "was freed while it was being read" in r["error"], r
@@ -402,11 +411,11 @@ def test_an_unknown_dtype_in_a_layout_is_refused():
     packed.check_layout(_info(), (ENTRIES[0], ("['b']", "array", (8,), "float99")), "x")
 
 
-@pytest.mark.parametrize("answer", [(None, None), ((1, 2), None), _weights._Answer(("1",)),
-                                    _weights._Answer((1,), structure=("entries", None))])
+@pytest.mark.parametrize("answer", [(None, None), ((1, 2), None), _protocol.Answer(("1",)),
+                                    _protocol.Answer((1,), structure=("entries", None))])
 def test_a_publisher_answer_of_the_wrong_form_is_refused(answer):
   with pytest.raises(MetadataError):
-    _weights._check_answer(answer, "x")
+    _protocol.check_answer(answer, "x")
 
 
 def test_the_table_names_its_publisher():
@@ -431,7 +440,7 @@ def test_an_interrupted_wait_still_waits_for_every_reading_thread():
   still write."""
   from concurrent.futures import ThreadPoolExecutor
 
-  from rdt_jax.transports.nixl import node_local
+  from rdt_jax import _node_local as node_local
 
   done = [False] * 3
 

@@ -59,7 +59,7 @@ TORCH_GROUP: Final = "ray_nixl"
 NIXL_TCP: Final = "jax_nixl_tcp"
 #: The environment of that path's actors: UCX may use TCP only, so NIXL reads
 #: over sockets even between processes of one host, and no node-local reads
-#: (`rdt_jax.transports.nixl.node_local`), which would bypass NIXL on one host.
+#: (`rdt_jax._node_local`), which would bypass NIXL on one host.
 TCP_ENV: Final = {"UCX_TLS": "tcp", "RDT_JAX_NIXL_CMA": "0"}
 #: jax_nixl with in-band sending off (every object is registered and READ),
 #: as by default, whatever the environment the benchmark runs in. Opt-in.

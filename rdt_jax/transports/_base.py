@@ -186,7 +186,7 @@ class DlpackTransport(TensorTransportManager):
     `destinations`, `descriptors` (transfer descriptors the backend
     posted, for backends that count them; jax_nixl does), `inline`
     (fetches of objects that arrived in band, which moved nothing) and
-    `direct` (jax_nixl fetches read node-locally, `rdt_jax.transports.nixl.node_local`).
+    `direct` (jax_nixl fetches read node-locally, `rdt_jax._node_local`).
 
     Args:
       reset: zero the counters after reading them.

@@ -3,7 +3,7 @@
 Rooms (each module readable alone): `agent` (the process's agent and its
 progress poll), `registrations` (registration cache and pools), `export` (the
 producer's side), `read` (the consumer's two read strategies, NIXL and
-node-local, behind one interface), `node_local` (`process_vm_readv`),
+node-local through `rdt_jax._node_local`, behind one interface),
 `staleness` (the check every read strategy makes), `views` (the consumer's
 view of producers' agents), `inflight` (a posted READ's lifecycle), and
 `transport` (`NixlTransport`, composing them).

@@ -23,6 +23,10 @@ version pays per leaf only a pointer lookup and a copy on each side:
   version), fetches them with `ray.get` (NIXL, one READ each), the next one
   while the last one is copied out, and copies the leaves out of them.
 
+This module holds the geometry (layouts, tables, plans, buckets) and the
+checks of what a publisher sends; the reads themselves are
+`rdt_jax.weights._routes`.
+
 A packed pull writes the template only after the bytes arrived and the
 version was still kept after they did, except a node-local pull with
 `atomic=False`, which copies straight into the template (`version` is then
@@ -51,11 +55,14 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _process, _seam, _state
-from rdt_jax.transports import _lifetime
-from rdt_jax.transports.nixl import node_local
+from rdt_jax import _dlpack, _process, _state
+from rdt_jax import _node_local as node_local
+from rdt_jax._metadata import MetadataError
 
 __all__ = [
+  "EMPTY",
+  "MAX_NBYTES",
+  "MAX_SLOTS",
   "ForeignTable",
   "KeptTable",
   "PackedLayoutInfo",
@@ -64,14 +71,10 @@ __all__ = [
   "PublishedStructure",
   "Stream",
   "bucket_runs",
-  "can_read_directly",
   "check_layout",
   "check_source",
-  "dead_publisher_error",
-  "read_table",
-  "read_table_or_empty",
-  "read_version",
   "table_token",
+  "unflatten",
 ]
 
 #: A slot of the kept-versions table that holds no version.
@@ -335,7 +338,8 @@ class PackedPlan:
 
   Args:
     info: the structure's layout.
-    entries: the published structure (`_weights.LeafEntry`s, array leaves in order).
+    entries: the published structure (`rdt_jax.weights._handle.LeafEntry`s,
+      array leaves in order).
     template: the subscriber's flattened template, by path.
     atomic: whether in-place leaves are staged and committed after the checks.
 
@@ -556,7 +560,7 @@ def _finish_jax(x: Any, leaf: _Leaf) -> Any:
 
 
 # --------------------------------------------------------------------------
-# Node-local pulls
+# Checks of what the publisher sent (nothing is trusted before them)
 
 
 #: At most this many slots in a kept-versions table a handle names (a bound on what is trusted).
@@ -565,44 +569,16 @@ MAX_SLOTS: Final = 1 << 16
 MAX_NBYTES: Final = 1 << 46
 
 
-def read_table(source: PackedSource, publisher: str) -> set[int]:
-  """The versions publisher `publisher` keeps now, read from its table.
-
-  Raises:
-    ForeignTable: the table no longer names that publisher (closed, or its
-      memory reused).
-    ProcessLookupError: the publisher's process exited.
-    OSError: its memory could not be read.
-  """
-  assert source.origin is not None and 0 < source.slots <= MAX_SLOTS
-  out = np.empty(source.slots + KeptTable.HEADER, np.int64)
-  node_local.read(source.origin, [(_dlpack.host_pointer(out), source.table, out.nbytes)])
-  words = out.tolist()
-  if (words[0], words[1]) != table_token(publisher):
-    raise ForeignTable(f"the table at {source.table:#x} no longer belongs to publisher {publisher}")
-  kept = set(words[KeptTable.HEADER :])
-  kept.discard(EMPTY)
-  return kept
-
-
-def read_table_or_empty(source: PackedSource, publisher: str) -> set[int]:
-  """`read_table`, or an empty set where the table cannot be read or is
-  foreign (every version then counts as not kept)."""
-  try:
-    return read_table(source, publisher)
-  except (OSError, ForeignTable):
-    return set()
-
-
-def check_source(source: Any, label: str) -> None:
+def check_source(source: Any, label: str, plan: PackedPlan | None = None, version: int = 0) -> PackedSource:
   """Checks a handle's `PackedSource` before anything is read or allocated
-  from it.
+  from it: every field's type and bounds, and, given the `plan` of its
+  structure, its digest (for `version`), its size and its count of
+  non-array leaves. Returns `source`.
 
   Raises:
-    MetadataError: naming the field out of bounds or of the wrong type.
+    MetadataError: naming the field out of bounds, of the wrong type, or
+      not matching the plan.
   """
-  from rdt_jax._metadata import MetadataError
-
   if not isinstance(source, PackedSource):
     raise MetadataError(label, "packed", f"is a {type(source).__name__}, not a PackedSource")
   for name, low, high in (("buffer", 1, 2**63 - 1), ("nbytes", 0, MAX_NBYTES), ("table", 1, 2**63 - 1),
@@ -612,6 +588,9 @@ def check_source(source: Any, label: str) -> None:
       raise MetadataError(label, f"packed.{name}", f"is {value!r}, outside [{low}, {high}]")
   if not isinstance(source.rest, tuple):
     raise MetadataError(label, "packed.rest", f"is a {type(source.rest).__name__}, not a tuple")
+  if plan is not None:
+    _check_against(plan, source, version, label)
+  return source
 
 
 def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
@@ -623,8 +602,6 @@ def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
   Raises:
     MetadataError: naming the field and leaf that do not hold together.
   """
-  from rdt_jax._metadata import MetadataError
-
   if not isinstance(info, PackedLayoutInfo) or not isinstance(info.layout, _dlpack.PackedLayout):
     raise MetadataError(label, "packed layout", "is not a packed layout")
   layout = info.layout
@@ -660,23 +637,6 @@ def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
     raise MetadataError(label, "packed layout.array_positions", "are not increasing leaf indices of the structure")
 
 
-def can_read_directly(source: PackedSource | None) -> bool:
-  """True if this process may copy a packed version from its publisher's
-  memory itself (same host, node-local reads on: `node_local.can_read`)."""
-  return source is not None and node_local.can_read(source.origin)
-
-
-def read_version(plan: PackedPlan, source: PackedSource, staging: np.ndarray | None) -> None:
-  """Copies a version's runs from the publisher's buffer into their destinations.
-
-  Raises:
-    ProcessLookupError, OSError, PermissionError: as `node_local.read`.
-  """
-  assert source.origin is not None
-  base = 0 if staging is None else _dlpack.host_pointer(staging)
-  node_local.read(source.origin, plan.prepared(source.buffer, base))
-
-
 def bucket_runs(pairs: Sequence[tuple[int, int, int]], size: int, count: int) -> list[list[tuple[int, int, int]]]:
   """`pairs` (local address, offset in the version's buffer, nbytes) as
   (local address, offset in the bucket, nbytes) per bucket of `size` bytes
@@ -698,17 +658,24 @@ def bucket_runs(pairs: Sequence[tuple[int, int, int]], size: int, count: int) ->
   return out
 
 
-def dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:
-  """The error of a node-local pull that failed to read the publisher's
-  memory: Ray's `RayDirectTransportError` with the lifetime error if the
-  publisher's actor died, else with what the read reported."""
-  from ray.exceptions import RayDirectTransportError
+def _check_against(plan: PackedPlan, source: PackedSource, version: int, label: str) -> None:
+  """Checks a `PackedSource` whose fields are in bounds against the plan of
+  its structure: its digest, its size, its count of non-array leaves."""
+  if source.digest != source.expected_digest(version):
+    raise MetadataError(label, "packed", "does not match its digest (the handle was corrupted)")
+  if source.nbytes != plan.info.layout.total:
+    raise MetadataError(label, "packed.nbytes",
+                        f"is {source.nbytes}, but the structure's layout takes {plan.info.layout.total} bytes")
+  if len(plan.info.array_positions) + len(source.rest) != plan.info.treedef.num_leaves:
+    raise MetadataError(label, "packed.rest",
+                        f"holds {len(source.rest)} leaves; the structure has "
+                        f"{plan.info.treedef.num_leaves - len(plan.info.array_positions)} non-array leaves")
 
-  try:
-    _lifetime.check_producer(obj_id, _seam.actor_id(actor))
-  except _lifetime.ProducerDiedError as e:
-    return RayDirectTransportError(str(e))
-  return RayDirectTransportError(
-      f"The node-local read of packed object {obj_id} from its publisher's process failed: {error}. "
-      "The publishing actor may be exiting; pull a newer version once it runs again."
-  )
+
+def unflatten(info: PackedLayoutInfo, arrays: list[Any], rest: tuple[Any, ...]) -> Any:
+  """A pulled packed value: the published tree with `arrays` at its array
+  leaves and `rest` at the others."""
+  positions = set(info.array_positions)
+  it_arrays, it_rest = iter(arrays), iter(rest)
+  leaves = [next(it_arrays) if i in positions else next(it_rest) for i in range(len(positions) + len(rest))]
+  return info.treedef.unflatten(leaves)

@@ -1,0 +1,236 @@
+"""What a handle names: a published version, its structure, and the errors
+of pulls that may not take it.
+
+`WeightsHandle` is what crosses from the trainer to a generator;
+`structure_of` and `digest` say what a value's structure is, and
+`check_template` holds a subscriber's template against it. `stale_error` and
+`replaced_error` are the two `StaleWeightsError`s every read route raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from rdt_jax import _dlpack
+from rdt_jax.weights._packed import PackedSource
+
+__all__ = [
+  "LeafEntry",
+  "StaleWeightsError",
+  "WeightsHandle",
+  "array_paths",
+  "check_template",
+  "digest",
+  "flatten",
+  "label",
+  "replaced_error",
+  "stale_error",
+  "structure_of",
+]
+
+
+#: One leaf of a published value: (pytree path, kind, shape, dtype or key
+#: implementation). `kind` is "array" or "key" (a typed PRNG key array).
+LeafEntry = tuple[str, str, tuple[int, ...], str]
+
+class StaleWeightsError(RuntimeError):
+  """A pull of a version the subscriber may not take: not newer than the
+  version it holds, or no longer kept by its publisher.
+
+  Raised by `WeightSubscriber.pull` before any byte moves (the template and
+  `sub.version` are unchanged), or, for a version its publisher freed while
+  it was being read, after (the state is then that of a failed pull: see
+  `WeightSubscriber`).
+
+  Attributes:
+    version: the version asked for.
+    current: the subscriber's version (None: none, or torn).
+    kept: the versions the publisher kept when asked (empty if unknown).
+  """
+
+  def __init__(self, message: str, version: int = 0, current: int | None = None, kept: tuple[int, ...] = ()):
+    super().__init__(message)
+    self.version = version
+    self.current = current
+    self.kept = kept
+
+  def __reduce__(self) -> tuple[type, tuple[str, int, int | None, tuple[int, ...]]]:
+    # Ray pickles an actor's exception to its caller: keep the attributes.
+    return type(self), (str(self), self.version, self.current, self.kept)
+
+
+StaleWeightsError.__module__ = "rdt_jax"
+
+
+@dataclass(frozen=True)
+class WeightsHandle:
+  """One published version: what a subscriber needs to pull it.
+
+  Picklable and small (under 4 KiB pickled, whatever the weights' size):
+  passing it through Ray (as an argument or a return value) moves no weight
+  bytes. A version sent as a pytree is one RDT object, whose ref the handle
+  holds. A packed version has none at first: subscribers on the trainer's
+  host read it without one, and the first subscriber elsewhere asks the
+  publisher to make them (one per bucket, once per version; later ones
+  share them). The publisher frees the objects when the version leaves its
+  `keep` window, whether or not handles to it remain.
+
+  Attributes:
+    version: the version number given to `WeightPublisher.publish`.
+    ref: the `ray.ObjectRef` of the version's RDT object; None for a packed
+      version (its objects, if a subscriber needs them, are made on request).
+    publisher: the publisher's id.
+    actor: the handle of the actor the publisher lives in.
+    structure: a digest of the value's structure (leaf paths, shapes,
+      dtypes); a subscriber checks its template once per structure.
+    packed: for a packed version (see `rdt_jax.weights._packed`), where its
+      bytes lie in the publisher's process and the value's non-array
+      leaves; None for a version sent as a pytree.
+  """
+
+  version: int
+  ref: Any
+  publisher: str
+  actor: Any
+  structure: str
+  packed: PackedSource | None = None
+
+def label(handle: WeightsHandle) -> str:
+  """How errors name `handle`'s version: its RDT object's id, or for a
+  packed version without one, the version and its publisher."""
+  if handle.ref is not None:
+    return str(handle.ref.hex())
+  return f"v{handle.version} of publisher {handle.publisher}"
+
+# --------------------------------------------------------------------------
+# Structure: what a template is checked against.
+
+
+def is_template_leaf(x: Any) -> bool:
+  return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
+
+
+def flatten(tree: Any) -> list[tuple[str, Any]]:
+  """(pytree path as `jax.tree_util.keystr` prints it, leaf) of every array,
+  `Slice` or sharding leaf of `tree`."""
+  import jax
+
+  if is_template_leaf(tree):
+    return [("", tree)]
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_template_leaf)
+  return [(jax.tree_util.keystr(p), x) for p, x in flat if is_template_leaf(x)]
+
+
+def entry_of(path: str, x: Any) -> LeafEntry:
+  shape = tuple(int(n) for n in x.shape)
+  if _dlpack.is_prng_key(x):
+    return path, "key", shape, _dlpack.prng_key_parts(x)[1]
+  return path, "array", shape, _dlpack.dtype_of(x).name
+
+
+def structure_of(tree: Any) -> tuple[LeafEntry, ...]:
+  """Every array leaf of a value to publish, as `LeafEntry`s in leaf order."""
+  return tuple(entry_of(path, x) for path, x in flatten(tree) if _dlpack.is_array(x))
+
+
+def array_paths(tree: Any) -> list[str]:
+  """The pytree path of every array leaf of `tree`, in leaf order."""
+  return [path for path, x in flatten(tree) if _dlpack.is_array(x)]
+
+
+def digest(structure: tuple[LeafEntry, ...], tree: Any) -> str:
+  """The digest of a value's structure: its array leaves (`structure`) and
+  its pytree structure, non-array leaves included, so a value that gains,
+  loses or moves a non-array leaf is a new structure."""
+  import jax
+
+  treedef = jax.tree_util.tree_structure(tree, is_leaf=is_template_leaf)
+  return hashlib.blake2b(f"{structure!r}|{treedef}".encode(), digest_size=12).hexdigest()
+
+
+def _describe(entry: LeafEntry) -> str:
+  _, kind, shape, what = entry
+  return f"a typed PRNG key array (impl {what}, shape {shape})" if kind == "key" else f"shape {shape}, dtype {what}"
+
+
+def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, ...]) -> None:
+  """Checks a subscriber's flattened template against a published structure,
+  before any byte moves.
+
+  Raises:
+    ValueError: naming the first leaf path the template lacks or has in
+      excess, or whose template leaf has another shape, dtype or key
+      implementation than the published leaf.
+    UnsupportedLeafError: naming the leaf, for a `Slice` outside its shape.
+  """
+  by_path = dict(template)
+  published = {entry[0] for entry in structure}
+  extra = [p for p in by_path if p not in published]
+  if extra:
+    raise ValueError(
+        f"The template has a leaf at {extra[0] or '(the value itself)'} that the published value lacks "
+        f"(published leaves: {', '.join(sorted(published)[:8])}{', ...' if len(published) > 8 else ''}). "
+        "Build the template with the published value's structure."
+    )
+  for entry in structure:
+    path, kind, shape, _ = entry
+    name = path or "(the value itself)"
+    if path not in by_path:
+      raise ValueError(
+          f"The template has no leaf at {name}; the published value has {_describe(entry)} there. "
+          "Build the template with the published value's structure."
+      )
+    leaf = by_path[path]
+    if isinstance(leaf, _dlpack.Slice):
+      if kind == "key":
+        raise ValueError(f"The template leaf at {name} is a Slice; the published leaf is {_describe(entry)}.")
+      leaf.box(shape, path)  # raises, naming the leaf
+      continue
+    if _dlpack.is_sharding(leaf):
+      continue
+    got = entry_of(path, leaf)
+    if got != entry:
+      raise ValueError(
+          f"The template leaf at {name} has {_describe(got)}, but the published leaf has {_describe(entry)}. "
+          "Pass a template leaf of the published shape and dtype (or an rdt_jax.Slice, or a sharding)."
+      )
+
+
+# --------------------------------------------------------------------------
+# Publisher
+
+
+
+def stale_error(handle: WeightsHandle, kept: Iterable[int] | None, current: int | None,
+                after_read: bool) -> StaleWeightsError:
+  """The error of a pull whose version its publisher does not keep.
+
+  Args:
+    kept: the versions the publisher keeps (None: it is closed or gone).
+    current: the version the subscriber held when the pull began.
+    after_read: the version was freed while it was read (its bytes may be
+      another version's), rather than before anything moved.
+  """
+  when = "was freed while it was being read (its bytes may be another version's)" if after_read else (
+      "is no longer kept by its publisher")
+  versions = sorted(kept) if kept is not None else []
+  held = versions or ("none (closed)" if kept is None else "none")
+  return StaleWeightsError(
+      f"Version {handle.version} {when}; the publisher keeps versions {held}, this subscriber "
+      f"held version {current}. Pull a newer handle (or publish with a larger keep).",
+      handle.version, current, tuple(versions),
+  )
+
+
+def replaced_error(handle: WeightsHandle, current: int | None) -> StaleWeightsError:
+  """The error of a pull whose publisher was closed or replaced: its table
+  of kept versions belongs to no publisher now, or to another one."""
+  return StaleWeightsError(
+      f"Version {handle.version}'s publisher {handle.publisher} was closed or replaced (its table of kept "
+      f"versions now belongs to no publisher, or to another one); this subscriber held version {current}. "
+      "Pull a handle of the publisher that runs now.",
+      handle.version, current,
+  )

@@ -1,0 +1,294 @@
+"""The trainer's side of weight sync: `WeightPublisher` and its kept versions.
+
+A publisher keeps at most `keep` versions readable, each either packed (one
+pooled host buffer, `rdt_jax.weights._packed.Stream`) or as one RDT object of
+the tree, and answers its subscribers' questions (`rdt_jax.weights._protocol`)
+about them. A version leaves the kept-versions table before its memory can
+be reused; its objects are freed after.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from rdt_jax import _dlpack, _seam, _settings
+from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
+from rdt_jax.weights._handle import digest as structure_digest
+from rdt_jax.weights._packed import EMPTY, Stream
+from rdt_jax.weights._protocol import Answer, ObjectAnswer, Published, publishers
+
+__all__ = ["WeightPublisher", "bucket_bytes"]
+
+
+@dataclass
+class _Kept:
+  """A version its publisher keeps readable."""
+
+  version: int
+  ref: Any  # a pytree version's RDT object (None for a packed version)
+  digest: str  # its structure's
+  buffer: Any  # a packed version's buffer, else None
+  buckets: list[Any] | None = None  # a packed version's bucket objects, made at the first request
+  bucket_bytes: int = 0  # their size (the last may be shorter)
+  value: Any = None  # a pytree version's value, as its RDT object holds it (for subscribers in this process)
+
+
+def bucket_bytes() -> int:
+  """The bucket size of packed versions read through Ray: the setting
+  `RDT_JAX_WEIGHT_BUCKET_BYTES` (default 256 MiB), rounded down to a multiple
+  of 64 bytes so every bucket starts aligned."""
+  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _dlpack.ALIGNMENT * _dlpack.ALIGNMENT
+
+
+def _device_copies(tree: Any) -> Any:
+  """`tree` with each jax array in device memory replaced by a copy on its
+  devices (same sharding), so the version holds no buffer of the trainer's:
+  XLA refuses, on a GPU, to donate a buffer another library holds. Without a
+  GPU visible to jax here no leaf can be in device memory: `tree` itself,
+  with no per-leaf work."""
+  if not _dlpack.cuda_available("jax"):
+    return tree
+  import jax
+
+  def copy(x: Any) -> Any:
+    if isinstance(x, jax.Array) and _dlpack.device_of(x).kind != "cpu":
+      return x.copy()
+    return x
+
+  return jax.tree_util.tree_map(copy, tree)
+
+class WeightPublisher:
+  """Publishes versions of a trainer's parameters for `WeightSubscriber`s.
+
+  Lives in the trainer's actor (an actor with
+  `@ray.remote(enable_tensor_transport=True)`; `rdt_jax.register()` called
+  in the driver before the actor was created).
+
+  Each `publish` makes the value readable until `keep` newer versions
+  exist, in one of two ways:
+
+  * packed (`jax_nixl` with `pack=True`, every array leaf in host memory):
+    the leaves are copied into one pooled host buffer per version (one copy
+    of the parameters per kept version, `keep` buffers in all), read by
+    subscribers without per-leaf work; the trainer's arrays are not held, so
+    it may change or donate them at once;
+  * as a pytree (`pack=False`, a leaf in device memory, or `jax_transfer`):
+    one RDT object of the tree, held by rdt_jax while the version is kept.
+    Host arrays are sent from where they are (nothing copied at publish); a
+    held host jax array is not donated (jax copies it into a new buffer,
+    without an error): the published bytes never change, and the step pays
+    one allocation and copy of each donated leaf while its version is kept.
+    jax arrays in device memory are copied on their device at publish (one
+    device copy of those leaves per kept version): on a GPU, XLA refuses to
+    donate a buffer that another library holds ("Donation requested for
+    buffer with external reference"), so holding the trainer's own arrays
+    would fail its next donating step.
+
+  docs/weight_sync.md gives the measured cost of each.
+
+  Args:
+    transport: a one-sided rdt_jax transport (`"jax_nixl"`, or
+      `"jax_transfer"`).
+    keep: how many versions stay readable (at least 1). A version leaves the
+      window when the `keep`-th newer one is published; its memory is freed
+      then, and pulls of it raise `StaleWeightsError`.
+    pack: publish host-resident versions packed (`jax_nixl` only).
+
+  Raises:
+    ValueError: for `keep` < 1 or a two-sided transport.
+    RuntimeError: outside a Ray actor.
+  """
+
+  def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True):
+    keep = int(keep)
+    if keep < 1:
+      raise ValueError(f"keep={keep}: a publisher keeps at least one version readable.")
+    if transport in ("jax_gloo", "jax_nccl"):
+      raise ValueError(
+          f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
+          "cannot pull them. Use 'jax_nixl' (or 'jax_transfer')."
+      )
+    actor = ray.get_runtime_context().current_actor if ray.is_initialized() and _seam.in_ray_worker() else None
+    if actor is None:
+      raise RuntimeError(
+          "WeightPublisher lives in a Ray actor (the trainer's, with @ray.remote(enable_tensor_transport=True)): "
+          "subscribers ask that actor which versions it keeps. Create it in the actor's __init__ or a method."
+      )
+    self.transport = transport
+    self.keep = keep
+    self._actor = actor
+    self._id = uuid.uuid4().hex
+    self._lock = threading.Lock()
+    self._kept: list[_Kept] = []
+    # digest -> (structure, packed layout or None)
+    self._structures: dict[str, Published] = {}
+    self.pack = bool(pack)
+    self._stream = Stream(keep, self._id) if transport == "jax_nixl" and self.pack else None
+    self._closed = False
+    publishers[self._id] = self
+
+  @property
+  def versions(self) -> tuple[int, ...]:
+    """The versions kept readable, oldest first."""
+    with self._lock:
+      return tuple(k.version for k in self._kept)
+
+  @property
+  def version(self) -> int | None:
+    """The newest published version, or None before the first."""
+    with self._lock:
+      return self._kept[-1].version if self._kept else None
+
+  def publish(self, tree: Any, version: int) -> WeightsHandle:
+    """Publishes `tree` (a pytree of jax, torch or numpy arrays, typed PRNG
+    keys included) as `version`.
+
+    Returns once the version is readable; frees the version that leaves the
+    `keep` window. With `jax_nixl` and every array leaf in host memory the
+    version is packed: its leaves are copied into one pooled host buffer
+    (the publisher keeps `keep` such buffers; docs/weight_sync.md). Leaves
+    in device memory, or `jax_transfer`, send the tree as it is, except that
+    jax arrays in device memory are copied on their device.
+
+    Args:
+      tree: the parameters. A packed version is a copy, and so is every jax
+        array in device memory: the trainer may change or donate them at
+        once. Otherwise their bytes must not change while the version is
+        kept: jax arrays never do (donating them is safe, see the class
+        docstring); torch or numpy arrays must not be written in place.
+      version: an int greater than every version published before.
+
+    Returns:
+      The version's `WeightsHandle`.
+
+    Raises:
+      ValueError: if `version` is not greater than the newest one.
+      RuntimeError: if the publisher is closed.
+      UnsupportedLeafError: naming the leaf, for a leaf the transport cannot
+        send (nothing is published).
+    """
+    version = int(version)
+    newest = self.version
+    if self._closed:
+      raise RuntimeError("This WeightPublisher is closed; create a new one to publish again.")
+    if newest is not None and version <= newest:
+      raise ValueError(f"Version {version} is not newer than the last published version {newest}: versions increase.")
+    if not EMPTY < version <= np.iinfo(np.int64).max:
+      raise ValueError(f"Version {version} is outside the int64 range versions take.")
+    packed = None
+    buffer = None
+    if self._stream is not None:
+      new_structure: list[tuple[LeafEntry, ...]] = []
+
+      def digest_of(t: Any) -> str:
+        new_structure.append(structure_of(t))
+        return structure_digest(new_structure[0], t)
+
+      info, digest, arrays, rest = self._stream.structure(tree, digest_of, array_paths)
+      if new_structure:
+        with self._lock:
+          self._structures[digest] = Published(new_structure[0], None if info is None else info.info)
+      if info is not None:
+        buffer = _dlpack.host_pool.acquire(info.info.layout.total)
+        try:
+          info.packer.pack(arrays, _dlpack.host_pointer(buffer))
+        except _dlpack.NotHostMemory:
+          buffer = None  # a leaf moved to device memory since: send this version as a pytree
+        else:
+          packed = self._stream.source(version, buffer, rest)
+    else:
+      structure = structure_of(tree)
+      digest = structure_digest(structure, tree)
+      with self._lock:
+        self._structures.setdefault(digest, Published(structure))
+    if packed is None and self._stream is not None and digest not in self._structures:
+      with self._lock:
+        self._structures[digest] = Published(structure_of(tree))
+    # A packed version becomes an RDT object only when a subscriber that
+    # cannot read it node-locally asks (`_object_of`): a put costs a few ms.
+    value = None if packed is not None else _device_copies(tree)
+    ref = None if value is None else ray.put(value, _tensor_transport=self.transport)
+    with self._lock:
+      dropped = self._drop_oldest(self.keep - 1)
+      self._kept.append(_Kept(version, ref, digest, buffer, value=value))
+      if self._stream is not None and packed is not None:
+        self._stream.table.add(version)
+      live = {k.digest for k in self._kept}
+      for d in [d for d in self._structures if d not in live]:
+        del self._structures[d]
+    _free(dropped)
+    return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
+
+  def _object_of(self, version: int) -> ObjectAnswer:
+    """`object_query`'s answer for a packed version: the refs of its bucket
+    objects (consecutive byte ranges of its buffer of `bucket_bytes()` each,
+    the last one shorter), put at the first request for the version (under
+    the lock, so once) and shared by later ones; or None if it is not kept.
+    Then the bucket size, and the versions kept (None once closed)."""
+    with self._lock:
+      if self._closed:
+        return ObjectAnswer(None, 0, None)
+      kept = tuple(k.version for k in self._kept)
+      entry = next((k for k in self._kept if k.version == version), None)
+      if entry is None or entry.buffer is None:
+        return ObjectAnswer(None, 0, kept)
+      if entry.buckets is None:
+        size, buffer = bucket_bytes(), entry.buffer
+        entry.buckets = [
+            ray.put(buffer[at : at + size], _tensor_transport=self.transport) for at in range(0, buffer.nbytes, size)
+        ]
+        entry.bucket_bytes = size
+      return ObjectAnswer(tuple(entry.buckets), entry.bucket_bytes, kept)
+
+  def _drop_oldest(self, room: int) -> list[_Kept]:
+    """Drops the oldest kept versions until at most `room` are left (lock
+    held): out of the kept-versions table first, so no subscriber reads a
+    version whose buffer may be reused; the caller frees their objects."""
+    dropped = self._kept[: max(0, len(self._kept) - room)]
+    del self._kept[: len(dropped)]
+    if self._stream is not None:
+      for k in dropped:
+        self._stream.table.drop(k.version)
+    return dropped
+
+  def close(self) -> None:
+    """Frees every kept version; later pulls of them raise `StaleWeightsError`."""
+    with self._lock:
+      self._closed = True
+      dropped = self._drop_oldest(0)
+      if self._stream is not None:
+        self._stream.table.retire()
+    _free(dropped)
+    publishers.pop(self._id, None)
+
+  def _answer(self, structure: str | None) -> Answer:
+    """The versions kept (None once closed) and, if asked, the structure
+    behind digest `structure`."""
+    with self._lock:
+      if self._closed:
+        return Answer(None)
+      return Answer(tuple(k.version for k in self._kept),
+                     None if structure is None else self._structures.get(structure))
+
+  def _local_value(self, version: int) -> Any:
+    """A kept pytree version's value, for a subscriber in this process; None
+    if the version is not kept (or is packed)."""
+    with self._lock:
+      if self._closed:
+        return None
+      entry = next((k for k in self._kept if k.version == version), None)
+      return None if entry is None else entry.value
+
+
+def _free(dropped: list[_Kept]) -> None:
+  """Frees the RDT objects of versions that left the window (those made)."""
+  for k in dropped:
+    for ref in ([k.ref] if k.ref is not None else []) + (k.buckets or []):
+      _seam.free_now(ref.hex())
+

@@ -1,0 +1,340 @@
+"""The generator's side of weight sync: `WeightSubscriber`.
+
+A pull checks its version against the newest one reached, picks the read
+route (`rdt_jax.weights._routes`) for the handle, and commits: with
+`atomic=True` the bytes land in staging arrays and are copied into the
+template only once everything the pull returns is built. Pulls of one
+subscriber run one at a time, whoever calls them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import ray
+
+from rdt_jax import _dlpack, _targets
+from rdt_jax.weights import _routes
+from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
+from rdt_jax.weights._packed import PackedPlan, check_layout, check_source, unflatten
+from rdt_jax.weights._protocol import publishers
+from rdt_jax.weights._publisher import WeightPublisher
+
+__all__ = ["WeightSubscriber"]
+
+_async_lock = threading.Lock()
+
+
+_async_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
+  """The threads `pull_async` runs pulls in (created at the first one)."""
+  with _async_lock:
+    if not _async_pool:
+      _async_pool.append(concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="rdt-jax-pull"))
+    return _async_pool[0]
+
+
+def _empty_like(x: Any) -> Any:
+  """A new array of `x`'s framework, shape, dtype and device (atomic staging)."""
+  fw = _dlpack.framework_of(x)
+  if fw == "numpy":
+    import numpy as np
+
+    return np.empty_like(x)
+  if fw == "torch":
+    import torch
+
+    return torch.empty_like(x)
+  import cupy
+
+  return cupy.empty_like(x)
+
+
+def _staged(leaf: Any) -> Any:
+  """The staging counterpart of one template leaf: in-place leaves (numpy,
+  torch, cupy, a Slice's `into` array) get a new array; templates of new
+  arrays (jax, shardings, a Slice without `into`) are their own."""
+  if isinstance(leaf, _dlpack.Slice):
+    return leaf if leaf.into is None or _dlpack.framework_of(leaf.into) in (None, "jax") else (
+        dataclasses.replace(leaf, into=_empty_like(leaf.into)))
+  fw = _dlpack.framework_of(leaf)
+  return leaf if fw in (None, "jax") else _empty_like(leaf)
+
+
+def _in_place(leaf: Any) -> Any:
+  """The array a template leaf is written into in place, or None."""
+  if isinstance(leaf, _dlpack.Slice):
+    leaf = leaf.into
+  fw = _dlpack.framework_of(leaf)
+  return None if fw in (None, "jax") else leaf
+
+
+class WeightSubscriber:
+  """Pulls published versions into a generator's parameters.
+
+  Args:
+    template: a pytree of the published value's structure whose leaves say
+      where each leaf lands, as for `rdt_jax.set_target_for_ref`: numpy or
+      torch arrays are written in place (the pulled tree holds those very
+      objects), jax arrays and `jax.sharding.Sharding`s are placements (the
+      leaf arrives as a new jax array with that sharding), `rdt_jax.Slice`
+      receives one index range, a typed PRNG key receives a typed key of its
+      implementation. Checked against a version's structure at its first
+      pull (errors name the leaf path); later pulls of the same structure
+      skip the check.
+    atomic: False (default): pulls write into the template's arrays in
+      place, with no extra memory. A pull that fails once its fetch started
+      raises and leaves `version` None (the template is torn: some leaves may
+      hold the new version's bytes) until the next successful pull. True:
+      pulls land in staging arrays of the template's in-place leaves (one
+      more copy of those leaves in memory, allocated at the first pull and
+      reused), and a successful pull then copies them into the template (one
+      memcpy of those bytes per pull). A failed pull leaves the template's
+      arrays bit for bit as they were and `version` unchanged.
+
+  A pull refused before its fetch started (`StaleWeightsError`, a template
+  that does not match, a publisher that is gone) changes nothing in either
+  mode.
+  """
+
+  def __init__(self, template: Any, atomic: bool = False):
+    self.template = template
+    self.atomic = bool(atomic)
+    self._flat = flatten(template)
+    if not self._flat:
+      raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
+    self._version: int | None = None
+    self._reached: int | None = None  # the newest version a pull reached (see `pull`)
+    self._lock = threading.Lock()  # one pull at a time, whoever calls
+    self._checked: set[str] = set()  # structures the template was checked against
+    self._fits: set[str] = set()  # structures a pull of which succeeded with this target
+    self._flat_target: dict[str, Any] = {}
+    self._staging: Any = None
+    self._plans: dict[str, PackedPlan] = {}  # packed structures pulled, by digest
+
+  @property
+  def version(self) -> int | None:
+    """The version the template holds, or None (none pulled yet, or torn)."""
+    return self._version
+
+  def pull(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
+    """Pulls `handle`'s version into the template.
+
+    Pulls of one subscriber run one at a time, whoever calls them (threads,
+    `pull_async`, Ray's concurrency groups): a pull waits for the one
+    running, then checks its version against the newest version a pull
+    reached. `version` never decreases, except to None for a torn
+    `atomic=False` pull.
+
+    A publisher in this very process (a colocated trainer and generator)
+    is pulled from like any other: the template receives the bytes in place
+    (in device memory, a copy on the device), and the pulled tree never
+    holds the publisher's kept arrays.
+
+    Args:
+      handle: a `WeightsHandle` from `WeightPublisher.publish`.
+      timeout: seconds the whole pull may take, waiting for a pull running
+        in another thread included (None: no limit).
+
+    Returns:
+      The pulled tree: the template's in-place arrays themselves holding the
+      new bytes, new jax arrays for jax leaves. `version` is then
+      `handle.version`.
+
+    Raises:
+      TypeError: if `handle` is not a `WeightsHandle`.
+      StaleWeightsError: for a version not newer than the newest version a
+        pull of this subscriber reached (`version`, or the one before a torn
+        pull), or not kept by the publisher (before anything moves), or
+        freed while it was read; for a handle of a publisher that was
+        closed or replaced since.
+      ValueError, UnsupportedLeafError: at the first pull of a structure,
+        naming the leaf path where template and published value differ.
+      MetadataError: for a handle or layout that does not hold together
+        (naming the field); nothing is read.
+      ray.exceptions.GetTimeoutError: the pull (or the wait for the pull
+        running) ran out of time; `version` is then as the class docstring
+        says for a failed pull.
+      ray.exceptions.RayError: the publisher's actor died.
+    """
+    self._check_handle(handle)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return self._serialized(handle, deadline, None)
+
+  async def pull_async(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
+    """`pull`, awaitable: for async actors and drivers, whose event loop it
+    does not block (the pull runs in a worker thread). Same arguments,
+    result, errors and serialization as `pull`.
+
+    Cancelling the awaiting task ends the pull like a failed one: the
+    template is unchanged with `atomic=True`, and with `atomic=False`
+    `version` is None if bytes may have reached the template. The
+    cancellation returns only once the pull has stopped: nothing writes into
+    the template after it.
+    """
+    import asyncio
+
+    self._check_handle(handle)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    cancel = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(_async_executor(), self._serialized, handle, deadline, cancel)
+    try:
+      return await asyncio.shield(future)
+    except asyncio.CancelledError:
+      cancel.set()
+      while not future.done():  # the pull stops at its next step; wait for it, whatever cancels us again
+        try:
+          await asyncio.shield(future)
+        except asyncio.CancelledError:
+          continue
+        except BaseException:
+          break
+      if not future.cancelled():
+        future.exception()  # retrieved: the pull's own error is superseded by the cancellation
+      raise
+
+  @staticmethod
+  def _check_handle(handle: Any) -> None:
+    if not isinstance(handle, WeightsHandle):
+      raise TypeError(f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
+
+  def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
+    """Runs one pull once no other pull of this subscriber runs."""
+    wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+    if not self._lock.acquire(timeout=wait):
+      raise ray.exceptions.GetTimeoutError(
+          f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
+    try:
+      if cancel is not None and cancel.is_set():
+        raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
+      value = self._pull(handle, deadline, cancel)
+      self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
+      return value
+    finally:
+      self._lock.release()
+
+
+  def _pull(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
+    """One pull (`pull`), the subscriber's lock held: refuses a version not
+    newer than the newest reached, then takes the handle's route."""
+    current = self._version
+    newest = self._reached if self._reached is not None else current
+    if newest is not None and handle.version <= newest:
+      held = f"version {current}, which this subscriber holds" if current == newest else (
+          f"version {newest}, which a pull of this subscriber reached (it holds {current})")
+      raise StaleWeightsError(
+          f"Version {handle.version} is not newer than {held}; pull a newer handle.",
+          handle.version, current,
+      )
+    pull = _routes.Pull(handle, label(handle), deadline, current, cancel, self._set_version)
+    if handle.packed is not None:
+      value = self._pull_packed(pull)
+    else:
+      local = publishers.get(handle.publisher)
+      if isinstance(local, WeightPublisher):
+        value = _routes.pull_colocated(pull, local, self._flat, self._checked, self._target(), self.atomic)
+      else:
+        value = self._pull_pytree(pull)
+      if self.atomic:
+        value = self._commit(value)
+    self._version = handle.version
+    return value
+
+  def _set_version(self, version: int | None) -> None:
+    self._version = version
+
+  def _pull_pytree(self, pull: _routes.Pull) -> Any:
+    """A pull of a version sent as a pytree from another process: the
+    template is checked at its structure's first pull."""
+    handle = pull.handle
+    structure = pull.ask(want_structure=handle.structure not in self._checked)
+    if handle.structure not in self._checked:
+      if structure is None:
+        raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+      check_template(self._flat, structure.entries)
+      self._checked.add(handle.structure)
+    target = self._target()
+    fits = handle.structure in self._fits
+    value = _routes.pull_pytree(pull, target, self._flat_target if fits else None, self.atomic)
+    if not fits:
+      self._fits.add(handle.structure)  # later versions of it skip set_target_for_ref's checks
+      self._flat_target = _targets.flatten_target(target)
+    return value
+
+  # ---- packed versions (rdt_jax.weights._packed)
+
+  def _plan(self, pull: _routes.Pull) -> PackedPlan:
+    """The plan of the pulled structure: made at its first pull, after the
+    publisher says the version is kept and sends the structure's layout, and
+    the template is checked against it."""
+    handle = pull.handle
+    plan = self._plans.get(handle.structure)
+    if plan is not None:
+      return plan
+    answer = pull.ask(want_structure=True)
+    if answer is None or answer.packed is None:
+      raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
+    check_template(self._flat, answer.entries)
+    check_layout(answer.packed, answer.entries, pull.label)
+    self._checked.add(handle.structure)
+    plan = PackedPlan(answer.packed, answer.entries, dict(self._flat), self.atomic)
+    if len(self._plans) >= 4:  # structures change rarely: keep the last few
+      self._plans.pop(next(iter(self._plans)))
+    self._plans[handle.structure] = plan
+    return plan
+
+  def _pull_packed(self, pull: _routes.Pull) -> Any:
+    """A pull of a packed version: node-local where the kernel allows it,
+    else through Ray; then the plan commits the leaves."""
+    handle = pull.handle
+    plan = self._plan(pull)
+    source = check_source(handle.packed, pull.label, plan, handle.version)
+    plan.check_targets()
+    staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+    if pull.deadline is not None and time.monotonic() > pull.deadline:
+      raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
+    pull.check_cancelled()
+    if not (_routes.can_read_directly(source) and _routes.pull_node_local(pull, plan, staging, self.atomic)):
+      _routes.pull_buckets(pull, plan, staging, self.atomic)
+    pull.check_cancelled()
+    return unflatten(plan.info, plan.commit(staging), source.rest)
+
+  def _target(self) -> Any:
+    if not self.atomic:
+      return self.template
+    if self._staging is None:
+      import jax
+
+      self._staging = jax.tree_util.tree_map(_staged, self.template, is_leaf=is_template_leaf)
+    return self._staging
+
+  def _commit(self, value: Any) -> Any:
+    """Copies a successful atomic pull from the staging arrays into the
+    template; returns the pulled tree with the template's arrays in place.
+
+    Leaves are matched by pytree path, so the pulled value may hold
+    non-array leaves the template lacks. One wait per device before and
+    after: a CUDA template is written after work queued against it on any
+    stream, and holds the version on return."""
+    import jax
+
+    in_place = {path: into for path, leaf in self._flat if (into := _in_place(leaf)) is not None}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_template_leaf)
+    copies: list[tuple[Any, Any]] = []
+    out = []
+    for p, arrived in flat:
+      into = in_place.get(jax.tree_util.keystr(p)) if _dlpack.is_array(arrived) else None
+      if into is None:
+        out.append(arrived)
+        continue
+      copies.append((into, arrived))
+      out.append(into)
+    _dlpack.copy_into_many(copies)
+    return treedef.unflatten(out)  # type: ignore[attr-defined]
+
