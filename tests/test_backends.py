@@ -10,6 +10,7 @@ call with `.options(tensor_transport=...)`.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -323,6 +324,26 @@ def test_transfer_fails_fast_when_the_producer_died(actors):
   with pytest.raises(ray.exceptions.RayError, match=r"has died: the object died with it"):
     ray.get(wide.fingerprint.remote(ref), timeout=60)
   assert time.monotonic() - start < 30
+
+
+def test_transfer_get_timeout_is_honoured_when_the_producer_is_stopped(actors):
+  """A stopped producer never answers the offer request: the caller's
+  `ray.get` timeout ends the wait (not the 30 s the answer is awaited), and
+  once the producer runs again the object arrives exactly."""
+  stopped = Producer.remote()
+  ref = make(stopped, "jax_transfer", float32_tree, 8)
+  wait_meta(ref)
+  pid = ray.get(stopped.__ray_call__.remote(lambda self: os.getpid()))
+  os.kill(pid, signal.SIGSTOP)
+  try:
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+      ray.get(ref, timeout=2)
+    assert time.monotonic() - start < 10
+  finally:
+    os.kill(pid, signal.SIGCONT)
+  assert tree_fingerprint(ray.get(ref, timeout=60)) == expected(float32_tree, 8)
+  ray.kill(stopped)
 
 
 # ---- the example transport

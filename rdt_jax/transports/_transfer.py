@@ -29,7 +29,12 @@ How rdt_jax uses it:
   from processes of the Ray cluster itself.
 * Bounded waits and state: the producer's answer is awaited at most
   `ANSWER_TIMEOUT_S` (checking Ray's abort meanwhile), and no lock is held
-  while waiting. The consumer holds the connection its offer was made on
+  while waiting. The offer request runs in a thread of its own from
+  `start_pull` (Ray starts every fetch of a `ray.get` before it waits for
+  any), and `wait_pull` waits for it within the caller's timeout, the one
+  `ray.get(ref, timeout=...)` was given: a stopped producer fails the
+  caller's `ray.get` when its timeout passes, and the request stops at
+  once. The consumer holds the connection its offer was made on
   until the pull ends: it then says "done" and pools the connection, or,
   after a failure, closes it. The producer pulls every offer still pending
   on a closed connection itself (a consumer that died, gave up or timed out),
@@ -64,6 +69,7 @@ tpu transfer servers have not run yet.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import hmac
@@ -94,6 +100,8 @@ IDLE_S: Final = 60.0
 MAX_MESSAGE: Final = 1 << 20
 #: Idle offer connections kept per producer.
 POOL_PER_PRODUCER: Final = 4
+#: Threads making offer requests (each waits for a producer's answer).
+REQUEST_THREADS: Final = 16
 
 
 def node_address() -> str:
@@ -314,12 +322,14 @@ class _Pool:
     with self._lock:
       return len(self._idle)
 
-  def take(self, address: tuple[str, int], authkey: bytes, obj_id: str) -> socket.socket:
+  def take(self, address: tuple[str, int], authkey: bytes, obj_id: str,
+           interrupted: Callable[[], bool] | None = None) -> socket.socket:
     """An idle connection to `address`, or a new one (authenticated).
 
     Raises:
       RuntimeError: the producer exited or cannot be reached (`_probe`), or
-        did not complete the challenge in time.
+        did not complete the challenge in time, or `interrupted()` turned
+        True while it was awaited.
     """
     self.prune()
     with self._lock:
@@ -332,11 +342,11 @@ class _Pool:
     sock = _probe(address, obj_id)
     try:
       deadline = time.monotonic() + ANSWER_TIMEOUT_S
-      nonce = _receive(sock, deadline).get("nonce")
+      nonce = _receive(sock, deadline, interrupted).get("nonce")
       if not isinstance(nonce, str):
         raise ProtocolError("no challenge")
       _send(sock, {"mac": _mac(authkey, nonce)})
-      if _receive(sock, deadline).get("ok") is not True:
+      if _receive(sock, deadline, interrupted).get("ok") is not True:
         raise ProtocolError("the challenge was not accepted")
     except (EOFError, OSError, TimeoutError, ProtocolError, ValueError) as e:
       sock.close()
@@ -380,8 +390,10 @@ class _Pool:
 
 @dataclass
 class _Pull:
-  """A pull in progress: the pulled arrays, how to make the leaves, and the
-  offer connection it holds until the pull ends."""
+  """A pull in progress: the pulled arrays, how to make the leaves, the
+  offer connection it holds until the pull ends, and the request that
+  makes the offer and starts the pull (`TransferTransport._begin`, in a
+  thread; `stop` ends it, and once set no connection is kept)."""
 
   pulled: list[Any]
   recipes: list[tuple[Any, ...]]
@@ -389,6 +401,21 @@ class _Pull:
   address: tuple[str, int] = ("", 0)
   uuid: int = 0
   done: bool = field(default=False)
+  request: concurrent.futures.Future[None] | None = None
+  stop: threading.Event = field(default_factory=threading.Event)
+  lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_request_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+_request_pool_lock = threading.Lock()
+
+
+def _requests() -> concurrent.futures.ThreadPoolExecutor:
+  """The threads offer requests run in (created at the first pull)."""
+  with _request_pool_lock:
+    if not _request_pool:
+      _request_pool.append(concurrent.futures.ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="rdt-jax-offer"))
+    return _request_pool[0]
 
 
 class TransferTransport(WholeArrayTransport):
@@ -570,7 +597,7 @@ class TransferTransport(WholeArrayTransport):
         del self._connections[key]
 
   def _request_offer(
-      self, meta: TransferTransportMetadata, obj_id: str, uuid: int, cuts: list[Any]
+      self, meta: TransferTransportMetadata, obj_id: str, uuid: int, cuts: list[Any], stop: threading.Event
   ) -> tuple[socket.socket, tuple[str, int]]:
     """Asks the producer to offer `obj_id` under `uuid`; returns the
     connection the offer was made on (held until the pull ends) and its
@@ -579,14 +606,18 @@ class TransferTransport(WholeArrayTransport):
     Raises:
       RuntimeError: the producer is gone, did not answer within
         `ANSWER_TIMEOUT_S`, or cannot offer the object; or Ray aborted the
-        fetch meanwhile.
+        fetch, or `stop` was set, meanwhile.
     """
     address = (meta.offer_address[0], int(meta.offer_address[1]))  # type: ignore[index]
     where = f"{address[0]}:{address[1]}"
-    sock = self._pool.take(address, meta.authkey or b"", obj_id)
+
+    def interrupted() -> bool:
+      return stop.is_set() or self.aborted(obj_id)
+
+    sock = self._pool.take(address, meta.authkey or b"", obj_id, interrupted)
     try:
       _send(sock, {"op": "offer", "obj": obj_id, "uuid": uuid, "cuts": cuts})
-      answer = _receive(sock, time.monotonic() + ANSWER_TIMEOUT_S, lambda: self.aborted(obj_id))
+      answer = _receive(sock, time.monotonic() + ANSWER_TIMEOUT_S, interrupted)
     except TimeoutError:
       sock.close()
       raise RuntimeError(
@@ -659,21 +690,56 @@ class TransferTransport(WholeArrayTransport):
     if not structs:
       return _Pull([], recipes)
     platform = _platform(placements[0].device.kind)
+    handle = _Pull([], recipes, uuid=secrets.randbits(62))
+    handle.request = _requests().submit(self._begin, handle, meta, obj_id, cuts, structs, platform)
+    return handle
+
+  def _begin(self, handle: _Pull, meta: TransferTransportMetadata, obj_id: str, cuts: list[Any],
+             structs: list[Any], platform: str) -> None:
+    """A pull's request (in a thread of `_requests()`): asks the producer
+    for the offer, then starts the pull. A pull stopped meanwhile
+    (`handle.stop`: given up, timed out or cancelled) keeps no connection."""
     assert meta.server_address is not None
     connection = self._connection(platform, meta.server_address)
-    uuid = secrets.randbits(62)
-    sock, address = self._request_offer(meta, obj_id, uuid, cuts)
+    sock, address = self._request_offer(meta, obj_id, handle.uuid, cuts, handle.stop)
+    with handle.lock:
+      if handle.stop.is_set():
+        sock.close()  # the producer withdraws the offer
+        raise InterruptedError(f"the pull of object {obj_id} was stopped")
+      handle.sock, handle.address = sock, address
     try:
-      pulled = connection.pull(uuid, structs)
+      handle.pulled = connection.pull(handle.uuid, structs)
     except BaseException:
+      with handle.lock:
+        handle.sock = None
       sock.close()  # the producer withdraws the offer
       raise
-    return _Pull(pulled, recipes, sock, address, uuid)
+
+  def _wait_request(self, handle: _Pull, obj_id: str, deadline: float | None, timeout: float) -> None:
+    """Waits for a pull's request (`_begin`) until `deadline`, checking
+    Ray's abort; raises what the request raised."""
+    assert handle.request is not None
+    while True:
+      wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic()))
+      try:
+        handle.request.result(timeout=wait)
+        return
+      except concurrent.futures.TimeoutError:
+        pass
+      if self.aborted(obj_id):
+        raise RuntimeError(f"jax_transfer pull of object {obj_id} was aborted.")
+      if deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(
+            f"jax_transfer pull of object {obj_id} timed out after {timeout}s waiting for its producer's "
+            "offer service to answer (the producer may be stopped or overloaded).")
 
   def _end_pull(self, handle: _Pull, pulled: bool) -> None:
     """Says "done" and pools the offer connection after a pull; closes it
-    otherwise, so the producer withdraws the offer."""
-    sock, handle.sock = handle.sock, None
+    otherwise, so the producer withdraws the offer. Stops the pull's request
+    if it still runs."""
+    with handle.lock:
+      handle.stop.set()
+      sock, handle.sock = handle.sock, None
     if sock is None:
       return
     if pulled:
@@ -695,10 +761,12 @@ class TransferTransport(WholeArrayTransport):
     import jax
     import jax.numpy as jnp
 
-    pulled, recipes = handle.pulled, handle.recipes
     deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
     sleep = 0.0
     try:
+      if handle.request is not None:
+        self._wait_request(handle, obj_id, deadline, timeout)
+      pulled, recipes = handle.pulled, handle.recipes
       while not all(a.is_ready() for a in pulled):
         if self.aborted(obj_id):
           raise RuntimeError(f"jax_transfer pull of object {obj_id} was aborted.")
