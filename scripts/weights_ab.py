@@ -59,6 +59,7 @@ class Trainer:
     self.pub = rdt_jax.WeightPublisher(keep=2)
     self.origin = rdt_jax.__file__
 
+  @ray.method(num_returns=2)
   def publish(self, leaves: int, nbytes: int, version: int):
     t = tree(leaves, nbytes, version)
     start = time.perf_counter()
@@ -131,7 +132,10 @@ def main() -> int:
         order = list(sides) if step % 2 == 0 else list(sides)[::-1]
         for name in order:
           t, g = sides[name]
-          handle, publish_s = ray.get(t.publish.remote(leaves, nbytes, version))
+          # The handle stays a ref: only the generator, which imports the
+          # same rdt_jax as its trainer, unpickles it.
+          handle, publish_ref = t.publish.remote(leaves, nbytes, version)
+          publish_s = ray.get(publish_ref)
           pull_s = ray.get(g.pull.remote(leaves, nbytes, handle))
           if step >= 2:
             results.setdefault((leaves, nbytes, name), []).append((publish_s, pull_s))
