@@ -26,8 +26,11 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 #: Bound on every await here: far above what any of them should take.
 BOUND_S = 20.0
-#: "At once": an await that fails must fail this quickly after its object is ready.
-AT_ONCE_S = 1.0
+#: "At once": an await that fails must fail this quickly after its object is
+#: ready. The failure it rules out is a wait (an await that blocks until
+#: BOUND_S, or Ray's 60 s fetch timeout); the call itself takes milliseconds, and
+#: the margin is for scheduling on a loaded 2-core host.
+AT_ONCE_S = 5.0
 BIG = 1 << 20  # float32 elements: 4 MiB, sent out of band
 SMALL = 16  # 64 bytes, sent in band
 

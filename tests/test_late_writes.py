@@ -140,6 +140,8 @@ class Consumer:
         b.fill(0xB2)
     t = transport()
     wait_for(lambda: t.num_inflight() == 0 and t.num_parked() == 0, timeout=60)
+    # Not a synchronization: a grace second in which a late write (one the
+    # counters above no longer see) would land in the sentinel-filled buffers.
     time.sleep(1.0)
     return {
         "outcome": outcome,
@@ -272,6 +274,9 @@ def test_producer_dies_mid_read(remote_consumer):
   wait_meta(ref)
   os.kill(pid, signal.SIGSTOP)
   pending = consumer.fetch.remote([ref], [4], 30.0)
+  # Not a synchronization: the kill lands 2 s into the fetch, its READ posted
+  # (or, on a host too loaded to post it by then, before it: a producer that
+  # dies before the read, which must not write late either).
   time.sleep(2.0)
   os.kill(pid, signal.SIGKILL)
   report = ray.get(pending, timeout=ERROR_BOUND_S * 4)

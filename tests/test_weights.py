@@ -138,7 +138,7 @@ def jax_template():
   }
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True, concurrency_groups={"probe": 1})
 class Generator:
   def __init__(self, kind: str = "torch", atomic: bool = False, template: str = "ok"):
     self.kind = kind
@@ -196,6 +196,13 @@ class Generator:
     from rdt_jax import _faults
 
     _faults.configure(spec)
+
+  @ray.method(concurrency_group="probe")
+  def acted(self, point: str) -> int:
+    """How often fault point `point` acted (answered while a pull runs)."""
+    from rdt_jax import _faults
+
+    return _faults.injected().get(point, 0)
 
   def memory(self) -> dict:
     """The pooled host bytes here, and the plan's staging and version sizes."""
@@ -464,7 +471,9 @@ def test_a_version_freed_during_a_node_local_pull_is_stale():
   assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
   handle = ray.get(t.publish.remote(2))
   pending = g.try_pull.remote(handle)
-  time.sleep(1.5)  # the copy is done; the pull waits in the injected delay
+  # The copy is done once the pull waits in the injected delay (4 s: the two
+  # publishes below take well under that, even on a loaded host).
+  assert wait_for(lambda: ray.get(g.acted.remote("weights.copied")) >= 1, ERROR_BOUND_S)
   ray.get([t.publish.remote(3), t.publish.remote(4)])
   r = ray.get(pending, timeout=ERROR_BOUND_S)
   assert r["stale"] and r["attrs"] == (2, 1), r
@@ -480,7 +489,7 @@ def test_trainer_killed_mid_pull_is_an_error_within_the_bound():
   g = generator("torch", RDT_JAX_FAULTS="nixl.wait:delay=1", UCX_TLS="tcp", **READ_PATH)
   handle = ray.get(t.publish.remote(1))
   call = g.try_pull.remote(handle)
-  time.sleep(0.5)
+  assert wait_for(lambda: ray.get(g.acted.remote("nixl.wait")) >= 1, ERROR_BOUND_S)  # the READ is in flight
   ray.kill(t)
   r = ray.get(call, timeout=ERROR_BOUND_S * 2)
   assert r["error"] is not None and r["elapsed"] < ERROR_BOUND_S, r
