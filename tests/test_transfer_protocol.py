@@ -87,7 +87,7 @@ def test_offer_of_a_consumer_that_left_is_withdrawn(pair):
   offered = prod._offers[obj_id][1][0]
   base = sys.getrefcount(offered)
   address = (meta.offer_address[0], meta.offer_address[1])
-  sock, _ = cons._request_offer(meta, obj_id, 12345, [None])
+  sock, _ = cons._request_offer(meta, obj_id, 12345, [None], threading.Event())
   assert prod.num_pending_offers() == 1
   assert sys.getrefcount(offered) > base  # held by the offer
   sock.close()
