@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 
+import numpy as np
 import pytest
 from ray.exceptions import RayError
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
@@ -126,3 +128,46 @@ def test_register_transport_refuses_a_name_taken_by_another_class():
     pytest.skip("jax_nixl needs NIXL")
   with pytest.raises(ValueError, match=r"'jax_nixl' is already registered in this process by rdt_jax\.transports\."):
     rdt_jax.register_transport(_Clash)
+
+
+class _NeverArrives(rdt_jax.DlpackTransport):
+  """A two-sided transport whose bytes never arrive: `wait_receive` waits
+  out the timeout it is given, as the hook's contract says."""
+
+  name = "never_arrives_example"
+  devices = ("cpu",)
+
+  @staticmethod
+  def is_one_sided() -> bool:
+    return False
+
+  @staticmethod
+  def can_abort_transport() -> bool:
+    return False
+
+  def start_receive(self, obj_id, meta, communicator_metadata, destinations):
+    return object()
+
+  def wait_receive(self, handle, obj_id, timeout):
+    self.waited = timeout
+    if timeout < 0:
+      raise AssertionError("waited with no bound")
+    time.sleep(timeout)
+    raise TimeoutError(f"nothing arrived for {obj_id} within {timeout}s")
+
+
+def test_a_two_sided_receive_waits_at_most_ray_s_fetch_timeout(monkeypatch):
+  """Ray runs `recv_multiple_tensors` (its `__ray_recv__`) with no timeout:
+  the wait is bounded by Ray's RDT fetch timeout all the same."""
+  from rdt_jax import _state
+
+  monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
+  monkeypatch.setattr(_seam, "rdt_fetch_timeout_s", lambda: 0.2)
+  t = _NeverArrives()
+  tree = [np.arange(64, dtype=np.float32)]
+  _state.record_described(tree[0], _dlpack.describe(tree[0], "[0]"))
+  meta = t.extract_tensor_transport_metadata("never", tree)
+  start = time.monotonic()
+  with pytest.raises(TimeoutError, match=r"within 0\.2s"):
+    t.recv_multiple_tensors("never", meta, None)
+  assert t.waited == 0.2 and time.monotonic() - start < 10

@@ -566,16 +566,22 @@ class DlpackTransport(TensorTransportManager):
       target_buffers: list[Any] | None = None,
   ) -> list[Any]:
     """Ray calls this on the consumer of a task argument sent over a
-    two-sided transport: `fetch_multiple_tensors`, then
-    `wait_fetch_complete`.
+    two-sided transport (`__ray_recv__`): `fetch_multiple_tensors`, then
+    `wait_fetch_complete`, which waits at most Ray's RDT fetch timeout
+    (`RAY_rdt_fetch_fail_timeout_milliseconds`, 60 s by default): Ray gives
+    this call no timeout, and its monitor's abort is the only other bound.
 
     Returns:
       The leaves, as `wait_fetch_complete` returns them.
+
+    Raises:
+      TimeoutError: the leaves did not arrive within Ray's fetch timeout
+        (Ray stores the error for the object, so its getters raise it).
     """
     request = self.fetch_multiple_tensors(
         obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
     )
-    return self.wait_fetch_complete(request)
+    return self.wait_fetch_complete(request, timeout=_seam.rdt_fetch_timeout_s())
 
   def send_multiple_tensors(
       self,
