@@ -4,7 +4,8 @@ Subcommands:
   bench   measure every way of moving arrays between Ray actors, side by side
           (see `rdt-jax bench --help` and `rdt_jax.bench`).
   soak    run the trainer -> generators weight-sync loop for N minutes and
-          report transfers, bytes, errors and memory high-water marks.
+          report transfers, bytes, errors and memory high-water marks
+          (--chaos, --churn, --weight-sync: the checks under faults).
   doctor  check this host before the first transfer (versions, transports,
           GPUs, the UCX paths NIXL reads with); exit status 1 on a
           configuration that will fail or be slow (see `rdt_jax._doctor`).

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from _helpers import clean_env
 
 
@@ -52,3 +54,43 @@ def test_chaos_soak_is_exact_and_leak_free(tmp_path):
   assert all(c["views"] == 0 and c["producers"] == 0 for c in report["actors_at_end"])
   assert report["max_error_s"] < 60
   assert "chaos soak:" in proc.stdout and "wrong values 0" in proc.stdout
+
+
+#: The weight-sync soak's run here: 30 s of rounds with a chaos event every 4 s
+#: on average (the default), a pull unanswered for 30 s counted as a hang (60 s
+#: by default), and producers forgotten after 5 s idle instead of 60 s, so the
+#: end's wait for every counter to return to its baseline is short. The long
+#: run is in docs/benchmarks/weight-sync-soak-10min.txt.
+WEIGHT_SYNC_ARGS = ("--minutes", "0.5", "--hang-bound", "30")
+WEIGHT_SYNC_ENV = {"RDT_JAX_NIXL_PRODUCER_IDLE_S": "5"}
+#: The known stall (scripts/repro_freed_bucket.py): a pull through Ray whose
+#: version is freed before it fetched its last bucket posts a NIXL READ of
+#: deregistered memory that ends only when Ray gives up on the fetch (60 s), so
+#: the pull answers StaleWeightsError after a minute instead of at once.
+FREED_BUCKET_HANG = ("a pull through Ray of a version freed before its last bucket was fetched stalls until Ray's "
+                     "60 s fetch timeout (scripts/repro_freed_bucket.py)")
+
+
+def test_weight_sync_soak_is_exact_and_leak_free(tmp_path):
+  # A trainer publishing, generators (one colocated in the trainer) pulling
+  # from threads and tasks at once, generators and trainers killed and
+  # publishers recreated: every template holds exactly the version its
+  # subscriber names, versions never go back, nothing hangs or writes late,
+  # only stale and Ray errors, every counter back to its baseline.
+  out = tmp_path / "weight-sync.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "rdt_jax", "soak", "--weight-sync", *WEIGHT_SYNC_ARGS, "--out", str(out)],
+      capture_output=True, text=True, timeout=480, env={**clean_env(), **WEIGHT_SYNC_ENV}, cwd=tmp_path,
+  )
+  report = json.loads(out.read_text())
+  counts = report["counts"]
+  assert counts["versions"] > 0 and counts["ok"] > 0 and counts["events"] > 0, proc.stdout + proc.stderr[-4000:]
+  assert counts["async_pulls"] > 0 and counts["stale"] > 0
+  for key in ("wrong_versions", "backwards", "other_errors", "late_writes"):
+    assert counts[key] == 0, (key, report["first_errors"])
+  assert report["leaks"] == 0, report["actors_at_end"]
+  assert counts["hangs"] == counts.get("hangs_in_bucket_fetch", 0), report["first_errors"]
+  if counts["hangs"]:
+    pytest.xfail(f"known bug: {FREED_BUCKET_HANG} ({counts['hangs']} hung pull(s))")
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  assert "weight-sync soak:" in proc.stdout and "wrong versions 0" in proc.stdout and "leaks 0" in proc.stdout

@@ -13,6 +13,12 @@ transfer failed, a checksum differed or registrations leaked.
 producers and consumers, refs freed and actors killed at random, timeouts
 firing mid-transfer, every value checked by sha256.
 
+`--weight-sync` runs the weight-sync soak instead (`rdt_jax.bench._weight_soak`):
+a trainer's `WeightPublisher` and generators' `WeightSubscriber`s (one colocated
+in the trainer) pulling concurrently while generators and trainers are killed
+and publishers recreated; every pulled version checked by digest, and versions
+going back, hangs, late writes and leaks counted.
+
 `--churn N` runs the producer-churn check instead: N short-lived producer
 actors (a few alive at once), each read by two consumers (one node-locally,
 one through NIXL READs) and killed; then every counter of each consumer's
@@ -36,16 +42,19 @@ import ray
 
 import rdt_jax
 from rdt_jax import _settings
-from rdt_jax.bench import _chaos
+from rdt_jax.bench import _chaos, _weight_soak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--minutes", type=float, default=5.0, help="how long to run")
-  parser.add_argument("--generators", type=int, default=3, help="generator actors")
-  parser.add_argument("--mb", type=float, default=64.0, help="largest parameter size in MiB")
+  parser.add_argument("--generators", type=int, default=None,
+                      help="generator actors (default 3; --weight-sync: 4, one of them the trainer itself)")
+  parser.add_argument("--mb", type=float, default=None,
+                      help="largest parameter size in MiB (default 64; --weight-sync: 4)")
   parser.add_argument("--transport", default="jax_nixl", help="one-sided rdt_jax transport")
   parser.add_argument("--out", type=pathlib.Path, default=None, help="write the report as JSON here")
   _chaos.add_chaos_arguments(parser)
+  _weight_soak.add_weight_sync_arguments(parser)
   parser.add_argument("--churn", type=int, default=0, help="run the producer-churn check with this many producers")
 
 
@@ -183,6 +192,12 @@ def run_churn(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+  if args.weight_sync:
+    args.generators = 4 if args.generators is None else args.generators
+    args.mb = 4.0 if args.mb is None else args.mb
+    return _weight_soak.run_weight_sync(args)
+  args.generators = 3 if args.generators is None else args.generators
+  args.mb = 64.0 if args.mb is None else args.mb
   if args.chaos:
     return _chaos.run_chaos(args)
   if args.churn:
