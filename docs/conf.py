@@ -13,6 +13,9 @@ import pathlib
 import re
 import sys
 
+from docutils import nodes
+from docutils.transforms import Transform
+
 DOCS = pathlib.Path(__file__).resolve().parent
 REPO = DOCS.parent
 # Document the checkout these docs live in, even if another copy is installed.
@@ -86,8 +89,35 @@ def _close_inline_code(app, what, name, obj, options, lines):
   lines[:] = [_BACKTICK_THEN_WORD.sub(r"\1\\ ", line) for line in lines]
 
 
+# Pages link to an anchor in another page as `page.md#name`, so that the link
+# works where the Markdown is read as a file too. A page sets such an anchor as
+# an HTML anchor on a line of its own, `<a id="rdt_jax.register"></a>`, which a
+# repository host resolves; this transform makes each a target Sphinx resolves
+# (the link then lands on the section or paragraph that follows).
+_HTML_ANCHOR = re.compile(r'^<a id="([^"]+)">$')
+
+
+class HtmlAnchorTargets(Transform):
+  default_priority = 200  # before docutils moves targets onto the next element (260)
+
+  def apply(self, **kwargs):
+    for paragraph in list(self.document.findall(nodes.paragraph)):
+      children = [c for c in paragraph.children if not (isinstance(c, nodes.Text) and not c.strip())]
+      if (
+          len(children) == 2
+          and all(isinstance(c, nodes.raw) and c.get("format") == "html" for c in children)
+          and children[1].astext().strip() == "</a>"
+          and (m := _HTML_ANCHOR.match(children[0].astext().strip()))
+      ):
+        target = nodes.target("", "", ids=[m.group(1)], names=[nodes.fully_normalize_name(m.group(1))])
+        target.source, target.line = paragraph.source, paragraph.line
+        paragraph.replace_self(target)
+        self.document.note_explicit_target(target, target)
+
+
 def setup(app):
   app.connect("autodoc-process-docstring", _close_inline_code)
+  app.add_transform(HtmlAnchorTargets)
 
 
 html_theme = "alabaster"

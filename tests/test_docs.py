@@ -1,4 +1,21 @@
-"""The docs build with warnings as errors, and every code block in them is checked.
+"""The docs build with warnings as errors, read completely as files, and every
+code block in them is checked.
+
+Every page reads completely as a file (README.md and docs/*.md, read on a
+repository host or in an editor, show what the built site shows):
+
+* no directive pulls content from elsewhere (`include`, `literalinclude`,
+  `eval-rst`, autodoc), and no page holds only directives. docs/api.md is
+  Markdown that `python scripts/api_reference.py` writes from the docstrings;
+  a copy of a file another command writes (benchmark tables, the version matrix)
+  sits inline between `<!-- generated from FILE ...: python scripts/sync_docs.py -->`
+  and `<!-- end generated -->`, and must equal what `scripts/sync_docs.py` writes
+  from that file;
+* every link resolves as a file: a relative link names a file that exists, and
+  its `#fragment` is a heading of that file (as a repository host makes anchors
+  of headings) or an HTML anchor `<a id="..."></a>` in it; no MyST role
+  (`{ref}`, `{doc}`, `{py:func}`, ...). docs/conf.py makes each HTML anchor a
+  target Sphinx resolves too, so `api.md#rdt_jax.register` works in both.
 
 The rule for README.md and docs/*.md: a fenced code block is one of
 
@@ -26,21 +43,22 @@ The rule for README.md and docs/*.md: a fenced code block is one of
 * a `{doctest}` (or `{testcode}`/`{testoutput}`) block, run by Sphinx's doctest
   builder here, exception messages included.
 
-Blocks that hold no code are allowed: `{toctree}`, `{eval-rst}` holding only
-autodoc directives, `{include}` of the files `rdt-jax bench` writes to
-docs/benchmarks/ or `scripts/matrix.sh` writes to docs/matrix/, and `text`
-blocks (diagrams) without Python in them. Admonitions are checked recursively.
-Anything else fails, naming the page and line.
+Blocks that hold no code are allowed: `{toctree}`, and `text` blocks (diagrams,
+copies of text files) without Python in them. Admonitions are checked
+recursively. Anything else fails, naming the page and line.
 
 Also checked: the docs index lists every page, the pages hold no development
-history (issue numbers, commit hashes, test-status notes), the API page documents
-exactly `rdt_jax.__all__`, and each committed benchmark page under
-docs/benchmarks/ is exactly what the generator writes from the JSON beside it.
+history (issue numbers, commit hashes, test-status notes), docs/api.md is what
+its script writes and documents exactly `rdt_jax.__all__`, and each committed
+benchmark page under docs/benchmarks/ is exactly what the generator writes from
+the JSON beside it.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import json
 import pathlib
 import re
@@ -66,9 +84,9 @@ ADMONITIONS = {
     "admonition", "attention", "caution", "danger", "error", "hint", "important",
     "note", "seealso", "tip", "warning",
 }
-AUTODOC_LINE = re.compile(
-    r"^(\.\. auto(function|class|exception|data|method|attribute)::\s+\S+|\s+:[\w-]+:.*)$"
-)
+# Directives whose content a reader of the file does not see: it comes from
+# another file, or from the code (autodoc), or is reST.
+HIDING_DIRECTIVES = re.compile(r"^(include|literalinclude|eval-rst|eval-md|auto\w+|py:\w+)$")
 MARKER = re.compile(r"^<!--\s*(example|output|illustrative)\b:?\s*(.*?)\s*-->\s*$", re.S)
 SELECT_OPTIONS = {"pyobject", "start-at", "start-after", "end-at", "end-before"}
 # User docs hold no development history (the project's check, as a test).
@@ -76,7 +94,7 @@ HISTORY = re.compile(r"\b[Ii]ssue [0-9]+|\b(commit|at) [0-9a-f]{7,12}\b|tested h
 
 
 def page_name(page: pathlib.Path) -> str:
-  return str(page.relative_to(REPO))
+  return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else str(page)
 
 
 # ---- the Sphinx builds
@@ -284,13 +302,8 @@ def check_block(page: pathlib.Path, block: Block) -> str | None:
     return None
   if block.kind in DOCTEST_DIRECTIVES or block.kind == "toctree":
     return None
-  if block.kind == "eval-rst":
-    bad = [line for line in block.body.splitlines() if line.strip() and not AUTODOC_LINE.match(line)]
-    return f"eval-rst may hold autodoc directives only, not {bad[0]!r}" if bad else None
-  if block.kind == "include":
-    if not block.argument.startswith(("benchmarks/", "matrix/")):
-      return f"include of {block.argument}; only docs/benchmarks/ and docs/matrix/ files"
-    return None
+  if HIDING_DIRECTIVES.match(block.kind):
+    return f"{{{block.kind}}} hides its content from a reader of the file (see test_page_reads_completely_as_a_file)"
   if block.kind == "text":
     if re.search(r"^\s*(>>>|import |from \w+ import |def |class )", block.body, re.M):
       return "a text block holding Python; show an example file or doctest it"
@@ -314,13 +327,6 @@ def test_every_code_block_is_an_example_doctested_or_marked(page):
   if markers != sum(b.marker is not None for b in blocks):
     problems.append(f"{page_name(page)}: an example/output/illustrative marker is not right before a code block")
   assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("page", READ_PAGES, ids=page_name)
-def test_no_directive_hides_code_from_a_reader(page):
-  """Code and its output are in the page itself: no `literalinclude`."""
-  hidden = [b.line for b in code_blocks(page) if b.kind == "literalinclude"]
-  assert not hidden, f"{page_name(page)}: literalinclude at lines {hidden}; show the code in the page"
 
 
 def output_blocks() -> list[tuple[str, int, str, str]]:
@@ -358,6 +364,174 @@ def test_pyobject_selection_includes_decorators():
   assert select(source, {"pyobject": "C", "end-before": "def g"}).startswith("@dec\nclass C:")
 
 
+# ---- every page reads completely as a file
+
+
+def load_script(name: str):
+  """scripts/NAME.py as a module."""
+  spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def all_tokens(tokens):
+  """`tokens` and their inline children, depth first."""
+  for token in tokens:
+    yield token
+    if token.children:
+      yield from all_tokens(token.children)
+
+
+def page_tokens(text: str):
+  """Every token of a page, with the bodies of admonitions parsed too (they
+  hold Markdown; other directives' bodies do not)."""
+  for token in all_tokens(md_parser().parse(text)):
+    yield token
+    if token.type in ("fence", "colon_fence"):
+      m = re.match(r"^\{([\w:-]+)\}", token.info.strip())
+      if m and m.group(1) in ADMONITIONS:
+        yield from page_tokens(split_directive(token.content)[1])
+
+
+@functools.cache
+def file_anchors(path: pathlib.Path) -> frozenset[str]:
+  """The `#fragment`s that resolve in `path` read as a file on a repository
+  host: each heading's GitHub-style slug (a repeated one numbered), and the ids
+  of HTML anchors."""
+  from myst_parser.slugs import github_slugify
+
+  text = path.read_text()
+  anchors = set(re.findall(r'<a\s+(?:id|name)="([^"]+)"', text))
+  seen: dict[str, int] = {}
+  tokens = list(page_tokens(text))
+  for i, token in enumerate(tokens):
+    if token.type != "heading_open":
+      continue
+    inline = tokens[i + 1]
+    title = "".join(c.content for c in all_tokens(inline.children or []) if c.type in ("text", "code_inline"))
+    slug = github_slugify(title)
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    anchors.add(slug if count == 0 else f"{slug}-{count}")
+  return frozenset(anchors)
+
+
+def link_problem(page: pathlib.Path, href: str) -> str | None:
+  """Why `href`, a link on `page`, does not resolve when the page is read as a
+  file (None if it does)."""
+  if re.match(r"^(https?|mailto):", href):
+    return None
+  if re.match(r"^[\w+.-]+:", href):
+    return "a link only Sphinx resolves (a MyST link scheme)"
+  path, _, fragment = href.partition("#")
+  target = (page.parent / path).resolve() if path else page
+  if not target.exists():
+    return f"{path} does not exist"
+  if fragment:
+    if target.suffix != ".md":
+      return "a fragment of a file that is not Markdown"
+    if fragment not in file_anchors(target):
+      return (
+          f"#{fragment} is neither a heading nor an HTML anchor of {page_name(target)} "
+          "(it resolves only in Sphinx, if at all): link a heading's anchor, or add <a id=...></a>"
+      )
+  return None
+
+
+def reading_problems(page: pathlib.Path) -> list[str]:
+  """What a reader of `page` as a file would miss."""
+  name = page_name(page)
+  problems = [
+      f"{name}:{b.line}: {{{b.kind}}} {b.argument} hides its content from a reader of the file"
+      + (f"; inline it between generated comments ({SYNC_DOCS})" if b.kind == "include" else "")
+      for b in code_blocks(page)
+      if HIDING_DIRECTIVES.match(b.kind)
+  ]
+  text = page.read_text()
+  tokens = list(page_tokens(text))
+  prose = [
+      t for t in tokens
+      if t.type in ("paragraph_open", "bullet_list_open", "ordered_list_open", "table_open", "blockquote_open")
+      or (t.type in ("fence", "code_block") and not t.info.strip().startswith("{"))
+  ]
+  if not prose:
+    problems.append(f"{name}: holds only headings and directives; a reader of the file sees nothing")
+  for token in tokens:
+    if token.type == "myst_role":
+      problems.append(f"{name}: the role {{{token.meta.get('name')}}}`{token.content}` resolves only in Sphinx")
+    for attr in ("href", "src"):
+      value = token.attrGet(attr) if token.type in ("link_open", "image") else None
+      if isinstance(value, str) and (problem := link_problem(page, value)):
+        problems.append(f"{name}: link ({value}): {problem}")
+  return problems
+
+
+SYNC_DOCS = "python scripts/sync_docs.py"
+API_REFERENCE = "python scripts/api_reference.py"
+
+
+@pytest.mark.parametrize("page", READ_PAGES, ids=page_name)
+def test_page_reads_completely_as_a_file(page):
+  """No directive hides content (include, literalinclude, eval-rst, autodoc),
+  the page holds more than directives, and every link resolves as a file."""
+  problems = reading_problems(page)
+  assert not problems, "\n".join(problems)
+
+
+def test_reading_problems_are_found(tmp_path):
+  """The check of `test_page_reads_completely_as_a_file` finds what it is for."""
+  (tmp_path / "other.md").write_text("# Other page\n\n<a id=\"rdt_jax.x\"></a>\n\n## Twice\n\n## Twice\n")
+  page = tmp_path / "page.md"
+  page.write_text(
+      "# A page\n\nSee [a](other.md#rdt_jax.x), [b](other.md#twice-1), [c](#a-page), [d](https://x.org).\n"
+  )
+  assert reading_problems(page) == []
+  page.write_text("# Reference\n\n```{eval-rst}\n.. autofunction:: rdt_jax.register\n```\n")
+  found = "\n".join(reading_problems(page))
+  assert "{eval-rst}" in found and "holds only headings and directives" in found
+  page.write_text(
+      "# A page\n\n[x](#rdt_jax.register), {ref}`target`, [y](other.md#nothing), [z](gone.md)\n\n"
+      "```{include} other.md\n```\n"
+  )
+  found = "\n".join(reading_problems(page))
+  assert "#rdt_jax.register is neither" in found and "{ref}`target`" in found
+  assert "#nothing is neither" in found and "gone.md does not exist" in found and "{include}" in found
+
+
+def test_api_reference_is_what_its_script_writes():
+  """docs/api.md is generated from the docstrings, so that it reads as a file."""
+  expected = load_script("api_reference").render()
+  assert (DOCS / "api.md").read_text() == expected, f"docs/api.md is out of date: run {API_REFERENCE}"
+
+
+def generated_pages() -> list[pathlib.Path]:
+  sync = load_script("sync_docs")
+  return [p for p in sync.pages() if list(sync.blocks(p.read_text(), page_name(p)))]
+
+
+@pytest.mark.parametrize("page", generated_pages(), ids=page_name)
+def test_generated_blocks_equal_their_sources(page):
+  """Each block between `<!-- generated from FILE ... -->` and `<!-- end
+  generated -->` is what scripts/sync_docs.py writes from FILE."""
+  sync = load_script("sync_docs")
+  text = page.read_text()
+  stale = []
+  for block in sync.blocks(text, page_name(page)):
+    shown = text.splitlines()[block.start + 1 : block.end]
+    if shown != sync.body(block):
+      stale.append(f"{page_name(page)}:{block.start + 1} (from {block.source})")
+  assert not stale, "generated blocks differ from their sources: " + ", ".join(stale) + f"; run {SYNC_DOCS}"
+
+
+def test_generated_blocks_are_found():
+  """Each page the docs once included files into keeps them inline."""
+  names = {page_name(p) for p in generated_pages()}
+  expected = {"benchmarks", "faults", "performance", "ray_integration", "resharding", "weight_sync"}
+  assert {f"docs/{n}.md" for n in expected} <= names, names
+
+
 # ---- what the pages say
 
 
@@ -376,8 +550,7 @@ def test_user_docs_hold_no_development_history(page):
 
 def test_api_page_documents_exactly_the_public_names():
   text = (DOCS / "api.md").read_text()
-  directive = r"^\.\. auto(?:function|class|exception)::\s+rdt_jax\.(\w+)\s*$"
-  documented = re.findall(directive, text, re.M)
+  documented = re.findall(r'^<a id="rdt_jax\.(\w+)"></a>$', text, re.M)
   assert sorted(documented) == sorted(rdt_jax.__all__), (
       f"api.md documents {sorted(documented)}, rdt_jax.__all__ is {sorted(rdt_jax.__all__)}"
   )
