@@ -47,6 +47,10 @@ Blocks that hold no code are allowed: `{toctree}`, and `text` blocks (diagrams,
 copies of text files) without Python in them. Admonitions are checked
 recursively. Anything else fails, naming the page and line.
 
+The README's Python blocks that are not illustrative run, as scripts (an
+example's code is run once, by `test_examples.run_example`), and its public
+table lists exactly `rdt_jax.__all__`, each call form matching the signature.
+
 Also checked: the docs index lists every page, the pages hold no development
 history (issue numbers, commit hashes, test-status notes), docs/api.md is what
 its script writes and documents exactly `rdt_jax.__all__`, and each committed
@@ -59,12 +63,15 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import inspect
 import json
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import NamedTuple
 
@@ -72,6 +79,7 @@ import pytest
 
 import rdt_jax
 import test_examples
+from _helpers import clean_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -530,6 +538,118 @@ def test_generated_blocks_are_found():
   names = {page_name(p) for p in generated_pages()}
   expected = {"benchmarks", "faults", "performance", "ray_integration", "resharding", "weight_sync"}
   assert {f"docs/{n}.md" for n in expected} <= names, names
+
+
+# ---- the README
+
+
+README = REPO / "README.md"
+
+
+def readme_public_table() -> list[str]:
+  """The first cells of the rows of the README's "Public API" table."""
+  lines = README.read_text().split("\n## Public API\n", 1)[1].splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+  rows = []
+  for line in lines[start + 2 :]:  # after the header and its rule
+    if not line.startswith("|"):
+      break
+    rows.append(line.split("|")[1].strip())
+  return rows
+
+
+def test_readme_public_table_lists_exactly_rdt_jax_all():
+  named = [
+      re.match(r"[A-Za-z_]\w*", span).group(0)
+      for cell in readme_public_table()
+      for span in re.findall(r"`([^`]+)`", cell)
+  ]
+  assert sorted(named) == sorted(rdt_jax.__all__), (
+      f"README.md's public table lists {sorted(set(named) - set(rdt_jax.__all__))} beyond rdt_jax.__all__ "
+      f"and lacks {sorted(set(rdt_jax.__all__) - set(named))}"
+  )
+  assert len(named) == len(set(named)), "README.md's public table lists a name twice"
+
+
+def test_readme_public_table_calls_match_the_signatures():
+  """A call in the table (`receive_stats(transport="jax_nixl", reset=False)`)
+  binds to the function's signature, its positional words naming the parameters."""
+  problems = []
+  for cell in readme_public_table():
+    for span in re.findall(r"`([^`]+)`", cell):
+      if "(" not in span:
+        continue
+      call = ast.parse(span, mode="eval").body
+      assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name), span
+      params = list(inspect.signature(getattr(rdt_jax, call.func.id)).parameters)
+      try:
+        inspect.signature(getattr(rdt_jax, call.func.id)).bind(
+            *call.args, **{k.arg: k.value for k in call.keywords if k.arg}
+        )
+      except TypeError as e:
+        problems.append(f"{span}: {e}")
+        continue
+      for i, arg in enumerate(call.args):
+        if not (isinstance(arg, ast.Name) and arg.id == params[i]):
+          problems.append(f"{span}: argument {i + 1} is `{ast.unparse(arg)}`, the parameter is `{params[i]}`")
+  assert not problems, "README.md's public table:\n" + "\n".join(problems)
+
+
+def readme_python_blocks() -> list[Block]:
+  """The README's Python blocks a reader would run: those not marked illustrative."""
+  return [
+      b for b in code_blocks(README)
+      if b.kind in ("python", "py") and not (b.marker is not None and b.marker[0] == "illustrative")
+  ]
+
+
+def example_run_for(block: Block) -> test_examples.Example | None:
+  """The example whose run is `block`'s run: the block shows an example file
+  whole but for its module docstring, and the example runs without arguments."""
+  if block.marker is None or block.marker[0] != "example":
+    return None
+  script, _ = parse_example_marker(block.marker[1])
+  example = test_examples.example_for(script)
+  source = (test_examples.EXAMPLES_DIR / script).read_text()
+  first = ast.parse(source).body[0]
+  if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+    source = "\n".join(source.splitlines()[first.end_lineno :])
+  return example if not example.args and source.strip("\n") == block.body.strip("\n") else None
+
+
+@functools.cache
+def run_snippet(code: str) -> subprocess.CompletedProcess:
+  """Runs `code` as a script, from an empty directory, as test_examples runs an example."""
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="rdt-jax-readme-"))
+  (workdir / "snippet.py").write_text(code)
+  try:
+    return subprocess.run(
+        [sys.executable, "snippet.py"], cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=300
+    )
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("block", readme_python_blocks(), ids=lambda b: f"README.md:{b.line}")
+def test_readme_python_blocks_run(block):
+  """Every call in the README's code runs: each Python block not marked
+  illustrative runs as a script (an example shown whole is the example's run,
+  once per pytest process), and prints the output block that follows it."""
+  example = example_run_for(block)
+  proc = test_examples.run_example(example) if example is not None else run_snippet(block.body)
+  assert proc.returncode == 0, f"README.md:{block.line}: the block failed:\n{proc.stderr[-4000:]}"
+  blocks = list(code_blocks(README))
+  following = blocks[blocks.index(block) + 1 :]
+  if following and following[0].marker is not None and following[0].marker[0] == "output":
+    assert output_pattern(following[0].body).fullmatch(proc.stdout), (
+        f"README.md:{following[0].line}: the output shown differs from what the block printed:\n{proc.stdout}"
+    )
+
+
+def test_readme_has_no_doctest_blocks():
+  """Sphinx builds docs/ only: a doctest block in the README would never run."""
+  lines = [b.line for b in code_blocks(README) if b.kind in DOCTEST_DIRECTIVES]
+  assert not lines, f"README.md: doctest blocks at lines {lines}; show an example's code instead"
 
 
 # ---- what the pages say
