@@ -283,11 +283,16 @@ async def _awaited(s: _Sub, handle: Any, cancel_after: float | None, observe: Ca
   return out
 
 
-def _stacks() -> str:
-  """The stack of every thread of this process, innermost frames last (a hang's report)."""
+def _stacks() -> dict[str, str]:
+  """The stack of every thread of this process by thread name, innermost frames last (a hang's report)."""
   names = {t.ident: t.name for t in threading.enumerate()}
-  return "\n".join(f"-- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)[-12:])
-                   for ident, frame in sys._current_frames().items())
+  return {str(names.get(ident, ident)): "".join(traceback.format_stack(frame)[-12:])
+          for ident, frame in sys._current_frames().items()}
+
+
+def _in_bucket_fetch(stacks: dict[str, str]) -> bool:
+  """True if a thread that fetches a pull's bucket waits for its NIXL READ."""
+  return any("bucket" in name and "inflight.py" in stack for name, stack in stacks.items())
 
 
 class _Puller:
@@ -305,7 +310,9 @@ class _Puller:
     self.retired: list[tuple[int, list[np.ndarray]]] = []  # (round retired, sentinel-filled views)
     self.rounds = 0
     self.expected: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
-    self.lock = threading.Lock()  # the round's counts, updated from every pulling thread
+    self.lock = threading.Lock()  # `backwards`, updated from every pulling thread
+    self.backwards = 0  # `sub.version` seen going back, by any pull (rounds report what is new)
+    self.reported_backwards = 0
     self.threads = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="soak-pull")
     self.loop = asyncio.new_event_loop()
     threading.Thread(target=self.loop.run_forever, daemon=True, name="soak-loop").start()
@@ -328,24 +335,24 @@ class _Puller:
         self.expected.popitem(last=False)
     return self.expected[key]
 
-  def _observe(self, s: _Sub, counts: collections.Counter) -> None:
+  def _observe(self, s: _Sub) -> None:
     """`sub.version` as a thread sees it now: never lower than before; None only for atomic=False."""
     with self.lock:
       v = s.sub.version
       if v is None:
         if s.sub.atomic and s.high is not None:
-          counts["backwards"] += 1
+          self.backwards += 1
         return
       if s.high is not None and v < s.high:
-        counts["backwards"] += 1
+        self.backwards += 1
       s.high = v if s.high is None else max(s.high, v)
 
-  def _in_thread(self, s: _Sub, handle: Any, timeout: float | None, counts: collections.Counter) -> tuple:
+  def _in_thread(self, s: _Sub, handle: Any, timeout: float | None) -> tuple:
     try:
       out: tuple = ("ok", s.sub.pull(handle, timeout=timeout), time.monotonic())
     except BaseException as e:
       out = ("error", e, time.monotonic())
-    self._observe(s, counts)
+    self._observe(s)
     return out
 
   def _start(self, rng: random.Random, items: list, counts: collections.Counter) -> list[_Pull]:
@@ -362,11 +369,11 @@ class _Puller:
         if way == "thread":
           timeout = rng.uniform(0.001, 0.05) if rng.random() < 0.1 else None
           counts["timed_pulls"] += timeout is not None
-          future: Any = self.threads.submit(self._in_thread, s, item[0], timeout, counts)
+          future: Any = self.threads.submit(self._in_thread, s, item[0], timeout)
         else:
           cancel_after = rng.uniform(0.0, 0.03) if rng.random() < 0.15 else None
           counts["async_pulls"] += 1
-          pull = _awaited(s, item[0], cancel_after, functools.partial(self._observe, s, counts))
+          pull = _awaited(s, item[0], cancel_after, functools.partial(self._observe, s))
           future = asyncio.run_coroutine_threadsafe(pull, self.loop)
           if cancel_after is not None:
             s.maybe.setdefault(item[2], set()).add(item[1])
@@ -441,6 +448,12 @@ class _Puller:
         if s.retire:
           self._retire(s, counts)
 
+  def _new_backwards(self) -> int:
+    """Versions seen going back since the last report."""
+    with self.lock:
+      new, self.reported_backwards = self.backwards - self.reported_backwards, self.backwards
+    return new
+
   def _late_writes(self, every: bool) -> int:
     """Retired templates (those of the last rounds, or `every` one) with a byte not the sentinel."""
     late = 0
@@ -468,6 +481,7 @@ class _Puller:
     counts["stalled"] += len(late)
     self._conclude(started, counts, errors)
     counts["late_writes"] += self._late_writes(every=False)
+    counts["backwards"] += self._new_backwards()
     return {"counts": dict(counts), "errors": errors[:5], "slowest_s": self.slowest, "stalled": len(late)}
 
   def drain(self, bound: float) -> dict:
@@ -483,10 +497,11 @@ class _Puller:
     counts["hangs"] += len(hung)
     if hung:
       stacks = _stacks()
-      if "inflight.py" in stacks and "bucket" in stacks:  # a pull waits for a bucket's NIXL READ
+      if _in_bucket_fetch(stacks):
         counts["hangs_in_bucket_fetch"] += len(hung)
       which = ", ".join(f"v{p.item[2]}/{p.item[1]}" for p in hung)
-      errors.append(f"{len(hung)} pull(s) ({which}) with no answer within {bound:.0f} s; stacks:\n{stacks}")
+      dump = "\n".join(f"-- {name}\n{stack}" for name, stack in stacks.items())
+      errors.append(f"{len(hung)} pull(s) ({which}) with no answer within {bound:.0f} s; stacks:\n{dump}")
       concurrent.futures.wait([p.future for p in hung], timeout=bound / 2)
     pending = self.pending
     self.pending = [p for p in pending if not p.future.done()]
@@ -495,6 +510,7 @@ class _Puller:
                                                  f"{time.monotonic() - p.started:.1f} s" for p in self.pending]
     self._conclude(answered, counts, errors)
     counts["late_writes"] += self._late_writes(every=True)
+    counts["backwards"] += self._new_backwards()
     return {"counts": dict(counts), "errors": errors[:5], "slowest_s": self.slowest, "stalls": stalls}
 
   def finish(self) -> dict:
