@@ -16,7 +16,9 @@ gives up on the fetch (`RAY_rdt_fetch_fail_timeout_milliseconds`, 60 s by
 default, whatever the rdt_jax settings), and only then does the pull raise
 `StaleWeightsError` ("was freed while it was being read"): about 62 s after it
 began, where a freed version found by the subscriber's own checks is refused at
-once.
+once. Since the pull asks its publisher every 2 s while a bucket's fetch runs
+(`rdt_jax.weights._routes._await_bucket`), it raises `StaleWeightsError` within
+seconds (4.2 s here, 2 of them the injected delay).
 
 `--object` shows the same below weight sync: a plain jax_nixl RDT object freed
 with `free_now` before a consumer (node-local reads off) fetches it: `ray.get`
@@ -27,7 +29,7 @@ Usage:
 
 Prints what the pull (or fetch) did within `--wait` seconds, e.g.
   pull of version 1: returned after 1.2 s: 1.0
-  pull of version 2: raised StaleWeightsError after 62.1 s: Version 2 was freed while it was being read ...
+  pull of version 2: raised StaleWeightsError after 4.2 s: Version 2 was freed while it was being read ...
 (with `--wait 45`: "HANG (no answer after 45 s)").
 """
 

@@ -358,6 +358,31 @@ def test_a_version_larger_than_the_host_pool_freed_during_a_read_is_stale():
     kill(t, g)
 
 
+def test_a_version_freed_while_its_buckets_are_fetched_is_stale_within_seconds():
+  """Through Ray (node-local reads refused), keep=1, 1 MiB buckets: the
+  trainer publishes the next version while the pull waits between buckets.
+  The freed buckets' memory is deregistered, and a fetch of them would end
+  only at Ray's 60 s fetch timeout; the pull asks the publisher while it
+  waits and fails stale within seconds."""
+  n = 3 << 18  # 3 MiB of float32: three buckets
+  t = Trainer.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(1 << 20))).remote(keep=1, n=n)
+  g = Generator.options(runtime_env=worker_env(RDT_JAX_NIXL_CMA="0", RDT_JAX_FAULTS_ENABLE="1")).remote(False, n)
+  try:
+    assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+    handle = ray.get(t.publish.remote(2))
+    ray.get(g.faults.remote("weights.bucket:delay=3*1"))  # once the first bucket is copied
+    start = time.monotonic()
+    pending = g.try_pull.remote(handle)
+    assert wait_for(lambda: ray.get(g.injected.remote()).get("weights.bucket", 0) >= 1, 60)
+    ray.get(t.publish.remote(3))  # frees version 2 and its buckets during the delay
+    r = ray.get(pending, timeout=120)
+    assert r.get("stale") and "was freed while it was being read" in r["error"], r
+    assert time.monotonic() - start < 30, r
+    assert r["version"] is None  # in place: a bucket had reached the template
+  finally:
+    kill(t, g)
+
+
 # --------------------------------------------------------------------------
 # Nothing from the publisher is trusted (no actors)
 

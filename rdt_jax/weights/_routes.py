@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import ray
@@ -239,6 +239,11 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
 # Through Ray: packed versions in buckets
 
 
+#: While a bucket's fetch runs, the publisher is asked this often whether it
+#: still keeps the version: a version freed meanwhile has its buckets' memory
+#: deregistered, and a fetch of them would end only at Ray's fetch timeout.
+STALE_CHECK_S: Final = 2.0
+
 _fetch_pool: list[concurrent.futures.ThreadPoolExecutor] = []
 _fetch_lock = threading.Lock()
 
@@ -248,8 +253,21 @@ def _fetcher() -> concurrent.futures.ThreadPoolExecutor:
   last one out (created at the first bucketed pull)."""
   with _fetch_lock:
     if not _fetch_pool:
-      _fetch_pool.append(concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rdt-jax-bucket"))
+      _fetch_pool.append(concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="rdt-jax-bucket"))
     return _fetch_pool[0]
+
+
+def _await_bucket(pull: Pull, pending: concurrent.futures.Future[Any]) -> Any:
+  """The bucket `pending` fetches. While the fetch runs, every
+  `STALE_CHECK_S` the pull stops if it was cancelled and asks the publisher
+  whether it still keeps the version (`StaleWeightsError` if not: the fetch
+  is left to end in its thread, into rdt_jax's memory, never the template)."""
+  while True:
+    try:
+      return pending.result(timeout=STALE_CHECK_S)
+    except concurrent.futures.TimeoutError:
+      pull.check_cancelled()
+      pull.ask(after_read=True)
 
 
 def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomic: bool) -> None:
@@ -277,8 +295,8 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
     pending: concurrent.futures.Future[Any] = _fetcher().submit(ray.get, refs[0], timeout=pull.left())
     for i, ref in enumerate(refs):
       try:
-        bucket: Any = pending.result()
-      except ray.exceptions.GetTimeoutError:
+        bucket: Any = _await_bucket(pull, pending)
+      except (ray.exceptions.GetTimeoutError, StaleWeightsError, PullCancelled):
         raise
       except Exception:
         pull.ask(after_read=True)
