@@ -801,7 +801,8 @@ def _summary(report: dict) -> list[str]:
       f"{c.get('calls_lost_to_kills', 0)}; subscribers retired {c.get('retired', 0)}; pulls unanswered after "
       f"{ROUND_WAIT_S:.0f} s {c.get('stalled', 0)} (their actors set aside {c.get('set_aside', 0)}), slowest answer "
       f"{report['slowest_s']} s; pulls awaited "
-      f"{c.get('async_pulls', 0)}, with a timeout {c.get('timed_pulls', 0)}",
+      f"{c.get('async_pulls', 0)}, with a timeout {c.get('timed_pulls', 0)}; start-up {report['startup_s']} s, "
+      f"settling at the end {report['settle_s']} s",
   ]
 
 
@@ -812,6 +813,7 @@ def run_weight_sync(args: argparse.Namespace) -> int:
   ray.init(address="local", num_cpus=args.generators + 8, include_dashboard=False, logging_level=logging.ERROR)
   start = time.monotonic()
   soak = _Soak(args)
+  started = time.monotonic()  # the first trainer runs: rounds begin
   deadline = time.monotonic() + args.minutes * 60
   next_event = time.monotonic() + soak.rng.uniform(0.5, 1.5) * args.event_every
   last_print = 0.0
@@ -827,11 +829,14 @@ def run_weight_sync(args: argparse.Namespace) -> int:
       print(f"\r[weight-sync] {now - start:6.0f} s  versions {c['versions']}  pulls {c['pulls']}  ok {c['ok']}  "
             f"events {c['events']}  wrong {c['wrong_versions']}  other {c['other_errors']}",
             end="", file=sys.stderr, flush=True)
+  ended = time.monotonic()
   actors = soak.settle()
   leaks = sum(1 for c in actors for k in _chaos.BASELINE_KEYS if c[k])
   report = {
       "config": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for k, v in vars(args).items()},
       "seconds": round(time.monotonic() - start, 1),
+      "startup_s": round(started - start, 1),
+      "settle_s": round(time.monotonic() - ended, 1),
       "counts": {k: soak.counts.get(k, 0) for k in sorted(set(soak.counts) | set(PULL_KEYS))},
       "leaks": leaks,
       "slowest_s": round(soak.slowest, 2),
