@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from _helpers import clean_env
 
 
@@ -63,12 +61,6 @@ def test_chaos_soak_is_exact_and_leak_free(tmp_path):
 #: run is in docs/benchmarks/weight-sync-soak-10min.txt.
 WEIGHT_SYNC_ARGS = ("--minutes", "0.5", "--hang-bound", "30")
 WEIGHT_SYNC_ENV = {"RDT_JAX_NIXL_PRODUCER_IDLE_S": "5"}
-#: The known stall (scripts/repro_freed_bucket.py): a pull through Ray whose
-#: version is freed before it fetched its last bucket posts a NIXL READ of
-#: deregistered memory that ends only when Ray gives up on the fetch (60 s), so
-#: the pull answers StaleWeightsError after a minute instead of at once.
-FREED_BUCKET_HANG = ("a pull through Ray of a version freed before its last bucket was fetched stalls until Ray's "
-                     "60 s fetch timeout (scripts/repro_freed_bucket.py)")
 
 
 def test_weight_sync_soak_is_exact_and_leak_free(tmp_path):
@@ -89,8 +81,6 @@ def test_weight_sync_soak_is_exact_and_leak_free(tmp_path):
   for key in ("wrong_versions", "backwards", "other_errors", "late_writes"):
     assert counts[key] == 0, (key, report["first_errors"])
   assert report["leaks"] == 0, report["actors_at_end"]
-  assert counts["hangs"] == counts.get("hangs_in_bucket_fetch", 0), report["first_errors"]
-  if counts["hangs"]:
-    pytest.xfail(f"known bug: {FREED_BUCKET_HANG} ({counts['hangs']} hung pull(s))")
+  assert counts["hangs"] == 0, report["first_errors"]
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   assert "weight-sync soak:" in proc.stdout and "wrong versions 0" in proc.stdout and "leaks 0" in proc.stdout
