@@ -19,7 +19,8 @@ copies longer, so versions are freed while they are read.
 
 Every `--event-every` seconds (drawn from `--seed`) a chaos event, one of: a
 generator killed (and replaced); the trainer killed mid-round (and replaced by a
-standby trainer with a new publisher, republishing from up to 3 versions back);
+standby trainer with a new publisher, republishing from up to 3 versions back;
+a publisher recreated instead while no standby runs yet);
 or the publisher recreated inside the trainer (closed, and a new one republishes
 the same version numbers; one publisher in four sends pytrees, `pack=False`).
 
@@ -46,7 +47,9 @@ Checked, each a count that must be 0 for exit status 0:
 * leaks: at the end every publisher is closed, every subscriber dropped, and
   each live actor must be back to its baseline on every counter of its
   transport's `counters()` and hold no pooled host memory (as `--chaos`
-  checks; consumers forget idle producers after `RDT_JAX_NIXL_PRODUCER_IDLE_S`).
+  checks; consumers forget idle producers after `RDT_JAX_NIXL_PRODUCER_IDLE_S`,
+  and a bucket's fetch that a refused pull left running ends at Ray's fetch
+  timeout at the latest: the end waits for the longer of the two, plus 30 s).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ import numpy as np
 import ray
 
 import rdt_jax
-from rdt_jax import _settings
+from rdt_jax import _seam, _settings
 from rdt_jax.bench import _chaos
 
 #: A pull (or a round call) with no answer by then counts as a hang (`--hang-bound`).
@@ -594,6 +597,7 @@ class _Soak:
     ray.get(self.trainer.ready.remote(), timeout=300)
     ray.get(self.trainer.restart.remote(self.incarnation, 1, True), timeout=CALL_BOUND_S)
     self.spare = self._new_trainer()  # the standby, started once the first trainer runs
+    self.spare_ready = self.spare.ready.remote()
     self.last_version = 0
     self.recent: collections.deque = collections.deque(maxlen=5)
     self.counts: collections.Counter = collections.Counter()
@@ -626,6 +630,9 @@ class _Soak:
 
   def _event(self) -> None:
     kind = self.rng.choices(["generator", "trainer", "publisher"], [0.4, 0.3, 0.3])[0]
+    if kind == "trainer" and not ray.wait([self.spare_ready], timeout=0)[0]:
+      kind = "publisher"  # no standby runs yet: the rounds would wait for one to start
+      self.counts["trainer_kills_deferred"] += 1
     self.events.append(f"round {self.counts['rounds']}: {kind} (newest v{self.last_version}/{self.incarnation})")
     self.counts["events"] += 1
     self.counts["event_" + kind] += 1
@@ -643,6 +650,7 @@ class _Soak:
     self.killed.add(name)
     if name == "trainer":
       old, self.trainer, self.spare = self.trainer, self.spare, self._new_trainer()
+      self.spare_ready = self.spare.ready.remote()
       self.incarnation += 1
       self.restarting = self.trainer.restart.remote(self.incarnation, self._rollback_to(), self._pack())
     else:
@@ -776,7 +784,10 @@ class _Soak:
       ray.get(self.restarting, timeout=CALL_BOUND_S)
     late = ray.get([a.finish.remote() for _, a in self.actors()], timeout=CALL_BOUND_S)
     self.counts["late_writes"] += sum(r["late_writes"] for r in late)
-    settle_until = time.monotonic() + float(_settings.value("RDT_JAX_NIXL_PRODUCER_IDLE_S")) + 30
+    # Idle producers are forgotten after RDT_JAX_NIXL_PRODUCER_IDLE_S; a bucket's fetch left running by a
+    # pull that was refused meanwhile (its version freed) ends at Ray's fetch timeout at the latest.
+    wait_s = max(float(_settings.value("RDT_JAX_NIXL_PRODUCER_IDLE_S")), _seam.rdt_fetch_timeout_s())
+    settle_until = time.monotonic() + wait_s + 30
     while True:
       counters = ray.get([a.counters.remote() for _, a in self.actors()], timeout=CALL_BOUND_S)
       if not any(c[k] for c in counters for k in _chaos.BASELINE_KEYS) or time.monotonic() > settle_until:
