@@ -310,6 +310,7 @@ class _Puller:
     self.subs: dict[int, _Sub] = {}
     self.pending: list[_Pull] = []  # pulls still running after their round (see `drain`)
     self.slowest = 0.0  # seconds, the slowest pull that answered
+    self.stall_stacks: list[str] = []  # thread stacks when pulls outlived their round
     self.retired: list[tuple[int, list[np.ndarray]]] = []  # (round retired, sentinel-filled views)
     self.rounds = 0
     self.expected: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
@@ -478,6 +479,9 @@ class _Puller:
     started = self._start(rng, items, counts)
     concurrent.futures.wait([p.future for p in started], timeout=wait_s)
     late = [p for p in started if not p.future.done()]
+    if late and len(self.stall_stacks) < 2:  # where pulls wait that outlive their round
+      busy = {name: stack for name, stack in _stacks().items() if "site-packages" in stack or "rdt_jax" in stack}
+      self.stall_stacks.append("\n".join(f"-- {name}\n{stack}" for name, stack in busy.items()))
     for p in late:
       self._detach(p.s)
     self.pending += late
@@ -514,7 +518,8 @@ class _Puller:
     self._conclude(answered, counts, errors)
     counts["late_writes"] += self._late_writes(every=True)
     counts["backwards"] += self._new_backwards()
-    return {"counts": dict(counts), "errors": errors[:5], "slowest_s": self.slowest, "stalls": stalls}
+    return {"counts": dict(counts), "errors": errors[:5], "slowest_s": self.slowest, "stalls": stalls,
+            "stall_stacks": self.stall_stacks}
 
   def finish(self) -> dict:
     """Drops every subscriber (its staging memory); the late-write check of every retired template."""
@@ -607,6 +612,7 @@ class _Soak:
     self.restarting: Any = None
     self.draining: list[_Call] = []  # actors set aside, their `drain` call
     self.stalls: list[str] = []  # pulls answered after their round, as `_describe` tells
+    self.stall_stacks: list[str] = []  # the first few actors' thread stacks when their pulls outlived a round
     self.slowest = 0.0
 
   def _new_trainer(self) -> Any:
@@ -688,6 +694,7 @@ class _Soak:
   def _add(self, name: str, result: dict) -> None:
     self.counts.update(result["counts"])
     self.stalls.extend(f"{name}: {m}" for m in result.get("stalls", []))
+    self.stall_stacks.extend(result.get("stall_stacks", [])[: max(0, 3 - len(self.stall_stacks))])
     self.slowest = max(self.slowest, result["slowest_s"])
     self.errors.extend(f"round {self.counts['rounds']}: {name}: {m}" for m in result["errors"])
 
@@ -854,6 +861,7 @@ def run_weight_sync(args: argparse.Namespace) -> int:
       "actors_at_end": actors,
       "first_errors": soak.errors[:20],
       "stalls": soak.stalls[:50],
+      "stall_stacks": soak.stall_stacks,
       "events": soak.events,
   }
   ray.shutdown()
