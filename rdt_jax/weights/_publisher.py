@@ -106,6 +106,11 @@ class WeightPublisher:
   """
 
   def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True):
+    # jax is imported here, once, rather than at the first publish: the first
+    # import of jax from two threads at once (a threaded actor publishing from
+    # several) can fail inside jax's own circular imports (`_DeadlockError`).
+    import jax  # noqa: F401
+
     keep = int(keep)
     if keep < 1:
       raise ValueError(f"keep={keep}: a publisher keeps at least one version readable.")
