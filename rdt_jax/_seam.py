@@ -23,7 +23,9 @@ public extension points tried first):
   (never behind a running method), plus an ordered no-wait copy that closes
   the first-action race of a fresh actor.
 * `util._ensure_default_transports_registered` (wrapped): registers rdt_jax's
-  transports in a worker on its first RDT lookup (consumer-only actors).
+  transports in a worker on its first RDT lookup (consumer-only actors);
+  rdt_jax's own lookups of a name not yet registered make that first lookup
+  (`transport_info`), and a second thread waits for the registration.
 * `RDTManager._trigger_fetch` (wrapped): `ray.get` of a two-sided ref names
   the fixes; Ray's target buffers/device on an rdt_jax ref go to rdt_jax.
 * `RDTManager.set_target_device_for_ref` (wrapped) and `RDTManager._lock` /
@@ -289,10 +291,26 @@ def check_ray() -> None:
 
 
 def transport_info(name: str) -> Any:
-  """Ray's registry entry for transport `name`, or None."""
+  """Ray's registry entry for transport `name`, or None.
+
+  Ray registers transports in a worker on its first lookup of its registry
+  (`util._ensure_default_transports_registered`, which registers rdt_jax's
+  too: `_wrap_default_registration`). A worker that meets an rdt_jax ref
+  before any such lookup (an actor created without
+  `enable_tensor_transport=True` that borrows a ref nested in a value) would
+  otherwise find no entry here, and the wrappers that ask would hand an
+  rdt_jax object to Ray's own handling (Ray's `set_target_for_ref` buffers
+  checked against numpy dtypes). So an unknown name in a worker makes that
+  first lookup happen, as Ray's own lookups do, before it is looked up again.
+  """
   from ray.experimental.rdt import util
 
-  return util.transport_manager_info.get(name.upper())
+  key = name.upper()
+  info = util.transport_manager_info.get(key)
+  if info is None and in_ray_worker():
+    util._ensure_default_transports_registered()
+    info = util.transport_manager_info.get(key)
+  return info
 
 
 def is_rdt_jax_transport(name: str) -> bool:
@@ -688,16 +706,24 @@ def _wrap_default_registration() -> None:
   original = util._ensure_default_transports_registered
   if getattr(original, "_rdt_jax", False):
     return
-  done: list[bool] = []
+  started: list[bool] = []
+  finished: list[bool] = []
 
   def _ensure_default_transports_registered() -> None:
     original()
-    if not done and in_ray_worker():
-      with _lock:
-        if not done:
-          done.append(True)
-          # The registry sits above this module: reached through `_hooks`.
-          _hooks.register_transports()
+    if finished or not in_ray_worker():
+      return
+    # Another thread waits here until the registration it would look up is
+    # complete; the registering thread's own lookups (`started`) return.
+    with _lock:
+      if started:
+        return
+      started.append(True)
+      try:
+        # The registry sits above this module: reached through `_hooks`.
+        _hooks.register_transports()
+      finally:
+        finished.append(True)
 
   _mark(_ensure_default_transports_registered, original)
   util._ensure_default_transports_registered = _ensure_default_transports_registered

@@ -27,3 +27,34 @@ class Plain:
 
   def value(self) -> int:
     return 1
+
+
+@ray.remote
+class Borrower:
+  def receive_with_rays_target(self, refs, target: str):
+    """`ray.get` of the borrowed `refs[0]` after Ray's `set_target_for_ref`
+    (numpy or torch buffers) or `set_target_device_for_ref` (a jax device).
+
+    Returns whether jax_nixl was registered here before, and per leaf its
+    type, values and whether it is the target buffer itself."""
+    import jax
+    from ray.experimental import set_target_device_for_ref, set_target_for_ref
+
+    from rdt_jax import _seam
+
+    [ref] = refs
+    known_before = "jax_nixl" in _seam.registered_transports()
+    buffers = []
+    if target == "numpy":
+      buffers = [np.zeros(3, np.int64), np.zeros(3, np.int64)]
+    elif target == "torch":
+      import torch
+
+      buffers = [torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)]
+    if buffers:
+      set_target_for_ref(ref, buffers)
+    else:
+      set_target_device_for_ref(ref, jax.devices("cpu")[0])
+    got = ray.get(ref)
+    same = [g is b for g, b in zip(got, buffers)]
+    return known_before, [(type(g).__name__, np.asarray(g).tolist()) for g in got], same

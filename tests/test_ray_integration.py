@@ -20,6 +20,7 @@ import ray
 
 import conftest
 import rdt_jax
+from _unregistered_actor import Borrower
 from rdt_jax import _seam, _state
 
 rdt_jax.register()
@@ -326,6 +327,9 @@ class Maker:
   def a_list(self):
     return [jnp.arange(2, dtype=jnp.int32), {"k": (jnp.zeros(1),)}]
 
+  def put_pair(self):
+    return [ray.put([np.arange(3), np.arange(3, 6)], _tensor_transport="jax_nixl")]
+
 
 @pytest.fixture(scope="module")
 def maker():
@@ -394,6 +398,27 @@ def test_rays_set_target_device_for_ref_refuses_what_no_transport_moves(maker):
   ref = maker.make.remote(5)
   with pytest.raises(ValueError, match="tpu"):
     set_target_device_for_ref(ref, "tpu")
+
+
+@pytest.mark.parametrize("target", ["numpy", "torch", "jax-device"])
+def test_rays_targets_work_in_a_borrower_that_registered_nothing(maker, target):
+  # An actor ray.puts the value; another, created without
+  # enable_tensor_transport, borrows the ref nested in a list, so it meets
+  # jax_nixl first in the ref's metadata, before any lookup of Ray's registry.
+  if target == "torch":
+    pytest.importorskip("torch")
+  [ref] = ray.get(maker.put_pair.remote())
+  borrower = Borrower.remote()
+  try:
+    known_before, got, same = ray.get(borrower.receive_with_rays_target.remote([ref], target))
+  finally:
+    ray.kill(borrower)
+  assert not known_before  # the case under test: nothing registered jax_nixl there yet
+  assert [values for _, values in got] == [[0, 1, 2], [3, 4, 5]]
+  kind = "Tensor" if target == "torch" else "ndarray"  # a device target keeps the leaves' framework
+  assert [k for k, _ in got] == [kind] * 2
+  if target != "jax-device":
+    assert same == [True, True]  # received into the buffers themselves
 
 
 # --------------------------------------------------------------------------
