@@ -61,6 +61,7 @@ __all__ = [
   "Pull",
   "PullCancelled",
   "can_read_directly",
+  "check_structure_once",
   "pull_buckets",
   "pull_colocated",
   "pull_node_local",
@@ -351,6 +352,24 @@ def pull_pytree(pull: Pull, target: Any, flat_target: dict[str, Any] | None, ato
   return value
 
 
+def check_structure_once(handle: WeightsHandle, structure: Published | None, flat: list[tuple[str, Any]],
+                         checked: set[str]) -> None:
+  """Checks the flattened template `flat` against `handle`'s structure
+  (the publisher's answer, `structure`) at its first pull: unless its digest
+  is in `checked`, to which it is added once checked.
+
+  Raises:
+    RuntimeError: the publisher no longer knows the structure.
+    ValueError, UnsupportedLeafError: as `check_template`.
+  """
+  if handle.structure in checked:
+    return
+  if structure is None:
+    raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+  check_template(flat, structure.entries)
+  checked.add(handle.structure)
+
+
 def pull_colocated(pull: Pull, pub: WeightPublisher, flat: list[tuple[str, Any]], checked: set[str],
                    target: Any, atomic: bool) -> Any:
   """A pull of a pytree version whose publisher `pub` lives in this process.
@@ -367,11 +386,7 @@ def pull_colocated(pull: Pull, pub: WeightPublisher, flat: list[tuple[str, Any]]
   kept, structure = answer.kept, answer.structure
   if kept is None or handle.version not in kept:
     raise pull.stale(kept, after_read=False)
-  if handle.structure not in checked:
-    if structure is None:
-      raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
-    check_template(flat, structure.entries)
-    checked.add(handle.structure)
+  check_structure_once(handle, structure, flat, checked)
   value = pub._local_value(handle.version)
   if value is None:
     raise pull.stale(pub.versions, after_read=False)

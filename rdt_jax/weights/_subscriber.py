@@ -254,11 +254,7 @@ class WeightSubscriber:
     template is checked at its structure's first pull."""
     handle = pull.handle
     structure = pull.ask(want_structure=handle.structure not in self._checked)
-    if handle.structure not in self._checked:
-      if structure is None:
-        raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
-      check_template(self._flat, structure.entries)
-      self._checked.add(handle.structure)
+    _routes.check_structure_once(handle, structure, self._flat, self._checked)
     target = self._target()
     fits = handle.structure in self._fits
     value = _routes.pull_pytree(pull, target, self._flat_target if fits else None, self.atomic)
