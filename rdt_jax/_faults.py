@@ -48,6 +48,8 @@ POINTS: Final = {
     "nixl.register": "before memory is registered with NIXL (producer or consumer)",
     "nixl.deregister": "before memory is deregistered (object release, pool eviction)",
     "nixl.export": "on the producer, after the object's memory is registered",
+    "nixl.connect": "on the consumer, before it loads, reloads or removes a producer's agent "
+    "(connection work, done outside every lock); a delay stands for an unreachable peer",
     "nixl.post": "on the consumer, before a READ is posted",
     "nixl.wait": "on the consumer, while the READ is in flight (each wait); a delay "
     "keeps the READ looking in flight that long, so a timeout fires mid-transfer",

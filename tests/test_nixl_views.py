@@ -9,8 +9,6 @@ tests/gpu/test_gpu_backends.py exercises it on a GPU host.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from rdt_jax.transports.nixl import views as views_module
@@ -40,7 +38,7 @@ def _meta(version: int, dereg: int = 0, device: int = 0) -> NixlTransportMetadat
 def views(monkeypatch):
   monkeypatch.setattr(views_module, "view_rebuild_interval_s", lambda: 3600.0)
   agent = _RecordingAgent()
-  return RemoteViews(lambda: agent, threading.RLock(), lambda: None), agent
+  return RemoteViews(lambda: agent, lambda: None), agent
 
 
 def _read(views: RemoteViews, meta: NixlTransportMetadata) -> None:

@@ -164,13 +164,11 @@ def test_region_pool_strands_a_region_a_listener_failed_on():
 
 def test_failed_deregistration_on_eviction_keeps_the_memory_until_a_retry():
   pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
-  import threading
-
   from rdt_jax.transports.nixl.agent import create_agent
   from rdt_jax.transports.nixl.registrations import Registrations
 
   agent = create_agent()
-  regs = Registrations(lambda: agent, threading.RLock(), lambda: None)
+  regs = Registrations(lambda: agent, lambda: None)
   pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
   pool.add_eviction_listener(regs.on_host_eviction)
   buf = pool.acquire(1 << 16)

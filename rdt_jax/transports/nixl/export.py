@@ -111,20 +111,18 @@ class Exports:
 
   Args:
     agent: returns the agent (created on first use).
-    lock: the transport's lock.
     registrations: the agent's registration cache.
-    changed: called (lock held) when the set of exported objects changes.
+    changed: called (no lock held) when the set of exported objects changes.
   """
 
   def __init__(
       self,
       agent: Callable[[], Any],
-      lock: threading.RLock,
       registrations: Registrations,
       changed: Callable[[], None],
   ):
     self._agent = agent
-    self._lock = lock
+    self._lock = threading.Lock()
     self._registrations = registrations
     self._changed = changed
     self._exports: dict[str, _Export] = {}
@@ -168,7 +166,7 @@ class Exports:
         meta.regions.append(region)
       if _faults.ON:
         _faults.hit("nixl.export")
-      agent_meta = self._agent_metadata()
+      epochs, agent_meta = self._agent_metadata()
     except BaseException:
       self._undo(export)  # no consumer has seen these registrations
       raise
@@ -178,10 +176,11 @@ class Exports:
       self._exports[obj_id] = export
       self._live.add(export.serial)
       meta.live = self._live.ranges()
-      meta.agent_version = self._registrations.version
-      meta.dereg_epoch = self._registrations.dereg_epoch
-      meta.device_dereg_epoch = self._registrations.device_dereg_epoch
-      self._changed()
+    # The epochs the agent metadata was fetched at, which cover this
+    # object's registrations: a consumer's view loaded from this metadata
+    # is extended when a later object needs a newer registration.
+    meta.agent_version, meta.dereg_epoch, meta.device_dereg_epoch = epochs
+    self._changed()
     meta.agent_name = agent.name
     meta.agent_meta = agent_meta
     meta.origin = _process.identity()
@@ -201,7 +200,7 @@ class Exports:
       export = self._exports.pop(obj_id, None)
       if export is not None:
         self._live.remove(export.serial)
-      self._changed()
+    self._changed()
     if export is not None:
       self._undo(export)
 
@@ -210,14 +209,20 @@ class Exports:
     for region in export.regions:
       region.release()
 
-  def _agent_metadata(self) -> bytes:
-    """This agent's metadata, fetched again only after its registrations changed."""
+  def _agent_metadata(self) -> tuple[tuple[int, int, int], bytes]:
+    """This agent's metadata and the registration epochs it covers
+    (`Registrations.epochs`, read before it was fetched); fetched again only
+    after the registrations changed, outside the lock."""
+    key = self._registrations.epochs()
     with self._lock:
-      r = self._registrations
-      key = (r.version, r.dereg_epoch, r.device_dereg_epoch)
-      if self._agent_meta is None or self._agent_meta[0] != key:
-        self._agent_meta = (key, self._agent().get_agent_metadata())
-      return self._agent_meta[1]
+      cached = self._agent_meta
+    if cached is not None and cached[0] == key:
+      return cached
+    fetched = (key, self._agent().get_agent_metadata())
+    with self._lock:
+      if self._agent_meta is None or self._agent_meta[0] <= key:  # epochs only grow
+        self._agent_meta = fetched
+    return fetched
 
   def _pack_host(
       self, chunks: list[_Chunk], export: _Export, meta: NixlTransportMetadata, purpose: str

@@ -75,22 +75,20 @@ class InFlight:
 
   Args:
     agent: returns the agent.
-    lock: the transport's lock.
     registrations: where a retired READ's receive memory registrations go back.
     views: counts READs in flight per producer; ends parked READs.
-    changed: called (lock held) when the parked set changes.
+    changed: called (no lock held) when the parked set changes.
   """
 
   def __init__(
       self,
       agent: Callable[[], Any],
-      lock: threading.RLock,
       registrations: Registrations,
       views: RemoteViews,
       changed: Callable[[], None],
   ):
     self._agent = agent
-    self._lock = lock
+    self._lock = threading.Lock()
     self._registrations = registrations
     self._views = views
     self._changed = changed
@@ -146,7 +144,7 @@ class InFlight:
         read.parked_at = time.monotonic()
         self._parked.append(read)
         self.parked_total += 1
-        self._changed()
+      self._changed()
 
   def _retire(self, read: PostedRead) -> bool:
     """Releases a READ that NIXL reports DONE or ERR, and what it held."""
@@ -176,21 +174,21 @@ class InFlight:
 
   def reap(self) -> None:
     """Progress-thread tick: retires parked READs NIXL reports ended, and
-    ends those parked longer than `park_end_after_s()`."""
+    ends those parked longer than `park_end_after_s()` (the only caller that
+    retires parked READs)."""
     with self._lock:
       if not self._parked:
         return
       parked, self._parked = self._parked, []
     still = [r for r in parked if not self._retire(r)]
     now = time.monotonic()
+    end_after = park_end_after_s()
     with self._lock:
       self._parked.extend(still)
-      end_after = park_end_after_s()
-      for remote in {r.remote for r in self._parked if now - r.parked_at > end_after}:
-        mine = [r for r in self._parked if r.remote == remote]
-        if remote is None or self._views.inflight(remote) > len(mine):
-          continue  # a live READ from `remote` would be killed too
-        self._views.drop(remote)
+      overdue = {r.remote for r in self._parked if r.remote is not None and now - r.parked_at > end_after}
+      plan = {remote: [r for r in self._parked if r.remote == remote] for remote in overdue}
+    for remote, mine in plan.items():
+      if self._views.end_parked(remote, len(mine)):  # refused while a live READ from `remote` is in flight
         for r in mine:
           r.ended = True
-      self._changed()
+    self._changed()

@@ -12,6 +12,13 @@ A deregistration that fails keeps the region registered and the memory that
 backs it alive (`stuck`), for the progress thread to try again
 (`retry_stuck`): registered memory is never freed.
 
+Registering and deregistering (NIXL pins or unpins the memory: gigabytes take
+a while) run outside the cache's lock, so objects that use registered memory
+are exported and released meanwhile. A region in either transition is marked
+busy: another registration of it waits for the transition to end, then takes
+a reference to the registration (or registers it again), so one region is
+never registered twice.
+
 `version` counts registrations and `dereg_epoch` deregistrations of
 referenced regions (a pooled buffer leaves only when its pool evicts it, once
 no object uses it): both go in the producer's metadata, so a consumer knows when its view of this agent needs
@@ -101,20 +108,26 @@ class Registrations:
 
   Args:
     agent: returns the agent (created on first use).
-    lock: the transport's lock, held while the cache changes.
-    changed: called (lock held) when the set of failed deregistrations
-      changes, so the transport can start or stop its progress thread.
+    changed: called when the set of failed deregistrations changes, so the
+      transport can start or stop its progress thread (no lock held).
   """
 
-  def __init__(self, agent: Callable[[], Any], lock: threading.RLock, changed: Callable[[], None]):
+  def __init__(self, agent: Callable[[], Any], changed: Callable[[], None]):
     self._agent = agent
-    self._lock = lock
+    self._lock = threading.Lock()
     self._changed = changed
     self._regs: dict[Key, _Registration] = {}
+    self._busy: dict[Key, threading.Event] = {}  # regions being registered or deregistered
     self._stuck: list[tuple[Any, Any]] = []  # (handle, memory) whose deregistration failed
+    self._leaving = 0  # non-pooled regions out of the cache whose deregistration has not ended
     self.version = 0
     self.dereg_epoch = 0
     self.device_dereg_epoch = 0
+
+  def epochs(self) -> tuple[int, int, int]:
+    """(`version`, `dereg_epoch`, `device_dereg_epoch`), read together."""
+    with self._lock:
+      return self.version, self.dereg_epoch, self.device_dereg_epoch
 
   def register(
       self, pointer: int, nbytes: int, device: _dlpack.Device, pooled: bool = False, purpose: str = ""
@@ -122,7 +135,9 @@ class Registrations:
     """Registers a region, or takes another reference to its registration.
 
     A `pooled` region takes no reference: it stays registered until its pool
-    evicts it, and its key need not be passed to `unregister`.
+    evicts it, and its key need not be passed to `unregister`. NIXL's
+    registration runs outside the cache's lock; a concurrent registration
+    of the same region waits for it and shares it.
 
     Raises:
       NixlError: NIXL refused the registration; the message names the
@@ -130,31 +145,51 @@ class Registrations:
     """
     mem_type, nixl_device = nixl_memory(device)
     key = (pointer, nbytes, nixl_device.kind, nixl_device.index)
-    with self._lock:
-      reg = self._regs.get(key)
-      if reg is None:
-        if _faults.ON:
-          _faults.hit("nixl.register")
-        try:
-          handle = self._agent().register_memory([(pointer, nbytes, nixl_device.index, "")], mem_type=mem_type)
-        except Exception as e:
-          where = f"{nbytes} bytes of {mem_type} at {pointer:#x} ({device.kind}:{device.index})"
-          raise nixl_error("register", f"{where} {purpose}".strip(), e, REGISTER_FIX) from None
+    while True:
+      with self._lock:
+        reg = self._regs.get(key)
+        if reg is not None:
+          self._take(reg, pooled)
+          return key
+        busy = self._busy.get(key)
+        if busy is None:
+          done = self._busy[key] = threading.Event()
+          break
+      busy.wait()  # registered or deregistered by another thread meanwhile: look again
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.register")
+      try:
+        handle = self._agent().register_memory([(pointer, nbytes, nixl_device.index, "")], mem_type=mem_type)
+      except Exception as e:
+        where = f"{nbytes} bytes of {mem_type} at {pointer:#x} ({device.kind}:{device.index})"
+        raise nixl_error("register", f"{where} {purpose}".strip(), e, REGISTER_FIX) from None
+      with self._lock:
         reg = self._regs[key] = _Registration(handle, pooled)
         self.version += 1
-      if pooled:
-        reg.pooled = True
-      else:
-        reg.count += 1
-      return key
+        self._take(reg, pooled)
+    finally:
+      with self._lock:
+        del self._busy[key]
+      done.set()
+    return key
+
+  @staticmethod
+  def _take(reg: _Registration, pooled: bool) -> None:
+    """Marks `reg` pooled, or takes a reference to it (lock held)."""
+    if pooled:
+      reg.pooled = True
+    else:
+      reg.count += 1
 
   def unregister(self, keys: list[Key], memory: Any = None) -> None:
     """Drops a reference to each registration; deregisters a non-pooled
-    region once its last reference is gone.
+    region once its last reference is gone (outside the cache's lock).
 
     A deregistration that fails keeps the region registered, and `memory`
     (what keeps the region's buffers alive) with it, for `retry_stuck`.
     """
+    gone: list[tuple[Key, _Registration, threading.Event]] = []
     with self._lock:
       for key in keys:
         reg = self._regs.get(key)
@@ -162,11 +197,36 @@ class Registrations:
           continue
         reg.count -= 1
         if reg.count == 0 and not reg.pooled:
-          del self._regs[key]
+          gone.append(self._leave(key, reg))
           self.dereg_epoch += 1  # consumers drop the region from their view
-          if key[2] != "cpu":
-            self.device_dereg_epoch += 1
-          self._deregister_or_keep(reg.handle, memory)
+    self._deregister_all(gone, memory)
+
+  def _leave(self, key: Key, reg: _Registration) -> tuple[Key, _Registration, threading.Event]:
+    """Takes `key` out of the cache, marked busy until its deregistration
+    ends (lock held)."""
+    del self._regs[key]
+    if key[2] != "cpu":
+      self.device_dereg_epoch += 1
+    event = self._busy[key] = threading.Event()
+    self._leaving += not reg.pooled
+    return key, reg, event
+
+  def _deregister_all(self, gone: list[tuple[Key, _Registration, threading.Event]], memory: Any) -> None:
+    """Deregisters what `_leave` took out (no lock held); a failure keeps the
+    handle, and `memory`, for `retry_stuck`. Each region stops being busy
+    once its deregistration ended or is kept for a retry."""
+    if not gone:
+      return
+    try:
+      for key, reg, event in gone:
+        if not self._deregister(reg.handle):
+          with self._lock:
+            self._stuck.append((reg.handle, memory))
+        with self._lock:
+          del self._busy[key]
+          self._leaving -= not reg.pooled
+        event.set()
+    finally:
       self._changed()
 
   def retry_stuck(self) -> None:
@@ -178,7 +238,7 @@ class Registrations:
     still = [(h, m) for h, m in stuck if not self._deregister(h)]
     with self._lock:
       self._stuck.extend(still)
-      self._changed()
+    self._changed()
 
   def on_host_eviction(self, pointer: int, nbytes: int, keepalive: Any = None) -> None:
     """The host buffer pool stops keeping a buffer: deregister it (a failed
@@ -194,18 +254,9 @@ class Registrations:
 
   def _evicted(self, key: Key, keepalive: Any) -> None:
     with self._lock:
-      reg = self._regs.pop(key, None)
-      if reg is not None:
-        if key[2] != "cpu":
-          self.device_dereg_epoch += 1
-        self._deregister_or_keep(reg.handle, keepalive)
-        self._changed()
-
-  def _deregister_or_keep(self, handle: Any, memory: Any) -> None:
-    """Deregisters `handle` (lock held); on failure keeps it, and `memory`,
-    for `retry_stuck`."""
-    if not self._deregister(handle):
-      self._stuck.append((handle, memory))
+      reg = self._regs.get(key)
+      gone = [self._leave(key, reg)] if reg is not None else []
+    self._deregister_all(gone, keepalive)
 
   def _deregister(self, handle: Any) -> bool:
     try:
@@ -222,9 +273,10 @@ class Registrations:
 
   def count(self) -> int:
     """Registered regions outside the pools (0 when idle), including those
-    whose deregistration failed and waits for a retry."""
+    being deregistered and those whose deregistration failed and waits for
+    a retry."""
     with self._lock:
-      return sum(1 for r in self._regs.values() if not r.pooled) + len(self._stuck)
+      return sum(1 for r in self._regs.values() if not r.pooled) + len(self._stuck) + self._leaving
 
   def count_pooled(self) -> int:
     """Registered pooled buffers, kept for reuse (bounded by the pools)."""

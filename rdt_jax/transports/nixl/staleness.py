@@ -84,19 +84,17 @@ class FreedObjects:
   docstring), and the check every read strategy makes.
 
   Args:
-    lock: the transport's lock.
-    changed: called (lock held) when a producer is added or forgotten.
+    changed: called (no lock held) when a producer is added or forgotten.
   """
 
-  def __init__(self, lock: threading.RLock | None = None, changed: Callable[[], None] | None = None) -> None:
-    self._lock = lock or threading.RLock()
+  def __init__(self, changed: Callable[[], None] | None = None) -> None:
+    self._lock = threading.Lock()
     self._changed = changed or (lambda: None)
     self._producers: dict[str, _Producer] = {}
 
   def __len__(self) -> int:
-    """Producers this consumer keeps a record of."""
-    with self._lock:
-      return len(self._producers)
+    """Producers this consumer keeps a record of (read without the lock)."""
+    return len(self._producers)
 
   def check(self, obj_id: str, meta: NixlTransportMetadata) -> None:
     """Learns from `meta`, then refuses to read an object its producer is
@@ -111,13 +109,15 @@ class FreedObjects:
     now = time.monotonic()
     with self._lock:
       known = self._producers.get(remote)
+      added = known is None
       if known is None:
         known = self._producers[remote] = _Producer(meta.serial, list(meta.live), meta.origin, now)
-        self._changed()
       elif meta.serial > known.serial:
         known.serial, known.live = meta.serial, list(meta.live)
       known.used = now
       live = known.live
+    if added:
+      self._changed()
     if meta.serial and not _in_ranges(meta.serial, live):
       raise RuntimeError(
           f"Object {obj_id} was freed by its producer (agent {remote}) before "
@@ -138,5 +138,6 @@ class FreedObjects:
   def forget(self, remote: str) -> None:
     """Drops the record of producer `remote` (`idle_or_gone` chose it)."""
     with self._lock:
-      if self._producers.pop(remote, None) is not None:
-        self._changed()
+      gone = self._producers.pop(remote, None) is not None
+    if gone:
+      self._changed()

@@ -15,6 +15,13 @@ once. `NixlTransport` composes the package's rooms, each readable alone:
 * `views`: the consumer's view of each producer's agent;
 * `inflight`: a posted READ's wait, retirement and parking.
 
+Each room keeps its state under a lock of its own, and no lock is held
+across NIXL's connection work (loading or removing a producer's agent) or
+its registrations: a connection to an unreachable producer, or gigabytes
+being pinned, never stall this process's exports, releases or READs from
+other producers. A room tells the transport it changed (`_update_poller`)
+with no lock of its own held; the poller's lock is taken last.
+
 docs/performance.md has the measurements behind each choice.
 """
 
@@ -59,14 +66,15 @@ class NixlTransport(DlpackTransport):
 
   def __init__(self) -> None:
     super().__init__()
-    self._lock = threading.RLock()
+    self._agent_lock = threading.Lock()  # the agent's creation
+    self._poll_lock = threading.Lock()  # whether the progress thread runs
     self._agent: Any = None
     self._poller: _agent.Poller | None = None
-    self._registrations = Registrations(self.agent, self._lock, self._update_poller)
-    self._exports = Exports(self.agent, self._lock, self._registrations, self._update_poller)
-    self._views = RemoteViews(self.agent, self._lock, self._update_poller)
-    self._inflight = InFlight(self.agent, self._lock, self._registrations, self._views, self._update_poller)
-    self._freed = FreedObjects(self._lock, self._update_poller)
+    self._registrations = Registrations(self.agent, self._update_poller)
+    self._exports = Exports(self.agent, self._registrations, self._update_poller)
+    self._views = RemoteViews(self.agent, self._update_poller)
+    self._inflight = InFlight(self.agent, self._registrations, self._views, self._update_poller)
+    self._freed = FreedObjects(self._update_poller)
     self._nixl_read = NixlRead(self.agent, self._registrations, self._views, self._inflight, self._freed, self._count)
     self._node_local_read = NodeLocalRead(self._freed, self._count)
     self._polling = False
@@ -91,12 +99,15 @@ class NixlTransport(DlpackTransport):
     Raises:
       ImportError: if NIXL is not installed here, saying what to install.
     """
-    with self._lock:
+    if self._agent is not None:
+      return self._agent
+    with self._agent_lock:
       if self._agent is None:
-        self._agent = _agent.create_agent()
-        self._poller = _agent.Poller(self._agent, self._tick)
+        agent = _agent.create_agent()
+        self._poller = _agent.Poller(agent, self._tick)
         _dlpack.host_pool.add_eviction_listener(self._registrations.on_host_eviction)
         _dlpack.device_pool.add_eviction_listener(self._registrations.on_device_eviction)
+        self._agent = agent
       return self._agent
 
   def _tick(self) -> None:
@@ -119,24 +130,25 @@ class NixlTransport(DlpackTransport):
     if now < self._next_forget:
       return
     self._next_forget = now + FORGET_CHECK_S
-    with self._lock:
-      for remote in self._freed.idle_or_gone(producer_idle_s(), now):
-        if self._views.forget(remote):
-          self._freed.forget(remote)
+    for remote in self._freed.idle_or_gone(producer_idle_s(), now):
+      if self._views.forget(remote):
+        self._freed.forget(remote)
 
   def _update_poller(self) -> None:
-    """Runs the progress thread while anything needs it (lock held): objects
+    """Runs the progress thread while anything needs it (called by a room
+    after it changed, with none of its locks held): objects
     exported, parked READs or failed deregistrations to retry, a
     connection to another agent (UCX completes a connection's wire-up only
     while both sides progress; a consumer that progressed only inside its own
     waits left a producer's reverse wire-up pending), or a producer to
     forget once idle. With none of these it stops."""
-    if self._poller is not None:
-      self._polling = bool(
-          len(self._exports) or len(self._inflight) or self._registrations.has_stuck() or self._views
-          or len(self._freed)
-      )
-      self._poller.set_active(self._polling)
+    with self._poll_lock:
+      if self._poller is not None:
+        self._polling = bool(
+            len(self._exports) or len(self._inflight) or self._registrations.has_stuck() or self._views
+            or len(self._freed)
+        )
+        self._poller.set_active(self._polling)
 
   # ---- counters (tests, soak and chaos reports)
 
@@ -151,8 +163,7 @@ class NixlTransport(DlpackTransport):
 
   def num_objects(self) -> int:
     """How many RDT objects this process currently exports."""
-    with self._lock:
-      return len(self._exports)
+    return len(self._exports)
 
   def num_inflight(self) -> int:
     """READs this process posted that are not yet retired (parked included)."""
@@ -160,8 +171,7 @@ class NixlTransport(DlpackTransport):
 
   def num_parked(self) -> int:
     """READs given up while in flight, whose memory waits for NIXL to end them."""
-    with self._lock:
-      return len(self._inflight)
+    return len(self._inflight)
 
   def counters(self) -> dict[str, int]:
     """Everything this process holds for transfers, as counts: what a
@@ -173,21 +183,22 @@ class NixlTransport(DlpackTransport):
     the progress poll runs). One entry is a running total instead, which
     never returns to a baseline: `view_rebuilds`, the views of producers
     this process rebuilt (each one a reconnect before a READ) since it
-    started; the steady state of repeated transfers adds none."""
-    with self._lock:
-      return {
-          **super().counters(),
-          "objects": len(self._exports),
-          "registrations": self._registrations.count(),
-          "pooled_registrations": self._registrations.count_pooled(),
-          "stuck": int(self._registrations.has_stuck()),
-          "inflight": self._views.inflight(),
-          "parked": len(self._inflight),
-          "views": len(self._views),
-          "producers": len(self._freed),
-          "polling": int(self._polling),
-          "view_rebuilds": self._views.rebuilds,
-      }
+    started; the steady state of repeated transfers adds none. Each room
+    is read under its own lock, so counts taken while transfers run may
+    come from slightly different moments."""
+    return {
+        **super().counters(),
+        "objects": len(self._exports),
+        "registrations": self._registrations.count(),
+        "pooled_registrations": self._registrations.count_pooled(),
+        "stuck": int(self._registrations.has_stuck()),
+        "inflight": self._views.inflight(),
+        "parked": len(self._inflight),
+        "views": len(self._views),
+        "producers": len(self._freed),
+        "polling": int(self._polling),
+        "view_rebuilds": self._views.rebuilds,
+    }
 
   @property
   def parked_total(self) -> int:

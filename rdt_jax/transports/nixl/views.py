@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rdt_jax import _settings
+from rdt_jax import _faults, _settings
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 
 __all__ = ["DeviceViewBusy", "RemoteViews", "view_rebuild_interval_s"]
@@ -78,15 +78,19 @@ def view_rebuild_interval_s() -> float:
 class RemoteViews:
   """Remote agents loaded into this agent, and READs in flight per producer.
 
+  Connection work (loading, reloading or removing a producer's agent) runs
+  outside this room's lock, with that producer marked pending: READs from
+  other producers, and every export and release of this process, go on
+  meanwhile; a READ from the same producer waits for the work to end.
+
   Args:
     agent: returns the agent (created on first use).
-    lock: the transport's lock.
-    changed: called (lock held) when a view is added or removed.
+    changed: called (no lock held) when a view is added or removed.
   """
 
-  def __init__(self, agent: Callable[[], Any], lock: threading.RLock, changed: Callable[[], None]):
+  def __init__(self, agent: Callable[[], Any], changed: Callable[[], None]):
     self._agent = agent
-    self._lock = lock
+    self._cond = threading.Condition(threading.Lock())
     self._changed = changed
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when,
     # device dereg epoch of the last rebuild)
@@ -94,72 +98,105 @@ class RemoteViews:
     self._host_only: set[str] = set()  # views loaded with no READ of device memory (see the module docstring)
     self._inflight: dict[str, int] = {}
     self._broken: set[str] = set()  # views whose last READ ended in error
+    self._pending: set[str] = set()  # producers whose agent is being loaded, reloaded or removed
     self.rebuilds = 0  # views rebuilt (each a reconnect), since this process started
 
   def __bool__(self) -> bool:
-    """True while connected to any other agent."""
+    """True while connected to any other agent (read without the lock)."""
     return bool(self._views)
 
   def __len__(self) -> int:
     """Producers' agents loaded into this agent."""
-    with self._lock:
+    with self._cond:
       return len(self._views)
-
-  def forget(self, remote: str) -> bool:
-    """Removes the view of `remote` (disconnects) unless a READ from it is in
-    flight or parked; True if none is left."""
-    with self._lock:
-      if self._inflight.get(remote):
-        return False
-      if remote in self._views:
-        self.drop(remote)
-        self._changed()
-      return True
 
   def open_read(self, meta: NixlTransportMetadata, device: bool = False) -> str:
     """Brings the view of `meta`'s producer up to what `meta` needs (see the
     module docstring) and counts a READ from it in flight; returns the
     producer's agent name. `device`: the READ moves device memory (on
-    either side). Every call is paired with one `close_read`."""
+    either side). Every call is paired with one `close_read`.
+
+    Raises:
+      DeviceViewBusy: the view must be rebuilt and READs from the producer
+        are in flight (see the module docstring).
+      Exception: NIXL's own, from loading the producer's agent.
+    """
     remote = meta.agent_name
     assert remote is not None and meta.agent_meta is not None
-    with self._lock:
-      agent = self._agent()
-      view = self._views.get(remote)
+    agent = self._agent()
+    with self._cond:
+      while remote in self._pending:
+        self._cond.wait()
       now = time.monotonic()
-      fresh = (meta.agent_version, meta.dereg_epoch, now, meta.device_dereg_epoch)
-      device_freed = view is not None and meta.device_dereg_epoch > view[3]
-      if view is None:
-        agent.add_remote_agent(meta.agent_meta)
-        self._views[remote] = fresh
-        self._loaded(remote, device)
-      elif not self._inflight.get(remote) and (
-          remote in self._broken
-          or device_freed
-          or (device and remote in self._host_only)
-          or (meta.dereg_epoch > view[1] and now - view[2] >= view_rebuild_interval_s())
-      ):
+      work = self._work(meta, device, now)
+      if work is None:
+        self._inflight[remote] = self._inflight.get(remote, 0) + 1
+        return remote
+      self._pending.add(remote)
+      view = self._views.get(remote)
+    removed = False
+    try:
+      if _faults.ON:
+        _faults.hit("nixl.connect")
+      if work == "rebuild":
         agent.remove_remote_agent(remote)
-        del self._views[remote]
-        self._broken.discard(remote)
-        agent.add_remote_agent(meta.agent_meta)
-        self._views[remote] = fresh
-        self._loaded(remote, device)
-        self.rebuilds += 1
-      elif device_freed:
-        raise DeviceViewBusy(
-            f"producer agent {remote} deregistered device memory since this process loaded its metadata, "
-            f"and {self._inflight[remote]} READ(s) from it are still in flight here, so its view cannot be "
-            "rebuilt now; loading the new metadata over the old view could make NIXL refuse this producer "
-            "for good (a device address registered again). Fetch this object once the fetches from that "
-            "producer in flight have ended (for example, get the refs one at a time)."
-        )
-      elif meta.agent_version > view[0]:
-        agent.add_remote_agent(meta.agent_meta)
+        removed = True
+      agent.add_remote_agent(meta.agent_meta)
+    except BaseException:
+      with self._cond:
+        if removed:
+          self._forget_view(remote)
+        self._pending.discard(remote)
+        self._cond.notify_all()
+      if removed:
+        self._changed()
+      raise
+    with self._cond:
+      if work == "extend":
+        assert view is not None
         self._views[remote] = (meta.agent_version, view[1], view[2], view[3])
+      else:
+        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now, meta.device_dereg_epoch)
+        self._broken.discard(remote)
+        self._loaded(remote, device)
+        self.rebuilds += work == "rebuild"
       self._inflight[remote] = self._inflight.get(remote, 0) + 1
-      self._changed()
+      self._pending.discard(remote)
+      self._cond.notify_all()
+    self._changed()
     return remote
+
+  def _work(self, meta: NixlTransportMetadata, device: bool, now: float) -> str | None:
+    """What the view of `meta`'s producer needs before a READ (lock held):
+    "add", "rebuild", "extend", or None (it is ready).
+
+    Raises:
+      DeviceViewBusy: see `open_read`.
+    """
+    remote = meta.agent_name
+    assert remote is not None
+    view = self._views.get(remote)
+    if view is None:
+      return "add"
+    device_freed = meta.device_dereg_epoch > view[3]
+    if not self._inflight.get(remote) and (
+        remote in self._broken
+        or device_freed
+        or (device and remote in self._host_only)
+        or (meta.dereg_epoch > view[1] and now - view[2] >= view_rebuild_interval_s())
+    ):
+      return "rebuild"
+    if device_freed:
+      raise DeviceViewBusy(
+          f"producer agent {remote} deregistered device memory since this process loaded its metadata, "
+          f"and {self._inflight[remote]} READ(s) from it are still in flight here, so its view cannot be "
+          "rebuilt now; loading the new metadata over the old view could make NIXL refuse this producer "
+          "for good (a device address registered again). Fetch this object once the fetches from that "
+          "producer in flight have ended (for example, get the refs one at a time)."
+      )
+    if meta.agent_version > view[0]:
+      return "extend"
+    return None
 
   def _loaded(self, remote: str, device: bool) -> None:
     """Records whether the view of `remote` was just loaded for a READ of
@@ -172,31 +209,61 @@ class RemoteViews:
   def mark_broken(self, remote: str) -> None:
     """A READ from `remote` ended in error: rebuild its view (reconnect) at
     the next READ from it that finds none in flight."""
-    with self._lock:
+    with self._cond:
       if remote in self._views:
         self._broken.add(remote)
 
   def close_read(self, remote: str) -> None:
     """A READ from `remote` counted by `open_read` is retired."""
-    with self._lock:
+    with self._cond:
       self._inflight[remote] -= 1
       if not self._inflight[remote]:
         del self._inflight[remote]
 
   def inflight(self, remote: str | None = None) -> int:
     """READs not yet retired, from `remote` or from every producer."""
-    with self._lock:
+    with self._cond:
       if remote is None:
         return sum(self._inflight.values())
       return self._inflight.get(remote, 0)
 
-  def drop(self, remote: str) -> None:
-    """Removes `remote` from this agent's view (lock held by the caller);
-    NIXL fails every transfer from it still in flight."""
+  def forget(self, remote: str) -> bool:
+    """Removes the view of `remote` (disconnects) unless a READ from it is in
+    flight or parked, or its agent is being loaded; True if no view is left."""
+    return self._remove(remote, parked=0)
+
+  def end_parked(self, remote: str, parked: int) -> bool:
+    """Removes `remote`'s agent from this agent's view, so NIXL fails the
+    READs from it still running, if the `parked` READs from it are all it
+    has in flight (a live READ would be failed too); True if it did."""
+    return self._remove(remote, parked) and parked > 0
+
+  def _remove(self, remote: str, parked: int) -> bool:
+    """Removes the view of `remote` unless more than `parked` READs from it
+    are in flight or its agent is being loaded (then False); the removal
+    (a disconnect) runs outside the lock."""
+    with self._cond:
+      if self._inflight.get(remote, 0) > parked or remote in self._pending:
+        return False
+      if remote not in self._views:
+        return True
+      self._forget_view(remote)
+      self._pending.add(remote)
     try:
+      if _faults.ON:
+        _faults.hit("nixl.connect")
       self._agent().remove_remote_agent(remote)
-    except Exception:
+    except Exception:  # NIXL no longer holds it, or cannot reach it: either way it is gone here
       pass
+    finally:
+      with self._cond:
+        self._pending.discard(remote)
+        self._cond.notify_all()
+      self._changed()
+    return True
+
+  def _forget_view(self, remote: str) -> None:
+    """Drops what this room knows of `remote`'s view (lock held)."""
     self._views.pop(remote, None)
     self._broken.discard(remote)
     self._host_only.discard(remote)
