@@ -85,7 +85,7 @@ def jax_to_torch(x: Any, path: str) -> Any:
   except (BufferError, RuntimeError, TypeError) as e:
     if not on_cuda:  # float8 variants torch cannot import: a host byte view
       return _torch.from_host(_jax.to_host(x, path), path)
-    error = e
+    error = f"{type(e).__name__}: {e}"  # the text: the error itself would hold this frame in a cycle
   try:
     return _torch.from_dlpack(_jax.bytes_of(x)).view(tdt).reshape(tuple(x.shape))
   except (BufferError, RuntimeError, TypeError):
@@ -93,7 +93,7 @@ def jax_to_torch(x: Any, path: str) -> Any:
   raise UnsupportedLeafError(
       path,
       f"(dtype {dt.name}) lives on {devices[0]}, and neither DLPack nor a byte view "
-      f"can hand it to torch there ({type(error).__name__}: {error})",
+      f"can hand it to torch there ({error})",
       "Ask for host arrays (rdt_jax.to_numpy / receive_as('numpy')), or cast it to "
       "a dtype both frameworks exchange on the device (float32, bfloat16) first.",
   )

@@ -416,8 +416,11 @@ class DlpackTransport(TensorTransportManager):
     else:
       request.producer = tensor_transport_metadata.producer
       return request
-    self._check_producer(obj_id, tensor_transport_metadata.producer, failed=True)  # before the backend's error
-    raise error
+    try:
+      self._check_producer(obj_id, tensor_transport_metadata.producer, failed=True)  # before the backend's error
+      raise error
+    finally:
+      del error  # see wait_fetch_complete
 
   def receives_synchronously(self, meta: DlpackTransportMetadata, kinds: set[MemoryKind]) -> bool:
     """True if every write into this object's receive memory (of memory
@@ -510,8 +513,16 @@ class DlpackTransport(TensorTransportManager):
     else:
       self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=False)
       return leaves
-    self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=True)  # before the backend's error
-    raise error
+    try:
+      self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=True)  # before the backend's error
+      raise error
+    finally:
+      # A local naming the error it raises would keep this frame, the
+      # error and its traceback in a cycle, and with them every frame the
+      # error passes on its way up: the caller's `refs`, Ray's list of the
+      # object's refs. Ray would count them held (the producer keeps the
+      # object) until Python's cyclic collector ran, seconds or minutes later.
+      del error
 
   def _check_producer(self, obj_id: str, producer: str | None, failed: bool) -> None:
     """Raises the lifetime error if the producer of `obj_id` has died

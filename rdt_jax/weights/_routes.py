@@ -228,11 +228,14 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
           _dead_publisher_error(obj_id, handle.actor, e))
     elif isinstance(e, ProcessLookupError):
       error = _dead_publisher_error(obj_id, handle.actor, e)
-    if writes_template:
-      _torn(error, handle.version, "while it copied into the template")
-    if error is e:
-      raise
-    raise error from None
+    try:
+      if writes_template:
+        _torn(error, handle.version, "while it copied into the template")
+      if error is e:
+        raise
+      raise error from None
+    finally:
+      del error  # a local naming the raised error would hold this frame in a cycle with it
   return True
 
 

@@ -119,8 +119,11 @@ class NixlTransport(DlpackTransport):
         step()
       except Exception as e:
         error = error or e
-    if error is not None:
-      raise error
+    try:
+      if error is not None:
+        raise error
+    finally:
+      del error  # a local naming the raised error would hold this frame in a cycle with it
 
   def _forget_producers(self) -> None:
     """At most every `FORGET_CHECK_S`: forgets each producer idle for
