@@ -49,7 +49,7 @@ make_venv() {  # make_venv DIR PYTHON-FUNCTION INSTALL-FUNCTION
   fi
   rm -rf "$dir"
   "$py" -m venv "$dir"
-  pip_q "$dir/bin/python" -m pip install -q --upgrade pip
+  pip_q "$dir/bin/python" -m pip install -q --no-compile --upgrade pip
   "$install" "$dir/bin/python"
   touch "$stamp"
 }
@@ -57,26 +57,26 @@ make_venv() {  # make_venv DIR PYTHON-FUNCTION INSTALL-FUNCTION
 install_ray259() {
   local python=$1
   # The local CPU build of torch first, as scripts/setup.sh does.
-  pip_q "$python" -m pip install -q "torch==2.13.0"
-  pip_q "$python" -m pip install -q -e ".[torch,test]" "ray==2.59.0" "jax==0.10.2" "jaxlib==0.10.2"
+  pip_q "$python" -m pip install -q --no-compile "torch==2.13.0"
+  pip_q "$python" -m pip install -q --no-compile -e ".[torch,test]" "ray==2.59.0" "jax==0.10.2" "jaxlib==0.10.2"
   # Ray's own NIXL transport (the interop tests) imports the `nixl` package.
-  pip_q "$python" -m pip install -q --no-deps "nixl==1.5.1"
+  pip_q "$python" -m pip install -q --no-compile --no-deps "nixl==1.5.1"
 }
 
 install_py312() {
   local python=$1
-  pip_q "$python" -m pip install -q --no-deps "nixl-cu12>=1.5.1,<1.6" "nixl==1.5.1"
+  pip_q "$python" -m pip install -q --no-compile --no-deps "nixl-cu12>=1.5.1,<1.6" "nixl==1.5.1"
   # rdt_jax's dependencies from pyproject.toml, less NIXL (installed above
   # without its torch requirement), with the newest jax in range.
-  pip_q "$python" -m pip install -q --no-deps -e .
+  pip_q "$python" -m pip install -q --no-compile --no-deps -e .
   "$python" - <<'PY' > /tmp/rdt-jax-py312-reqs.txt
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 reqs = [r for r in p["dependencies"] if not r.startswith("nixl")]
 print("\n".join(reqs + p["optional-dependencies"]["test"]))
 PY
-  pip_q "$python" -m pip install -q -r /tmp/rdt-jax-py312-reqs.txt "ray==2.60.0"
-  pip_q "$python" -m pip install -q --upgrade "jax<0.13" "jaxlib<0.13"
+  pip_q "$python" -m pip install -q --no-compile -r /tmp/rdt-jax-py312-reqs.txt "ray==2.60.0"
+  pip_q "$python" -m pip install -q --no-compile --upgrade "jax<0.13" "jaxlib<0.13"
 }
 
 run_leg() {  # run_leg NAME DIR MODULE...

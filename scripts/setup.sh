@@ -9,17 +9,20 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=.venv/.rdt-jax-setup
+# --no-compile: pip would byte-compile every module of torch, jax and Ray (about
+# half of an install's time here); Python compiles the modules a process
+# imports, once, on first import.
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
-  python -m pip install -q --upgrade pip
+  python -m pip install -q --no-compile --upgrade pip
   # torch first, pinned: nixl-cu12 requires `torch`, and an unpinned install
   # would take the newest (multi-GB CUDA) build. From PyPI alone 2.13.0 is the
   # CUDA build too; pip takes a CPU build already installed in .venv, or one
   # its configuration offers (docs/install.md: CPU hosts).
-  python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[torch,test,bench,docs]"
+  python -m pip install -q --no-compile "torch==2.13.0"
+  python -m pip install -q --no-compile -e ".[torch,test,bench,docs]"
   # `import nixl` (Ray's built-in NIXL transport, our benchmark's baseline)
   # needs the `nixl` meta package; --no-deps keeps it from pulling the CUDA 13
   # build: the meta package then uses the nixl-cu12 we already have.
-  python -m pip install -q --no-deps "nixl==1.5.1"
+  python -m pip install -q --no-compile --no-deps "nixl==1.5.1"
   touch "$stamp"
 fi
