@@ -169,9 +169,11 @@ class Registrations:
         self.version += 1
         self._take(reg, pooled)
     finally:
-      with self._lock:
-        del self._busy[key]
-      done.set()
+      try:
+        with self._lock:
+          del self._busy[key]
+      finally:
+        done.set()
     return key
 
   @staticmethod
@@ -214,20 +216,33 @@ class Registrations:
   def _deregister_all(self, gone: list[tuple[Key, _Registration, threading.Event]], memory: Any) -> None:
     """Deregisters what `_leave` took out (no lock held); a failure keeps the
     handle, and `memory`, for `retry_stuck`. Each region stops being busy
-    once its deregistration ended or is kept for a retry."""
+    once its deregistration ended or is kept for a retry, even if this
+    thread is interrupted (what it did not reach is kept for a retry)."""
     if not gone:
       return
+    done = 0
     try:
       for key, reg, event in gone:
-        if not self._deregister(reg.handle):
-          with self._lock:
+        ok = self._deregister(reg.handle)
+        self._settle(key, reg, event, ok, memory)
+        done += 1
+    finally:
+      for key, reg, event in gone[done:]:
+        self._settle(key, reg, event, False, memory)
+      self._changed()
+
+  def _settle(self, key: Key, reg: _Registration, event: threading.Event, ok: bool, memory: Any) -> None:
+    """Ends the deregistration of `key`: kept for a retry unless `ok`, and no
+    longer busy."""
+    try:
+      with self._lock:
+        if self._busy.get(key) is event:  # settled once
+          if not ok:
             self._stuck.append((reg.handle, memory))
-        with self._lock:
           del self._busy[key]
           self._leaving -= not reg.pooled
-        event.set()
     finally:
-      self._changed()
+      event.set()
 
   def retry_stuck(self) -> None:
     """Tries again every deregistration that failed (progress thread)."""

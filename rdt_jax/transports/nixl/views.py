@@ -134,7 +134,7 @@ class RemoteViews:
         return remote
       self._pending.add(remote)
       view = self._views.get(remote)
-    removed = False
+    removed = committed = False
     try:
       if _faults.ON:
         _faults.hit("nixl.connect")
@@ -142,28 +142,24 @@ class RemoteViews:
         agent.remove_remote_agent(remote)
         removed = True
       agent.add_remote_agent(meta.agent_meta)
-    except BaseException:
       with self._cond:
-        if removed:
+        if work == "extend":
+          assert view is not None
+          self._views[remote] = (meta.agent_version, view[1], view[2], view[3])
+        else:
+          self._views[remote] = (meta.agent_version, meta.dereg_epoch, now, meta.device_dereg_epoch)
+          self._broken.discard(remote)
+          self._loaded(remote, device)
+          self.rebuilds += work == "rebuild"
+        self._inflight[remote] = self._inflight.get(remote, 0) + 1
+        committed = True
+    finally:  # whatever happened, the producer is no longer pending
+      with self._cond:
+        if removed and not committed:
           self._forget_view(remote)
         self._pending.discard(remote)
         self._cond.notify_all()
-      if removed:
-        self._changed()
-      raise
-    with self._cond:
-      if work == "extend":
-        assert view is not None
-        self._views[remote] = (meta.agent_version, view[1], view[2], view[3])
-      else:
-        self._views[remote] = (meta.agent_version, meta.dereg_epoch, now, meta.device_dereg_epoch)
-        self._broken.discard(remote)
-        self._loaded(remote, device)
-        self.rebuilds += work == "rebuild"
-      self._inflight[remote] = self._inflight.get(remote, 0) + 1
-      self._pending.discard(remote)
-      self._cond.notify_all()
-    self._changed()
+      self._changed()
     return remote
 
   def _work(self, meta: NixlTransportMetadata, device: bool, now: float) -> str | None:
