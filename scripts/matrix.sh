@@ -10,6 +10,7 @@
 #                                     # with CI=true it fails)
 #   bash scripts/matrix.sh ray259     # one leg (ray259 | py312)
 #   MATRIX_SETUP_ONLY=1 bash scripts/matrix.sh   # create the venvs, run nothing
+#   MATRIX_CHECK_ONLY=1 bash scripts/matrix.sh   # only check each leg's Python is here
 #   MATRIX_SUMMARY=docs/matrix/ray_matrix.md bash scripts/matrix.sh   # and write the docs table
 #
 # Legs:
@@ -118,6 +119,7 @@ main() {
       fi
       continue
     fi
+    [ -z "${MATRIX_CHECK_ONLY:-}" ] || continue
     case $leg in
       ray259) make_venv .venv-ray259 py311 install_ray259; dir=.venv-ray259; modules=("${RAY_MODULES[@]}") ;;
       py312) make_venv .venv-py312 py312 install_py312; dir=.venv-py312; modules=("${MODULES[@]}") ;;

@@ -11,6 +11,9 @@ bash scripts/setup.sh
 # worker the suite starts (an environment may turn writing it off).
 unset PYTHONDONTWRITEBYTECODE
 if [ $# -eq 0 ]; then
+  # A matrix leg's missing Python is reported now, not after the suite
+  # (fatal with CI=true).
+  MATRIX_CHECK_ONLY=1 bash scripts/matrix.sh
   bash scripts/lint.sh
 fi
 python -m pytest tests "$@"

@@ -27,3 +27,12 @@ def test_under_ci_a_leg_whose_python_is_missing_fails():
   out = _run(CI="true")
   assert out.returncode == 1
   assert "=== matrix leg py312: FAILED: its Python is not installed on this host (CI=true)" in out.stderr
+
+
+def test_the_test_command_checks_the_legs_before_the_suite():
+  """scripts/test.sh runs this check before lint and pytest, so a host
+  without a leg's Python learns it at once."""
+  out = _run(CI="true", MATRIX_CHECK_ONLY="1", MATRIX_SETUP_ONLY="")
+  assert out.returncode == 1 and "FAILED: its Python is not installed" in out.stderr
+  text = (conftest.REPO / "scripts" / "test.sh").read_text()
+  assert text.index("MATRIX_CHECK_ONLY=1 bash scripts/matrix.sh") < text.index("python -m pytest tests")
