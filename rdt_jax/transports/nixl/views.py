@@ -90,7 +90,8 @@ class RemoteViews:
 
   def __init__(self, agent: Callable[[], Any], changed: Callable[[], None]):
     self._agent = agent
-    self._cond = threading.Condition(threading.Lock())
+    self._lock = threading.Lock()
+    self._cond = threading.Condition(self._lock)  # a producer left the pending set
     self._changed = changed
     # remote agent -> (version loaded, dereg epoch of the last rebuild, when,
     # device dereg epoch of the last rebuild)
@@ -107,7 +108,7 @@ class RemoteViews:
 
   def __len__(self) -> int:
     """Producers' agents loaded into this agent."""
-    with self._cond:
+    with self._lock:
       return len(self._views)
 
   def open_read(self, meta: NixlTransportMetadata, device: bool = False) -> str:
@@ -123,8 +124,7 @@ class RemoteViews:
     """
     remote = meta.agent_name
     assert remote is not None and meta.agent_meta is not None
-    agent = self._agent()
-    with self._cond:
+    with self._lock:
       while remote in self._pending:
         self._cond.wait()
       now = time.monotonic()
@@ -136,13 +136,14 @@ class RemoteViews:
       view = self._views.get(remote)
     removed = committed = False
     try:
+      agent = self._agent()
       if _faults.ON:
         _faults.hit("nixl.connect")
       if work == "rebuild":
         agent.remove_remote_agent(remote)
         removed = True
       agent.add_remote_agent(meta.agent_meta)
-      with self._cond:
+      with self._lock:
         if work == "extend":
           assert view is not None
           self._views[remote] = (meta.agent_version, view[1], view[2], view[3])
@@ -154,7 +155,7 @@ class RemoteViews:
         self._inflight[remote] = self._inflight.get(remote, 0) + 1
         committed = True
     finally:  # whatever happened, the producer is no longer pending
-      with self._cond:
+      with self._lock:
         if removed and not committed:
           self._forget_view(remote)
         self._pending.discard(remote)
@@ -205,20 +206,20 @@ class RemoteViews:
   def mark_broken(self, remote: str) -> None:
     """A READ from `remote` ended in error: rebuild its view (reconnect) at
     the next READ from it that finds none in flight."""
-    with self._cond:
+    with self._lock:
       if remote in self._views:
         self._broken.add(remote)
 
   def close_read(self, remote: str) -> None:
     """A READ from `remote` counted by `open_read` is retired."""
-    with self._cond:
+    with self._lock:
       self._inflight[remote] -= 1
       if not self._inflight[remote]:
         del self._inflight[remote]
 
   def inflight(self, remote: str | None = None) -> int:
     """READs not yet retired, from `remote` or from every producer."""
-    with self._cond:
+    with self._lock:
       if remote is None:
         return sum(self._inflight.values())
       return self._inflight.get(remote, 0)
@@ -238,7 +239,7 @@ class RemoteViews:
     """Removes the view of `remote` unless more than `parked` READs from it
     are in flight or its agent is being loaded (then False); the removal
     (a disconnect) runs outside the lock."""
-    with self._cond:
+    with self._lock:
       if self._inflight.get(remote, 0) > parked or remote in self._pending:
         return False
       if remote not in self._views:
@@ -252,7 +253,7 @@ class RemoteViews:
     except Exception:  # NIXL no longer holds it, or cannot reach it: either way it is gone here
       pass
     finally:
-      with self._cond:
+      with self._lock:
         self._pending.discard(remote)
         self._cond.notify_all()
       self._changed()
