@@ -477,6 +477,53 @@ def test_async_actors_produce_and_consume():
     ray.kill(consumer)
 
 
+# Ray's out-of-order example (docs/ray_integration.md, "Known issues"): two
+# actors with max_concurrency=10, a hundred refs passed straight from one to
+# the other. Async actors taking the refs as arguments can stall inside Ray;
+# the two ways around it the page gives must move every ref.
+OUT_OF_ORDER_REFS = 100
+OUT_OF_ORDER_N = 64 << 10  # float32: out of band, above the in-band threshold
+
+
+@ray.remote(enable_tensor_transport=True, max_concurrency=10)
+class ThreadedOutOfOrder:
+  @ray.method(tensor_transport="jax_nixl")
+  def make(self, seed: int):
+    return jnp.full((OUT_OF_ORDER_N,), seed, jnp.float32)
+
+  def sum(self, data) -> float:
+    return float(data.sum())
+
+
+@ray.remote(enable_tensor_transport=True, max_concurrency=10)
+class AsyncOutOfOrder:
+  @ray.method(tensor_transport="jax_nixl")
+  async def make(self, seed: int):
+    return jnp.full((OUT_OF_ORDER_N,), seed, jnp.float32)
+
+  async def sum(self, data) -> float:
+    return float(data.sum())
+
+
+def _sums_out_of_order(cls, wait_first: bool) -> list[float]:
+  producer, consumer = cls.remote(), cls.remote()
+  try:
+    refs = [producer.make.remote(seed) for seed in range(OUT_OF_ORDER_REFS)]
+    if wait_first:
+      ray.wait(refs, num_returns=len(refs), timeout=120)
+    return ray.get([consumer.sum.remote(r) for r in refs], timeout=120)
+  finally:
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
+@pytest.mark.parametrize(("cls", "wait_first"), [(ThreadedOutOfOrder, False), (AsyncOutOfOrder, True)],
+                         ids=["threaded", "async-after-ray-wait"])
+def test_rays_out_of_order_example_moves_every_ref_the_ways_the_docs_give(cls, wait_first):
+  expected = [float(seed * OUT_OF_ORDER_N) for seed in range(OUT_OF_ORDER_REFS)]
+  assert _sums_out_of_order(cls, wait_first) == expected
+
+
 def test_a_by_value_actors_first_action_is_a_put():
   # Defined here, so Ray pickles it by value: the worker imports nothing of
   # rdt_jax before the method runs except what the registration brings.
