@@ -38,6 +38,13 @@ def digest(tree) -> str:
   return h.hexdigest()
 
 
+def noisy_step(layers: dict, key):
+  """A pretend training step: every weight moves by the same random amount."""
+  import jax
+
+  return jax.tree_util.tree_map(lambda x: x + jax.random.uniform(key), layers)
+
+
 @ray.remote(enable_tensor_transport=True)
 class Trainer:
   def __init__(self, mb: int, layers: int = 4):
@@ -53,6 +60,7 @@ class Trainer:
         for i in range(layers)
     }
     self.params["rng"] = jax.random.key(0)
+    self.update = jax.jit(noisy_step)  # built once: jax compiles it at the first step only
     self.publisher = rdt_jax.WeightPublisher(transport="jax_nixl", keep=2)
     self.version = 0
 
@@ -65,10 +73,9 @@ class Trainer:
     """One (pretend) training step; publishes the new parameters."""
     import jax
 
-    update = jax.jit(lambda p, key: jax.tree_util.tree_map(lambda x: x + jax.random.uniform(key), p))
     self.params["rng"], key = jax.random.split(self.params["rng"])
     layers = {k: v for k, v in self.params.items() if k != "rng"}
-    self.params.update(update(layers, key))
+    self.params.update(self.update(layers, key))
     self.version += 1
     return self.publisher.publish(self.params, version=self.version), digest(self.params)
 
