@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from weights_ab import extract  # scripts/ is this script's sys.path[0]
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 CHILD = r"""
@@ -58,6 +60,11 @@ print(json.dumps({"read": read, "register": reg}))
 """
 
 
+def _short(rev: str) -> str:
+  return subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True,
+                        check=True).stdout.strip()
+
+
 def run(source: str, calls: int) -> dict[str, float]:
   out = subprocess.run([sys.executable, "-c", CHILD, source, str(calls)], capture_output=True, text=True,
                        check=True)
@@ -70,14 +77,9 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=7)
   p.add_argument("--calls", type=int, default=20000)
   args = p.parse_args()
-  commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
-  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                        check=True).stdout.strip()
+  commit, head = (_short(rev) for rev in (args.baseline, "HEAD"))
   with tempfile.TemporaryDirectory() as base:
-    archive = subprocess.run(["git", "archive", args.baseline, "rdt_jax"], cwd=REPO, capture_output=True,
-                             check=True).stdout
-    subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+    extract(args.baseline, pathlib.Path(base))
     samples: dict[str, list[dict[str, float]]] = {"baseline": [], "this": []}
     for i in range(args.rounds):
       order = [("baseline", base), ("this", str(REPO))]

@@ -233,7 +233,7 @@ class RemoteViews:
     """Removes `remote`'s agent from this agent's view, so NIXL fails the
     READs from it still running, if the `parked` READs from it are all it
     has in flight (a live READ would be failed too); True if it did."""
-    return self._remove(remote, parked) and parked > 0
+    return self._remove(remote, parked)
 
   def _remove(self, remote: str, parked: int) -> bool:
     """Removes the view of `remote` unless more than `parked` READs from it
