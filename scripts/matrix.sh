@@ -16,11 +16,12 @@
 # Legs:
 #   ray259  Python 3.11, Ray 2.59.0, jax 0.10.2, torch 2.13 (CPU): the
 #           Ray-integration module (RAY_MODULES)
-#   py312   Python 3.12, Ray 2.60.0, the newest jax pip offers (0.12.x), no
-#           torch: PyPI's torch for 3.12 is a multi-GB CUDA build, and
-#           nixl-cu12 requires torch, so NIXL is installed without its
-#           dependencies (it imports torch only when given torch tensors);
-#           tests that need torch skip.
+#   py312   Python 3.12, Ray 2.60.0, the newest jax pip offers (0.12.x), and
+#           torch only where a CPU build can be had (scripts/install_torch.py
+#           --optional; on a GPU host, the CUDA build): PyPI's torch for 3.12
+#           is a multi-GB CUDA build. nixl-cu12 requires torch, so NIXL is
+#           installed without its dependencies (it imports torch only when
+#           given torch tensors); without torch, tests that need it skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -59,8 +60,8 @@ make_venv() {  # make_venv DIR PYTHON-FUNCTION INSTALL-FUNCTION
 
 install_ray259() {
   local python=$1
-  # The local CPU build of torch first, as scripts/setup.sh does.
-  pip_q "$python" -m pip install -q --no-compile "torch==2.13.0"
+  # torch first, by the rule scripts/setup.sh follows.
+  "$python" scripts/install_torch.py
   pip_q "$python" -m pip install -q --no-compile -e ".[torch,test]" "ray==2.59.0" "jax==0.10.2" "jaxlib==0.10.2"
   # Ray's own NIXL transport (the interop tests) imports the `nixl` package.
   pip_q "$python" -m pip install -q --no-compile --no-deps "nixl==1.5.1"
@@ -68,6 +69,9 @@ install_ray259() {
 
 install_py312() {
   local python=$1
+  # torch by the same rule, but optional: with no CPU build of torch for
+  # Python 3.12 to take (and no GPU), the leg goes on without torch.
+  "$python" scripts/install_torch.py --optional
   pip_q "$python" -m pip install -q --no-compile --no-deps "nixl-cu12>=1.5.1,<1.6" "nixl==1.5.1"
   # rdt_jax's dependencies from pyproject.toml, less NIXL (installed above
   # without its torch requirement), with the newest jax in range.

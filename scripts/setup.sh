@@ -14,12 +14,12 @@ stamp=.venv/.rdt-jax-setup
 # imports, once, on first import.
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   python -m pip install -q --no-compile --upgrade pip
-  # torch first, pinned: nixl-cu12 requires `torch`, and an unpinned install
-  # would take the newest (multi-GB CUDA) build. From PyPI alone 2.13.0 is the
-  # CUDA build too; pip takes a CPU build already installed in .venv, or one
-  # its configuration offers (docs/install.md: CPU hosts).
-  python -m pip install -q --no-compile "torch==2.13.0"
-  python -m pip install -q --no-compile -e ".[torch,test,bench,docs]"
+  # torch first, by the one rule (scripts/install_torch.py): nixl-cu12
+  # requires `torch`, and pip alone would take PyPI's CUDA build, several GB.
+  # Without an NVIDIA GPU the rule takes a CPU build, or stops here with the
+  # command that installs one.
+  python scripts/install_torch.py
+  python -m pip install -q --no-compile -e ".[torch,test,testing,bench,docs]"
   # `import nixl` (Ray's built-in NIXL transport, our benchmark's baseline)
   # needs the `nixl` meta package; --no-deps keeps it from pulling the CUDA 13
   # build: the meta package then uses the nixl-cu12 we already have.

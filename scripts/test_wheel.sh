@@ -58,12 +58,12 @@ print(f"{wheel}: all {len(tree)} files of rdt_jax/")
 EOF
 
 # A fresh environment with what a user installs: the wheel and its extras
-# (the CPU build of torch first, as in scripts/setup.sh), not the nixl meta
+# (torch first, by the rule scripts/setup.sh follows), not the nixl meta
 # package setup.sh adds for Ray's own transport.
 venv=$repo/.venv-wheel
 "$PY" -m venv --clear "$venv"
-"$venv/bin/python" -m pip install -q --no-compile "torch==2.13.0"
-"$venv/bin/python" -m pip install -q --no-compile "$wheel[torch,test]"
+"$venv/bin/python" scripts/install_torch.py
+"$venv/bin/python" -m pip install -q --no-compile "$wheel[torch,test,testing]"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "wheel installed in $venv ($((SECONDS - start)) s)"
 
