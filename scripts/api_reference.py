@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import importlib
 import inspect
 import pathlib
 import re
@@ -35,7 +36,7 @@ ALL = "all"  # every public member the class itself defines that has a docstring
 
 
 class Entry(NamedTuple):
-  name: str  # a name of rdt_jax.__all__
+  name: str  # a name of rdt_jax.__all__, or "module.Name" for a name of rdt_jax.module.__all__
   members: tuple[str, ...] | str = ()  # members to document, in this order, or ALL
 
 
@@ -50,10 +51,11 @@ HEADER = """\
 
 <!-- written by {refresh} from the docstrings: edit the docstrings, not this page -->
 
-The public names, exactly those in `rdt_jax.__all__`, with their signatures and
-docstrings. Everything else in the package is private and may change without
-notice. `import rdt_jax` imports neither Ray nor any array framework; each name
-loads its module on first use.
+The public names, exactly those in `rdt_jax.__all__` (and, for testing custom
+transports, `rdt_jax.testing.__all__`), with their signatures and docstrings.
+Everything else in the package is private and may change without notice.
+`import rdt_jax` imports neither Ray nor any array framework; each name loads
+its module on first use.
 """
 
 SECTIONS = (
@@ -110,6 +112,12 @@ SECTIONS = (
             Entry("Destination", ALL),
             Entry("Placement", ALL),
         ),
+    ),
+    Section(
+        "Testing a transport",
+        "`rdt_jax.testing` (needs pytest: the `testing` extra) runs the transport\n"
+        "contract against your own transport ([Write your own DLPack transport](custom_transport.md)).",
+        (Entry("testing.TransportContract", ("setup_actors",)),),
     ),
 )
 
@@ -281,8 +289,16 @@ def render_doc(obj: Any, linker: Linker, own: str) -> list[str]:
   return [*linker(text, own).splitlines(), ""]
 
 
-def render_member(cls: type, name: str, linker: Linker) -> list[str]:
-  dotted = f"{cls.__name__}.{name}"
+def resolve(name: str) -> Any:
+  """The object an entry names: `rdt_jax.NAME`, or `rdt_jax.MODULE.NAME`."""
+  module, _, attr = name.rpartition(".")
+  if module:
+    return getattr(importlib.import_module(f"rdt_jax.{module}"), attr)
+  return getattr(rdt_jax, name)
+
+
+def render_member(cls: type, owner: str, name: str, linker: Linker) -> list[str]:
+  dotted = f"{owner}.{name}"
   raw = inspect.getattr_static(cls, name)
   out = [f'<a id="{anchor(dotted)}"></a>', "", f"#### `{dotted}`", ""]
   if isinstance(raw, property):
@@ -305,7 +321,7 @@ def render_member(cls: type, name: str, linker: Linker) -> list[str]:
 
 
 def render_entry(entry: Entry, linker: Linker) -> list[str]:
-  obj = getattr(rdt_jax, entry.name)
+  obj = resolve(entry.name)
   qualified = f"rdt_jax.{entry.name}"
   out = [f'<a id="{anchor(entry.name)}"></a>', "", f"### `{qualified}`", ""]
   if inspect.isclass(obj):
@@ -321,7 +337,7 @@ def render_entry(entry: Entry, linker: Linker) -> list[str]:
   out += render_doc(obj, linker, entry.name)
   if inspect.isclass(obj):
     for member in documented_members(obj, entry):
-      out += render_member(obj, member, linker)
+      out += render_member(obj, entry.name, member, linker)
   return out
 
 
@@ -331,7 +347,7 @@ def render() -> str:
   for section in SECTIONS:
     for entry in section.entries:
       targets.add(entry.name)
-      obj = getattr(rdt_jax, entry.name)
+      obj = resolve(entry.name)
       if inspect.isclass(obj):
         targets.update(f"{entry.name}.{m}" for m in documented_members(obj, entry))
   linker = Linker(targets)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
 import ray
@@ -23,6 +24,8 @@ REPO = TESTS_DIR.parent
 # Not the repository root: workers import rdt_jax as installed (editable in
 # .venv, from the wheel in scripts/test_wheel.sh), like the driver.
 WORKER_PYTHONPATH = os.pathsep.join([str(TESTS_DIR), str(REPO / "examples")])
+# The driver imports the example transport as a user's module, by name.
+sys.path.insert(0, str(REPO / "examples"))
 
 
 #: The environment of modules that test the out-of-band mechanisms themselves

@@ -1,5 +1,7 @@
-"""Every backend through one suite: jax_nixl, jax_gloo, jax_transfer and the
-example shared-memory transport (examples/shm_transport.py).
+"""Every rdt_jax backend through one suite: jax_nixl, jax_gloo, jax_transfer.
+The example shared-memory transport (examples/shm_transport.py) passes the
+same contract through the kit users run on theirs (`rdt_jax.testing`:
+examples/test_shm_transport.py, run by tests/test_examples.py).
 
 One Ray session and three actors for the module: a producer and a "wide"
 consumer (x64 on, 4 cpu devices) and a "narrow" one (x64 off, 1 device), all
@@ -11,8 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -40,16 +40,11 @@ from _helpers import (
     wait_meta,
 )
 
-EXAMPLES = conftest.REPO / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from shm_transport import ShmTransport
-
 # Before the classes below: @ray.method checks transport names on definition.
 rdt_jax.register()
-rdt_jax.register_transport(ShmTransport)
 
-TRANSPORTS = ["jax_nixl", "jax_gloo", "jax_transfer", "shm_example"]
-ONE_SIDED = ["jax_nixl", "jax_transfer", "shm_example"]
+TRANSPORTS = ["jax_nixl", "jax_gloo", "jax_transfer"]
+ONE_SIDED = ["jax_nixl", "jax_transfer"]
 FOUR_CPUS = "--xla_force_host_platform_device_count=4"
 WIDE = {"env_vars": {"JAX_ENABLE_X64": "1", "XLA_FLAGS": FOUR_CPUS}}
 
@@ -120,8 +115,7 @@ class Producer:
     return build(*args)
 
   def num_exported(self, transport: str) -> int:
-    t = transport_manager(transport)
-    return t.num_offers() if transport == "jax_transfer" else len(t.files)
+    return transport_manager(transport).num_offers()
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -344,28 +338,3 @@ def test_transfer_get_timeout_is_honoured_when_the_producer_is_stopped(actors):
     os.kill(pid, signal.SIGCONT)
   assert tree_fingerprint(ray.get(ref, timeout=60)) == expected(float32_tree, 8)
   ray.kill(stopped)
-
-
-# ---- the example transport
-
-
-def test_example_files_closed_when_freed(actors):
-  producer, wide, _ = actors
-  before = ray.get(producer.num_exported.remote("shm_example"))
-  ref = make(producer, "shm_example", float32_tree, 8)
-  ray.get(wide.fingerprint.remote(ref))
-  assert ray.get(producer.num_exported.remote("shm_example")) == before + 1
-  del ref
-  assert wait_for(lambda: ray.get(producer.num_exported.remote("shm_example")) == before)
-
-
-def test_example_runs_as_a_script(actors):
-  # As a second driver on this module's cluster (starting another local Ray
-  # would double the test's time); run alone, it starts its own.
-  env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-  result = subprocess.run(
-      [sys.executable, str(EXAMPLES / "shm_transport.py")],
-      env=env, capture_output=True, text=True, timeout=180,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "consumer got: {'w': ('ArrayImpl', 32768.0)" in result.stdout

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import importlib.util
 import inspect
 import json
@@ -675,6 +676,8 @@ def test_api_page_documents_exactly_the_public_names():
       f"api.md documents {sorted(documented)}, rdt_jax.__all__ is {sorted(rdt_jax.__all__)}"
   )
   assert len(documented) == len(set(documented)), "a name is documented twice"
+  testing = re.findall(r'^<a id="rdt_jax\.testing\.(\w+)"></a>$', text, re.M)
+  assert sorted(testing) == sorted(importlib.import_module("rdt_jax.testing").__all__)
 
 
 def test_tests_named_in_the_docs_exist():

@@ -1,6 +1,7 @@
 """Every example under examples/ runs, as a user would run it.
 
-Each entry of EXAMPLES is one script with its command-line arguments. A script
+Each entry of EXAMPLES is one script with its command-line arguments (or, with
+`pytest=True`, a test module a user runs with pytest). A script
 runs in a subprocess from an empty temporary directory, with this interpreter
 and a clean environment (no PYTHONPATH pointing into tests/), and must exit 0
 within its time limit; the examples check their own results and exit non-zero
@@ -35,6 +36,7 @@ class Example(NamedTuple):
   args: tuple[str, ...] = ()
   copy: bool = False  # run a copy in the temporary directory, not the file
   timeout_s: int = 180
+  pytest: bool = False  # a test module: run `python -m pytest` on it
 
 
 # One line per example, one example per script. The docs may show code and
@@ -45,6 +47,7 @@ EXAMPLES = [
     Example("pipeline.py"),
     Example("weight_sync.py", ("--steps", "4", "--mb", "4"), timeout_s=300),
     Example("shm_transport.py"),
+    Example("test_shm_transport.py", pytest=True, timeout_s=300),
     Example("reshard.py"),
 ]
 
@@ -58,9 +61,12 @@ def run_example(example: Example) -> subprocess.CompletedProcess:
   if example.copy:
     script = workdir / f"copied_{source.name}"
     shutil.copyfile(source, script)
+  command = [sys.executable, str(script), *example.args]
+  if example.pytest:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script), *example.args]
   try:
     return subprocess.run(
-        [sys.executable, str(script), *example.args],
+        command,
         cwd=workdir,
         env=clean_env(),
         capture_output=True,

@@ -179,6 +179,9 @@ class DlpackTransport(TensorTransportManager):
     self._actors_lock = threading.Lock()
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
+    # Objects the backend exported that Ray has not freed yet (`counters`).
+    self._exported: set[str] = set()
+    self._exported_lock = threading.Lock()
 
   def receive_stats(self, reset: bool = False) -> dict[str, int]:
     """What this process's fetches asked the backend to move, since the last
@@ -254,14 +257,18 @@ class DlpackTransport(TensorTransportManager):
 
   def counters(self) -> dict[str, int]:
     """Everything this process holds for transfers, as counts (backends add
-    theirs): `abort_marks` (bounded by `MAX_ABORTED`) and `actors_known`
-    (cached `actor_has_tensor_transport` answers, bounded by
+    theirs): `exports` (objects the backend exported, through
+    `export_buffers` or `export_arrays`, that Ray has not freed: `release`
+    has not run for them), `abort_marks` (bounded by `MAX_ABORTED`) and
+    `actors_known` (cached `actor_has_tensor_transport` answers, bounded by
     `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
     process whose peers are gone or idle returns to its baseline."""
     with self._actors_lock:
       self._forget_actors()
       actors = len(self._actors_with_transport)
-    return {"abort_marks": self.num_aborted(), "actors_known": actors}
+    with self._exported_lock:
+      exports = len(self._exported)
+    return {"exports": exports, "abort_marks": self.num_aborted(), "actors_known": actors}
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
@@ -298,6 +305,8 @@ class DlpackTransport(TensorTransportManager):
           _inband.pack(described, meta)
         else:
           self._export(obj_id, rdt_object, described, meta)
+          with self._exported_lock:
+            self._exported.add(obj_id)
     return meta
 
   def _export(
@@ -630,6 +639,8 @@ class DlpackTransport(TensorTransportManager):
     (not one sent in band), calls the backend's `release`."""
     self.forget_abort(obj_id)
     if not _inband.carried(tensor_transport_meta):
+      with self._exported_lock:
+        self._exported.discard(obj_id)
       self.release(obj_id)
 
   def abort_transport(
