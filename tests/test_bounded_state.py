@@ -37,7 +37,7 @@ IDLE = {"RDT_JAX_NIXL_PRODUCER_IDLE_S": "2"}
 #: What a consumer holds once every producer is gone or idle.
 BASELINE = {
     "objects": 0, "registrations": 0, "stuck": 0, "inflight": 0, "parked": 0, "views": 0,
-    "producers": 0, "polling": 0, "abort_marks": 0, "actors_known": 0,
+    "producers": 0, "polling": 0, "exports": 0, "abort_marks": 0, "actors_known": 0,
 }
 
 RAY_NUM_CPUS = 16
