@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rdt_jax.bench import _cases
@@ -186,6 +187,7 @@ def test_reshard_case_reports_bytes_per_generator(tmp_path):
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   doc = json.loads((tmp_path / "bench-reshard.json").read_text())
+  assert len(doc["commit"]) == 40  # every result records the commit it measured
   full = doc["config"]["full_nbytes"]
   rows = {(s["transport"], s["variant"]): s for s in doc["summary"]}
   for transport in ("jax_nixl", "jax_transfer"):
@@ -347,6 +349,7 @@ def test_weight_sync_budget_records_the_rows_it_skips(tmp_path):
   assert proc.returncode == 0, proc.stderr[-4000:]
   doc = json.loads((tmp_path / "bench-weight-sync.json").read_text())
   assert doc["rows"] == [] and doc["budget_s"] == 0.5
+  assert len(doc["commit"]) == 40 and "uncommitted_rdt_jax_files" in doc
   assert [(r["case"], r["generators"], r["path"]) for r in doc["skipped"]] == [
       ("1x4KiB", 1, "rdt"), ("1x4KiB", 1, "store"), ("1x4KiB", 2, "rdt"), ("1x4KiB", 2, "store"),
   ]
@@ -382,3 +385,34 @@ def test_weight_sync_budget_cuts_off_a_wait():
 def test_budget_is_for_weight_sync_only(tmp_path):
   proc = _bench(tmp_path, "--budget", "60", "--cases", "4KiB", timeout=120)
   assert proc.returncode == 2 and "--budget applies to --weight-sync only" in proc.stderr
+
+
+def test_benchmark_checksum_sees_a_changed_byte_and_moved_blocks():
+  """The main benchmark's check: a changed byte, two 4 KiB blocks swapped,
+  or two leaves swapped change it."""
+  x = _cases.host_leaf(64 * 1024 + 12, 3)
+  flat = x.view(np.uint8)
+  base = _cases.host_checksum(x)
+  for at in (0, 5000, flat.size - 1):  # a whole block, the partial block, the last bytes
+    changed = flat.copy()
+    changed[at] ^= 0x10
+    assert _cases.host_checksum(changed) != base
+  moved = flat.copy()
+  moved[:4096], moved[4096:8192] = flat[4096:8192], flat[:4096]
+  assert _cases.host_checksum(moved) != base
+  a, b = _cases.host_leaf(4096, 1), _cases.host_leaf(4096, 2)
+  assert _cases.value_checksum({"a": a, "b": b}) != _cases.value_checksum({"a": b, "b": a})
+
+
+def test_ordered_checksum_covers_every_byte_in_order():
+  """The soaks' and the weight-sync benchmark's check: a changed byte, or
+  two chunks (or leaves) swapped, changes it."""
+  a, b = np.arange(1024, dtype=np.float32), np.arange(1024, 2048, dtype=np.float32)
+  whole = _cases.ordered_checksum([a, b])
+  assert whole == _cases.ordered_checksum([np.concatenate([a, b])])
+  assert whole != _cases.ordered_checksum([b, a])
+  swapped = np.concatenate([a[512:], a[:512]])
+  assert _cases.ordered_checksum([swapped]) != _cases.ordered_checksum([a])
+  flipped = a.copy()
+  flipped.view(np.uint8)[4000] ^= 1
+  assert _cases.ordered_checksum([flipped]) != _cases.ordered_checksum([a])

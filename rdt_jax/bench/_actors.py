@@ -154,7 +154,8 @@ class BenchActor:
     """
     import torch
 
-    sources = [x for v in self._values[key] for x in _cases.value_leaves(v)]
+    values = self._values[key]
+    sources = [x for v in values for x in _cases.value_leaves(v)]
     targets = [torch.empty_like(x) for x in sources]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -163,7 +164,12 @@ class BenchActor:
         d.copy_(s)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    checksum = sum(_cases.leaf_checksum(d) for d in targets) % (1 << 64)
+    copies_by_value, start = [], 0
+    for v in values:  # the copies regrouped as the objects they came from
+      n = len(_cases.value_leaves(v))
+      copies_by_value.append(dict(enumerate(targets[start:start + n])))
+      start += n
+    checksum = sum(_cases.value_checksum(c) for c in copies_by_value) % (1 << 64)
     return seconds, checksum
 
   # ---- consumer

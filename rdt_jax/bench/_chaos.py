@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import random
 import sys
@@ -44,6 +43,7 @@ import ray
 
 import rdt_jax
 from rdt_jax import _dlpack, _settings
+from rdt_jax.bench import _env
 
 #: A fetch that has neither arrived nor failed by then counts as a hang.
 ERROR_BOUND_S = 60.0
@@ -337,7 +337,6 @@ def run_chaos(args: argparse.Namespace) -> int:
       f"sliced into a buffer {stats['fetches_slice']}"
   )
   if args.out is not None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    _env.write_json(args.out, report, indent=2)
   bad = stats["wrong_values"] or stats["hangs"] or stats["other_errors"] or leaked or late_writes
   return 1 if bad else 0

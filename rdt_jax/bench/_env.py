@@ -45,6 +45,22 @@ def git_state() -> dict[str, Any]:
   }
 
 
+def write_json(path: pathlib.Path, doc: dict[str, Any], indent: int = 1) -> dict[str, Any]:
+  """Writes a result `doc` as JSON at `path`, with the commit it measured
+  (`git_state`: `commit` and `uncommitted_rdt_jax_files`) added where the
+  writer did not record it. Every benchmark and soak writes through here.
+
+  Returns:
+    The document written.
+  """
+  import json
+
+  doc = {**git_state(), **doc}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(doc, indent=indent) + "\n")
+  return doc
+
+
 def nixl_actor_env() -> dict[str, str]:
   """The UCX variables of every benchmark actor that may create a NIXL agent.
 

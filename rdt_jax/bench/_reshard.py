@@ -31,7 +31,6 @@ under `--out` and prints the table.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import pathlib
 import platform
@@ -44,6 +43,7 @@ import numpy as np
 import ray
 
 import rdt_jax
+from rdt_jax.bench import _env
 
 VARIANTS = ("full", "slice", "slice_rows", "producer_gather")
 
@@ -220,8 +220,7 @@ def run(args: Any) -> dict[str, Any]:
       "samples": samples,
   }
   out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "bench-reshard.json").write_text(json.dumps(doc, indent=1))
+  doc = _env.write_json(out / "bench-reshard.json", doc)
   text = markdown(doc)
   (out / "bench-reshard.md").write_text(text)
   sys.stdout.write(text)

@@ -30,7 +30,6 @@ value or a counter left above its baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pathlib
 import sys
@@ -42,7 +41,7 @@ import ray
 
 import rdt_jax
 from rdt_jax import _settings
-from rdt_jax.bench import _chaos, _weight_soak
+from rdt_jax.bench import _cases, _chaos, _env, _weight_soak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +65,8 @@ def _layer_sizes(step: int, max_mb: float) -> list[int]:
 
 
 def _checksum(x: Any) -> int:
-  host = np.ascontiguousarray(rdt_jax.to_numpy(x)).reshape(-1).view(np.uint32)
-  return int(np.bitwise_xor.reduce(host)) if host.size else 0
+  """CRC-32 of every byte of a leaf, in order (`_cases.ordered_checksum`)."""
+  return _cases.ordered_checksum([rdt_jax.to_numpy(x)])
 
 
 def _rss() -> int:
@@ -185,9 +184,8 @@ def run_churn(args: argparse.Namespace) -> int:
       f"consumer {i}: " + ", ".join(f"{k} {c[k]}" for k in CHURN_BASELINE_KEYS) for i, c in enumerate(final)
   ))
   if args.out is not None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"producers": args.churn, "seconds": round(churned, 1), "wrong_values": wrong,
-                                    "peak": peak, "final": final, "settle_s": round(settled, 1)}, indent=2))
+    _env.write_json(args.out, {"producers": args.churn, "seconds": round(churned, 1), "wrong_values": wrong,
+                               "peak": peak, "final": final, "settle_s": round(settled, 1)}, indent=2)
   return 1 if wrong or any(held) else 0
 
 
@@ -252,7 +250,6 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(f"{g['rss_peak'] >> 20} MiB" for g in report["generators"]))
   print(f"trainer registrations left: {report['trainer']['registrations']}")
   if args.out is not None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    _env.write_json(args.out, report, indent=2)
   leaked = report["trainer"]["registrations"] not in (0, None)
   return 1 if report["errors"] or report["mismatches"] or leaked else 0

@@ -62,7 +62,6 @@ import dataclasses
 import functools
 import gc
 import hashlib
-import json
 import logging
 import math
 import random
@@ -79,6 +78,7 @@ import ray
 import rdt_jax
 from rdt_jax import _seam, _settings
 from rdt_jax.bench import _chaos
+from rdt_jax.bench._env import write_json
 
 #: A pull (or a round call) with no answer by then counts as a hang (`--hang-bound`).
 HANG_BOUND_S = 60.0
@@ -869,8 +869,7 @@ def run_weight_sync(args: argparse.Namespace) -> int:
   for line in _summary(report):
     print(line)
   if args.out is not None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report, indent=2)
   counts = soak.counts
   bad = sum(counts[k] for k in ("wrong_versions", "backwards", "hangs", "other_errors", "late_writes")) + leaks
   return 1 if bad else 0

@@ -24,8 +24,8 @@ time in the trainer, and the pull: the longest of the generators' times
 from the start of `pull` (or `ray.get`) until its leaves hold the version.
 The first step of each run is reported apart (first pull: registration,
 plans, template check); the steady state is the median of the others. Each
-pull is checked against the trainer's bytes (a checksum of the first 4 KiB
-of each leaf, or of the generator's half, taken outside the timed part). The
+pull is checked against the trainer's bytes (a CRC-32 of every byte of every
+leaf in order, or of the generator's half, taken outside the timed part). The
 same run measures one host copy of the payload (`memcpy_ms`, a numpy copy
 into a warm buffer), the rate the targets are stated at. Writes
 `bench-weight-sync.json` and `bench-weight-sync.md` under `--out`.
@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import hashlib
-import json
 import logging
 import pathlib
 import platform
@@ -69,7 +67,7 @@ import numpy as np
 import ray
 
 import rdt_jax
-from rdt_jax.bench import _env, _paths
+from rdt_jax.bench import _cases, _env, _paths
 
 PATHS = ("rdt", "rdt_donate", "pytree", "store")
 KINDS = ("torch", "jax", "slice")
@@ -102,10 +100,8 @@ def _half(shape: tuple[int, ...], which: int) -> slice:
 
 
 def _checksum(arrays: list[Any]) -> str:
-  h = hashlib.blake2b(digest_size=8)
-  for a in arrays:
-    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8)[:4096].tobytes())
-  return h.hexdigest()
+  """CRC-32 of every byte of `arrays`, in order (`_cases.ordered_checksum`)."""
+  return f"{_cases.ordered_checksum(arrays):08x}"
 
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
@@ -481,9 +477,8 @@ def _write(
   if device == "gpu":
     result["device"] = _gpu_name()
   out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
   stem = "bench-weight-sync-gpu" if device == "gpu" else "bench-weight-sync"
-  (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+  result = _env.write_json(out_dir / f"{stem}.json", result)
   (out_dir / f"{stem}.md").write_text(markdown(result))
   return result
 
