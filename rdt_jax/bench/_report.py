@@ -116,10 +116,14 @@ def markdown(doc: dict[str, Any]) -> str:
       f"jax {env['versions'].get('jax')} · torch {env['versions'].get('torch')} · "
       f"nixl {env['versions'].get('nixl')} · wall time {doc['wall_s']:.0f} s",
       "",
-      "End to end: producer method call -> ref passed to a consumer actor that reads "
-      "every byte into a checksum (a sum of 64-bit words per 4 KiB block, each block "
-      "weighted by its place: a changed byte or misplaced block fails the run) -> result "
-      "in the driver. Paths interleaved per repetition in "
+      "End to end: producer method call -> ref passed to a consumer actor that "
+      + (
+          "reads every byte into a checksum (a sum of 64-bit words per 4 KiB block, each "
+          "block weighted by its place: a changed byte or misplaced block fails the run)"
+          if doc["config"].get("checksum") == "block-weighted"
+          else "sums every byte"
+      )
+      + " -> result in the driver. Paths interleaved per repetition in "
       "rotating order; actors of the paths not being measured are paused"
       f"{'' if doc['config']['pause'] else ' (off in this run)'}. "
       "Median [min-max] over the measured repetitions (warm-up excluded); "
