@@ -713,3 +713,110 @@ def test_benchmark_pages_are_what_the_generator_writes(page):
       "bench-weight-sync-gpu": _weights.markdown, "bench-twohost": _twohost.markdown,
   }.get(page.stem, _report.markdown)
   assert generate(doc) == page.read_text(), f"{page.name} differs from what the generator writes from its JSON"
+
+
+# ---- figures in prose, against the results they cite
+#
+# A paragraph or list that quotes benchmark figures is preceded by a comment
+# naming the results it quotes:
+#
+#   <!-- figures from docs/benchmarks/bench-full.json docs/benchmarks/bench-inline.json -->
+#
+# Every figure in the block up to the next blank line (a time in s, ms or us, a
+# rate in GB/s, a ratio written `1.5x`) must be a value of one of those files,
+# as written to its precision: a time or rate recorded there (any field whose
+# name ends in `_s`, `_ms`, `_us` or `gbps`, converted), a ratio recorded there
+# (`ratios`) or the ratio of two medians of one case, either way round. A
+# figure after "about", "under", "over" or "~" is an estimate and not checked.
+
+FIGURES_MARKER = re.compile(r"^\s*<!-- figures from (?P<files>[^>]+?) -->\s*$")
+FIGURE = re.compile(
+    r"(?P<before>\b(?:about|under|over|below|above)\s+|~)?(?<![\w.])"
+    r"(?P<value>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)\s?(?P<unit>ms|us|µs|s|GB/s|x)(?![\w/])"
+)
+SCALE = {"s": 1.0, "ms": 1e3, "us": 1e6}
+
+
+def _figure_values(doc) -> dict[str, list[float]]:
+  """Every figure a results file can back, by unit."""
+  out: dict[str, list[float]] = {"s": [], "ms": [], "us": [], "GB/s": [], "x": []}
+  medians: dict[str, list[float]] = {}
+
+  def walk(node, key: str = "", parent: str = "") -> None:
+    if isinstance(node, dict):
+      if "case" in node and isinstance(node.get("median_s"), (int, float)):
+        medians.setdefault(str(node["case"]), []).append(float(node["median_s"]))
+      for k, v in node.items():
+        walk(v, str(k), key)
+    elif isinstance(node, list):
+      for v in node:
+        walk(v, key, parent)
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+      value = float(node)
+      for suffix, seconds in (("_s", 1.0), ("_ms", 1e-3), ("_us", 1e-6)):
+        if key.endswith(suffix) or key == suffix[1:]:
+          for unit, scale in SCALE.items():
+            out[unit].append(value * seconds * scale)
+      if key.endswith("gbps"):
+        out["GB/s"].append(value)
+      if parent == "ratios" or "ratio" in key or key.endswith("_x"):
+        out["x"].append(value)
+
+  walk(doc)
+  for values in medians.values():
+    out["x"] += [a / b for a in values for b in values if b > 0]
+  out["x"] += [1 / v for v in out["x"] if v > 0]
+  return out
+
+
+def _shown(value: str, candidates: list[float]) -> bool:
+  """Whether `value`, as written, is one of `candidates` rounded to its precision."""
+  decimals = len(value.split(".")[1]) if "." in value else 0
+  target = float(value.replace(",", ""))
+  half = 0.5 * 10 ** -decimals + 1e-9
+  return any(abs(c - target) <= half for c in candidates)
+
+
+def _figure_blocks():
+  for page in READ_PAGES:
+    lines = page.read_text().splitlines()
+    for n, line in enumerate(lines):
+      m = FIGURES_MARKER.match(line)
+      if not m:
+        continue
+      block = []
+      for following in lines[n + 1:]:
+        if not following.strip():
+          break
+        block.append(following)
+      yield page, n + 1, m.group("files").split(), "\n".join(block)
+
+
+def test_figure_blocks_name_results_that_exist():
+  blocks = list(_figure_blocks())
+  assert blocks, "no page marks its figures"
+  for page, line, files, text in blocks:
+    for f in files:
+      assert (REPO / f).is_file(), f"{page_name(page)}:{line}: {f} does not exist"
+    assert FIGURE.search(text), f"{page_name(page)}:{line}: the marked block quotes no figure"
+
+
+@pytest.mark.parametrize(
+    "block", list(_figure_blocks()), ids=lambda b: f"{page_name(b[0])}:{b[1]}"
+)
+def test_prose_figures_are_the_values_of_the_results_they_cite(block):
+  page, line, files, text = block
+  values: dict[str, list[float]] = {}
+  for f in files:
+    for unit, vs in _figure_values(json.loads((REPO / f).read_text())).items():
+      values.setdefault(unit, []).extend(vs)
+  wrong = []
+  for m in FIGURE.finditer(text):
+    if m.group("before"):
+      continue
+    unit = "us" if m.group("unit") == "µs" else m.group("unit")
+    if not _shown(m.group("value"), values[unit]):
+      wrong.append(f"{m.group('value')} {m.group('unit')}")
+  assert not wrong, (
+      f"{page_name(page)}:{line}: figures that {', '.join(files)} do not hold: {', '.join(wrong)}"
+  )
