@@ -9,9 +9,9 @@ Afterwards every counter of `NixlTransport.counters()` must return to its
 baseline within `RDT_JAX_NIXL_PRODUCER_IDLE_S` (2 s here) and a margin, and
 the progress poll must have stopped.
 
-`RDT_JAX_TEST_PRODUCERS` sets the number of short-lived producers (16 by
-default, four waves of four; `rdt-jax soak --churn 1000` runs the same check
-at scale).
+`RDT_JAX_TEST_PRODUCERS` sets the number of short-lived producers (8 by
+default, two waves of four; `rdt-jax soak --churn 1000` runs the same check
+at scale, docs/benchmarks/churn-1000.txt).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rdt_jax.transports import _base
 
 rdt_jax.register()
 
-PRODUCERS = int(os.environ.get("RDT_JAX_TEST_PRODUCERS", "16"))
+PRODUCERS = int(os.environ.get("RDT_JAX_TEST_PRODUCERS", "8"))
 #: Producers alive at once.
 WAVE = 4
 IDLE = {"RDT_JAX_NIXL_PRODUCER_IDLE_S": "2"}

@@ -54,14 +54,14 @@ def test_chaos_soak_is_exact_and_leak_free(tmp_path):
   assert "chaos soak:" in proc.stdout and "wrong values 0" in proc.stdout
 
 
-#: The weight-sync soak's run here: 30 s of rounds with a chaos event every 4 s
+#: The weight-sync soak's run here: 24 s of rounds with a chaos event every 4 s
 #: on average (the default) and a pull unanswered for 30 s counted as a hang
 #: (60 s by default). The end waits until every counter is back to its baseline:
 #: producers are forgotten after 5 s idle instead of 60 s, and a bucket's fetch
 #: that a refused pull left running (its version freed) ends at Ray's fetch
 #: timeout, 15 s here instead of 60 s, and is then parked and ended 2 s later
 #: instead of 10 s. The long run is in docs/benchmarks/weight-sync-soak-10min.txt.
-WEIGHT_SYNC_ARGS = ("--minutes", "0.5", "--hang-bound", "30")
+WEIGHT_SYNC_ARGS = ("--minutes", "0.4", "--hang-bound", "30")
 WEIGHT_SYNC_ENV = {"RDT_JAX_NIXL_PRODUCER_IDLE_S": "5", "RAY_rdt_fetch_fail_timeout_milliseconds": "15000",
                    "RDT_JAX_NIXL_PARK_END_S": "2"}
 
