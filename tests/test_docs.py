@@ -726,7 +726,8 @@ def test_benchmark_pages_are_what_the_generator_writes(page):
 # rate in GB/s, a ratio written `1.5x`) must be a value of one of those files,
 # as written to its precision: a time or rate recorded there (any field whose
 # name ends in `_s`, `_ms`, `_us` or `gbps`, converted), a ratio recorded there
-# (`ratios`) or the ratio of two medians of one case, either way round. A
+# (`ratios`) or the ratio of two times of one case in the same field (two
+# paths' medians, say), either way round. A
 # figure after "about", "under", "over" or "~" is an estimate and not checked.
 
 FIGURES_MARKER = re.compile(r"^\s*<!-- figures from (?P<files>[^>]+?) -->\s*$")
@@ -740,14 +741,18 @@ SCALE = {"s": 1.0, "ms": 1e3, "us": 1e6}
 def _figure_values(doc) -> dict[str, list[float]]:
   """Every figure a results file can back, by unit."""
   out: dict[str, list[float]] = {"s": [], "ms": [], "us": [], "GB/s": [], "x": []}
-  medians: dict[str, list[float]] = {}
+  by_case: dict[tuple[str, str], list[float]] = {}  # (case, field) -> values, for ratios
 
   def walk(node, key: str = "", parent: str = "") -> None:
     if isinstance(node, dict):
-      if "case" in node and isinstance(node.get("median_s"), (int, float)):
-        medians.setdefault(str(node["case"]), []).append(float(node["median_s"]))
+      if "case" in node:
+        for k, v in node.items():
+          if isinstance(v, (int, float)) and not isinstance(v, bool) and k.endswith(("_s", "_ms", "_us")):
+            by_case.setdefault((str(node["case"]), k), []).append(float(v))
+      units = ("_s", "_ms", "_us", "gbps")
       for k, v in node.items():
-        walk(v, str(k), key)
+        # A table of times by name (`"memcpy_ms": {"1x256MiB": 30.45}`) keeps its unit.
+        walk(v, key if key.endswith(units) and not str(k).endswith(units) else str(k), key)
     elif isinstance(node, list):
       for v in node:
         walk(v, key, parent)
@@ -763,7 +768,7 @@ def _figure_values(doc) -> dict[str, list[float]]:
         out["x"].append(value)
 
   walk(doc)
-  for values in medians.values():
+  for values in by_case.values():
     out["x"] += [a / b for a in values for b in values if b > 0]
   out["x"] += [1 / v for v in out["x"] if v > 0]
   return out
