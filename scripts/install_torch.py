@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
       help="without a CPU build to take, go on without torch instead of stopping",
   )
   args = parser.parse_args(argv)
-  version = installed_torch()
-  if version is not None and version.split("+")[0] == TORCH.split("==")[1]:
-    return 0
   mode = os.environ.get("RDT_JAX_TORCH", "auto")
   if mode not in ("auto", "cpu", "cuda"):
     print(f"RDT_JAX_TORCH={mode!r}: expected auto, cpu or cuda", file=sys.stderr)
     return 2
+  version = installed_torch()
+  if version is not None and version.split("+")[0] == TORCH.split("==")[1]:
+    return 0
   if mode == "cuda" or (mode == "auto" and has_nvidia_gpu()):
     print(f"installing {TORCH} (PyPI's CUDA build: several GB)", flush=True)
     install([])

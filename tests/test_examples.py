@@ -43,7 +43,7 @@ class Example(NamedTuple):
 # output only of scripts listed here (tests/test_docs.py checks it).
 EXAMPLES = [
     Example("quickstart.py", copy=True),
-    Example("demo.py", ("--mb", "16", "--leaves", "8", "--rounds", "1")),
+    Example("demo.py", ("--mb", "8", "--leaves", "4", "--rounds", "1")),
     Example("pipeline.py"),
     Example("weight_sync.py", ("--steps", "4", "--mb", "4"), timeout_s=300),
     Example("shm_transport.py"),
