@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
       results = ray.get([w.receive.remote(ref) for w in workers])
       elapsed = time.perf_counter() - t0
       del ref
-      for kind, sums, crc_s in results:
+      for kind, sums, _crc_s in results:
         if sums != expected:
           print(f"MISMATCH on {name}: received bytes differ from the learner's", file=sys.stderr)
           return 1
