@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from rdt_jax import _hooks
 
+# For type checkers: the public names of `_EXPORTS` below, one import each
+# (`tests/test_public_api.py` checks that the two name the same objects).
 if TYPE_CHECKING:
   from rdt_jax._aio import get_async as get_async
   from rdt_jax._aio_errors import AwaitNotSupportedError as AwaitNotSupportedError
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
   from rdt_jax._dlpack import LeafSpec as LeafSpec
   from rdt_jax._dlpack import Slice as Slice
   from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
+  from rdt_jax._error_base import RdtJaxError as RdtJaxError
   from rdt_jax._errors import TransportNotRegisteredError as TransportNotRegisteredError
   from rdt_jax._errors import UnknownObjectError as UnknownObjectError
   from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
@@ -42,8 +45,12 @@ if TYPE_CHECKING:
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
   from rdt_jax.transports._base import WholeArrayTransport as WholeArrayTransport
+  from rdt_jax.transports._lifetime import ProducerActorDiedError as ProducerActorDiedError
+  from rdt_jax.transports._lifetime import ProducerDiedError as ProducerDiedError
   from rdt_jax.transports._plan import Destination as Destination
   from rdt_jax.transports._plan import Placement as Placement
+  from rdt_jax.transports.nixl.registrations import NixlError as NixlError
+  from rdt_jax.transports.nixl.views import DeviceViewBusy as DeviceViewBusy
   from rdt_jax.weights import StaleWeightsError as StaleWeightsError
   from rdt_jax.weights import WeightPublisher as WeightPublisher
   from rdt_jax.weights import WeightsHandle as WeightsHandle
@@ -56,11 +63,16 @@ _EXPORTS: dict[str, str] = {
     "AwaitNotSupportedError": "rdt_jax._aio_errors",
     "DescribedLeaf": "rdt_jax._dlpack",
     "Destination": "rdt_jax.transports._plan",
+    "DeviceViewBusy": "rdt_jax.transports.nixl.views",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
     "LeafSpec": "rdt_jax._dlpack",
     "MetadataError": "rdt_jax._metadata",
+    "NixlError": "rdt_jax.transports.nixl.registrations",
     "Placement": "rdt_jax.transports._plan",
+    "ProducerActorDiedError": "rdt_jax.transports._lifetime",
+    "ProducerDiedError": "rdt_jax.transports._lifetime",
+    "RdtJaxError": "rdt_jax._error_base",
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
     "Slice": "rdt_jax._dlpack",

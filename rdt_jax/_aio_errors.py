@@ -2,24 +2,29 @@
 rdt_jax objects (`rdt_jax._aio` has the awaitable that works, and why).
 
 Both are raised at once, each saying what to do instead. Below the seam,
-which returns or raises them: imports only `ray.exceptions`.
+which returns or raises them: imports only `ray.exceptions` and the family's
+base.
 """
 
 from __future__ import annotations
 
 from ray.exceptions import RayError
 
+from rdt_jax._error_base import RdtJaxError
+
 __all__ = ["AwaitNotSupportedError", "RefNotReadyError", "await_error", "failed_object_error", "not_ready_error"]
 
 
-class AwaitNotSupportedError(RayError):
+class AwaitNotSupportedError(RdtJaxError, RayError, ValueError):
   """`await ref` of an object of an rdt_jax transport: use `rdt_jax.get_async`.
 
   Raised by `await ref` (and by `asyncio.wrap_future(ref.future())`) of any
   rdt_jax object as soon as the object is ready, in the driver and in actors
   alike, whichever process holds the object: Ray runs an awaited ref's
   deserialization on its core worker's io thread, where a transfer cannot
-  run. A `RayError`, so Ray's future raises it instead of returning it. Use
+  run. A `RayError`, so Ray's future raises it instead of returning it, and a
+  `ValueError`, as Ray's own refusal of `await` on an RDT ref in the driver
+  is. Use
   ``await rdt_jax.get_async(ref)`` instead (a list of refs too).
 
   Attributes:
@@ -36,21 +41,24 @@ class AwaitNotSupportedError(RayError):
     return type(self), (str(self), self.object_id, self.transport)
 
 
-class RefNotReadyError(NotImplementedError):
+class RefNotReadyError(RdtJaxError, ValueError, NotImplementedError):
   """An rdt_jax ref put inside a value before its object exists.
 
   A ref nested in a task argument, a return value or a `ray.put` value
   carries its object's transport metadata to the receiving process, and that
   metadata exists only once the producer's method has returned (and never
-  where it raised). Raised at once, where the value is serialized, instead of Ray's `NotImplementedError`
-  (hence the base class). Wait for the object first (``ray.wait([ref])``), or
-  pass the ref itself as a top-level argument: Ray delivers that once the
-  object exists.
+  where it raised). A `ValueError`. Raised at once, where the value is
+  serialized, instead of Ray's `NotImplementedError`, so it is one too; that
+  parent is deprecated (`docs/errors.md`): catch `ValueError` or this class.
+  Wait for the object first (``ray.wait([ref])``), or pass the ref itself as
+  a top-level argument: Ray delivers that once the object exists.
 
   Attributes:
     object_id: the object's hex id.
     transport: the object's transport name (lower case).
   """
+
+  _deprecated_parents = (NotImplementedError,)
 
   def __init__(self, message: str, object_id: str = "", transport: str = ""):
     super().__init__(message)

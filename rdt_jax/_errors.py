@@ -17,6 +17,7 @@ import importlib.util
 from typing import Final
 
 from rdt_jax import _compat
+from rdt_jax._error_base import RdtJaxError
 
 __all__ = ["TransportNotRegisteredError", "UnknownObjectError", "UnsupportedRayError", "explain_unregistered"]
 
@@ -25,7 +26,7 @@ __all__ = ["TransportNotRegisteredError", "UnknownObjectError", "UnsupportedRayE
 _PUBLIC_MODULE = "rdt_jax"
 
 
-class UnsupportedRayError(RuntimeError):
+class UnsupportedRayError(RdtJaxError, RuntimeError):
   """The installed Ray lacks an internal rdt_jax relies on, or is untested.
 
   Raised by `rdt_jax.register()` (and `register_transport()`) before anything
@@ -37,7 +38,7 @@ class UnsupportedRayError(RuntimeError):
   """
 
 
-class TransportNotRegisteredError(ValueError):
+class TransportNotRegisteredError(RdtJaxError, ValueError):
   """A `tensor_transport` name that is not registered in this process.
 
   Raised where Ray checks the name: `@ray.method(tensor_transport=...)` when
@@ -65,19 +66,24 @@ class TransportNotRegisteredError(ValueError):
     return type(self), (str(self), self.transport, self.suggestion)
 
 
-class UnknownObjectError(AssertionError):
+class UnknownObjectError(RdtJaxError, LookupError, AssertionError):
   """`ray.get` of an RDT ref whose object this process knows nothing about.
 
-  Raised instead of Ray's bare `AssertionError: No metadata found for ...`
-  (hence the base class): the object was freed (every ref to it went out of
-  scope, or its producer released it) before this fetch, or the ref was not
-  obtained from Ray (rebuilt from its id, or kept from an earlier Ray
-  session). Keep the ref that the method or `ray.put` returned alive until
-  every consumer has fetched the object.
+  The object was freed (every ref to it went out of scope, or its producer
+  released it) before this fetch, or the ref was not obtained from Ray
+  (rebuilt from its id, or kept from an earlier Ray session). Keep the ref
+  that the method or `ray.put` returned alive until every consumer has
+  fetched the object.
+
+  A `LookupError`. Raised instead of Ray's bare `AssertionError: No metadata
+  found for ...`, so it is an `AssertionError` too; that parent is
+  deprecated (`docs/errors.md`): catch `LookupError` or this class.
 
   Attributes:
     object_id: the object's hex id.
   """
+
+  _deprecated_parents = (AssertionError,)
 
   def __init__(self, message: str, object_id: str = ""):
     super().__init__(message)

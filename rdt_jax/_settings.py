@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from rdt_jax._error_base import RdtJaxError
+
 __all__ = ["SETTINGS", "Setting", "SettingError", "markdown_table", "value"]
 
 _KIB: Final = 1 << 10
@@ -33,8 +35,11 @@ _GIB: Final = 1 << 30
 _TIB: Final = 1 << 40
 
 
-class SettingError(ValueError):
+class SettingError(RdtJaxError, ValueError):
   """An `RDT_JAX_*` environment variable holds a value rdt_jax cannot use."""
+
+
+SettingError.__module__ = "rdt_jax"  # public as rdt_jax.SettingError
 
 
 @dataclass(frozen=True)

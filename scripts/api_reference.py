@@ -79,8 +79,10 @@ SECTIONS = (
     Section("asyncio", "", (Entry("get_async"),)),
     Section(
         "Errors",
-        "Each is described, with its causes and fixes, in [Errors and limitations](errors.md).",
+        "Every one derives from `RdtJaxError`; each is described, with its causes and fixes, in\n"
+        "[Errors and limitations](errors.md), which draws the family as a tree.",
         (
+            Entry("RdtJaxError"),
             Entry("UnsupportedLeafError"),
             Entry("MetadataError"),
             Entry("TransportNotRegisteredError"),
@@ -90,6 +92,10 @@ SECTIONS = (
             Entry("StaleWeightsError"),
             Entry("AwaitNotSupportedError"),
             Entry("RefNotReadyError"),
+            Entry("ProducerDiedError"),
+            Entry("ProducerActorDiedError"),
+            Entry("NixlError"),
+            Entry("DeviceViewBusy"),
         ),
     ),
     Section(

@@ -124,7 +124,7 @@ def test_imports_are_read_wherever_they_are_written(tmp_path):
 
 #: What the DLPack layer may import of rdt_jax besides itself: Ray-free modules
 #: with no dependency on the layers above.
-DLPACK_MAY_IMPORT = ("rdt_jax._dlpack", "rdt_jax._compat", "rdt_jax._settings")
+DLPACK_MAY_IMPORT = ("rdt_jax._dlpack", "rdt_jax._compat", "rdt_jax._settings", "rdt_jax._error_base")
 
 
 def test_dlpack_layer_depends_on_nothing_above_it():

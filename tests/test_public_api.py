@@ -3,13 +3,16 @@ contract, and is the object rdt_jax itself uses (no private duplicate)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import pathlib
+import pickle
 import time
 
 import numpy as np
 import pytest
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 
 import rdt_jax
@@ -51,6 +54,96 @@ def test_error_types_subclass_what_ray_raises():
   # Ray's future raises a RayError its callback receives (and returns anything else).
   assert issubclass(rdt_jax.AwaitNotSupportedError, RayError)
   assert issubclass(rdt_jax.RefNotReadyError, NotImplementedError)
+
+
+def _public_errors() -> list[type[BaseException]]:
+  values = [getattr(rdt_jax, n) for n in rdt_jax.__all__]
+  return [v for v in values if isinstance(v, type) and issubclass(v, BaseException)]
+
+
+def test_every_public_error_is_in_the_family_and_keeps_its_old_parents():
+  errors = _public_errors()
+  assert {e.__name__ for e in errors} >= {"NixlError", "ProducerDiedError", "ProducerActorDiedError", "DeviceViewBusy"}
+  for error in errors:
+    assert issubclass(error, rdt_jax.RdtJaxError), error
+    assert error.__module__ == "rdt_jax", f"{error.__name__} is named by a private path in tracebacks"
+  # The parents code caught before the family (and Ray's, where Ray sets them) stay.
+  assert issubclass(rdt_jax.MetadataError, rdt_jax.UnsupportedLeafError)
+  assert issubclass(rdt_jax.UnknownObjectError, AssertionError)
+  assert issubclass(rdt_jax.RefNotReadyError, NotImplementedError)
+  assert issubclass(rdt_jax.ProducerActorDiedError, ActorDiedError)
+  assert issubclass(rdt_jax.NixlError, RuntimeError) and issubclass(rdt_jax.ProducerDiedError, RuntimeError)
+  # The right parents, beside the misleading (deprecated) ones.
+  assert issubclass(rdt_jax.UnknownObjectError, LookupError)
+  assert issubclass(rdt_jax.RefNotReadyError, ValueError)
+  assert rdt_jax.MetadataError._deprecated_parents == (rdt_jax.UnsupportedLeafError,)
+  # Ray refuses `await` of an RDT ref in the driver with a ValueError: so does rdt_jax.
+  assert issubclass(rdt_jax.AwaitNotSupportedError, ValueError)
+
+
+def test_public_errors_survive_pickling_with_their_attributes():
+  cases = [
+      rdt_jax.NixlError("m", "register", "o1"),
+      rdt_jax.ProducerDiedError("m"),
+      rdt_jax.DeviceViewBusy("m"),
+      rdt_jax.MetadataError("o1", "addresses", "is short", "['w']"),
+      rdt_jax.UnknownObjectError("m", "o2"),
+  ]
+  for error in cases:
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)
+
+
+def _base_name(cls: type) -> str:
+  if cls.__module__ == "builtins":
+    return cls.__name__
+  return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def family_tree() -> list[str]:
+  """The family as `docs/errors.md` draws it, from the classes: each error
+  under its first public parent in the family, then its other parents, the
+  deprecated ones marked."""
+  errors = [e for e in _public_errors() if e is not rdt_jax.RdtJaxError]
+  children: dict[type, list[type]] = {}
+  for error in errors:
+    deprecated = error._deprecated_parents
+    parent = next((b for b in error.__bases__ if b in errors and b not in deprecated), rdt_jax.RdtJaxError)
+    children.setdefault(parent, []).append(error)
+
+  def lines(cls: type, depth: int) -> list[str]:
+    out = []
+    for error in sorted(children.get(cls, []), key=lambda c: c.__name__):
+      deprecated = error._deprecated_parents
+      others = [_base_name(b) for b in error.__bases__ if b not in (cls, rdt_jax.RdtJaxError, *deprecated)]
+      marks = [f"{_base_name(b)} (deprecated)" for b in deprecated]
+      out.append(f"{'    ' * depth}{error.__name__}({', '.join(others + marks)})")
+      out.extend(lines(error, depth + 1))
+    return out
+
+  return ["RdtJaxError(Exception)", *lines(rdt_jax.RdtJaxError, 1)]
+
+
+def test_errors_page_draws_the_family_as_the_code_defines_it():
+  page = (pathlib.Path(__file__).parent.parent / "docs" / "errors.md").read_text()
+  block = page.split("<!-- family tree: generated from the code, tests/test_public_api.py checks it -->\n```text\n")[1]
+  drawn = block.split("```")[0].splitlines()
+  assert drawn == family_tree(), "docs/errors.md's family tree should read:\n" + "\n".join(family_tree())
+
+
+def test_type_checking_imports_name_exactly_the_exports():
+  """`rdt_jax/__init__.py` lists its public names for type checkers (the
+  `TYPE_CHECKING` imports) and for loading (`_EXPORTS`): the two agree."""
+  tree = ast.parse(pathlib.Path(rdt_jax.__file__).read_text())
+  block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+  imported = {
+      alias.asname or alias.name: node.module
+      for node in block.body if isinstance(node, ast.ImportFrom)
+      for alias in node.names
+  }
+  assert imported == rdt_jax._EXPORTS
+  assert all(a.name == a.asname for n in block.body for a in n.names)  # type: ignore[attr-defined]
 
 
 def test_get_async_is_awaitable():

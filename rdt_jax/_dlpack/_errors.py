@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from rdt_jax._error_base import RdtJaxError
 
-class UnsupportedLeafError(ValueError):
+
+class UnsupportedLeafError(RdtJaxError, ValueError):
   """A leaf that rdt_jax cannot send or rebuild as asked.
 
   The message names the leaf by its pytree path (as `jax.tree_util.keystr`
@@ -25,6 +27,10 @@ class UnsupportedLeafError(ValueError):
   def __reduce__(self) -> tuple[Any, ...]:
     # Crosses processes inside Ray's task errors.
     return _restore_leaf_error, (type(self), self.path, self.args[0])
+
+
+# Public as `rdt_jax.UnsupportedLeafError`: tracebacks and pickles name that path.
+UnsupportedLeafError.__module__ = "rdt_jax"
 
 
 def _restore_leaf_error(

@@ -36,6 +36,7 @@ import time
 from ray.exceptions import ActorDiedError
 
 from rdt_jax import _seam
+from rdt_jax._error_base import RdtJaxError
 
 __all__ = ["ProducerActorDiedError", "ProducerDiedError", "await_kill", "check_producer", "died", "producer_id"]
 
@@ -50,11 +51,20 @@ _dead: dict[str, None] = {}
 _lock = threading.Lock()
 
 
-class ProducerDiedError(RuntimeError):
-  """The actor that produced an RDT object has died; the object died with it."""
+class ProducerDiedError(RdtJaxError, RuntimeError):
+  """The actor that produced an RDT object has died; the object died with it.
+
+  One-sided transports (`jax_nixl`, `jax_transfer`) and weight pulls: raised
+  on the consumer when a fetch finds its producer actor dead, after any
+  failure and after a read that seemed to succeed (its bytes are refused).
+  Ray wraps it: `ray.get` raises Ray's `RayDirectTransportError` caused by it
+  (`except ray.exceptions.RayError`, then `e.__cause__`); a weight pull raises
+  it as it is. Keep the producer alive, and the ref in scope, until every
+  consumer has fetched the object.
+  """
 
 
-class ProducerActorDiedError(ActorDiedError):
+class ProducerActorDiedError(RdtJaxError, ActorDiedError):
   """Two-sided transports: the producer of an RDT object has died, the object
   with it, and this consumer was not killed with it (its receive completed
   from a send the producer ran before dying). An `ActorDiedError`, as when Ray
@@ -65,6 +75,11 @@ class ProducerActorDiedError(ActorDiedError):
     super().__init__()
     self.error_msg = message
     self.actor_id = actor_id
+
+
+# Public as rdt_jax.<name>: tracebacks and pickles name that path.
+for _cls in (ProducerDiedError, ProducerActorDiedError):
+  _cls.__module__ = "rdt_jax"
 
 
 def producer_id() -> str | None:

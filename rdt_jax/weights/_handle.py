@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdt_jax import _dlpack
+from rdt_jax._error_base import RdtJaxError
 from rdt_jax.weights._packed import PackedSource
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 #: implementation). `kind` is "array" or "key" (a typed PRNG key array).
 LeafEntry = tuple[str, str, tuple[int, ...], str]
 
-class StaleWeightsError(RuntimeError):
+class StaleWeightsError(RdtJaxError, RuntimeError):
   """A pull of a version the subscriber may not take: not newer than the
   version it holds, or no longer kept by its publisher.
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from rdt_jax import _dlpack, _faults
+from rdt_jax._error_base import RdtJaxError
 from rdt_jax.transports._plan import memory_kind
 
 __all__ = ["Key", "NixlError", "Registrations", "nixl_error", "nixl_memory"]
@@ -49,7 +50,7 @@ Key = tuple[int, int, str, int]
 _HOST: Final = _dlpack.Device("cpu")
 
 
-class NixlError(RuntimeError):
+class NixlError(RdtJaxError, RuntimeError):
   """A NIXL (UCX) call failed. The message names the operation (create the
   agent, register, load a producer's agent, read), the object and producer
   it was for, NIXL's own error, and what to do; never a bare
@@ -66,6 +67,9 @@ class NixlError(RuntimeError):
 
   def __reduce__(self) -> tuple[Any, ...]:
     return type(self), (str(self), self.operation, self.object_id)
+
+
+NixlError.__module__ = "rdt_jax"  # public as rdt_jax.NixlError
 
 
 def nixl_error(operation: str, subject: str, error: BaseException, fix: str, object_id: str = "") -> NixlError:

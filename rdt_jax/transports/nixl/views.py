@@ -57,15 +57,24 @@ from collections.abc import Callable
 from typing import Any
 
 from rdt_jax import _faults, _settings
+from rdt_jax._error_base import RdtJaxError
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 
 __all__ = ["DeviceViewBusy", "RemoteViews", "view_rebuild_interval_s"]
 
 
-class DeviceViewBusy(RuntimeError):
+class DeviceViewBusy(RdtJaxError, RuntimeError):
   """A producer deregistered device memory while READs from it are in flight
   in this process: its view cannot be rebuilt now, and extending it could
-  make NIXL refuse that producer for good (see the module docstring)."""
+  make NIXL refuse that producer for good (see the module docstring).
+
+  jax_nixl turns it into the `NixlError` a `ray.get` meets ("cannot read
+  object ... now"); public so code built on the views can catch it by name.
+  Get the refs one at a time, or again once the fetches in flight have ended.
+  """
+
+
+DeviceViewBusy.__module__ = "rdt_jax"  # public as rdt_jax.DeviceViewBusy
 
 
 @functools.cache
