@@ -21,7 +21,7 @@ import pytest
 from _helpers import clean_env
 from rdt_jax import _doctor, _seam
 from rdt_jax.__main__ import main
-from rdt_jax._doctor import Finding, ReadPath, ReadResult
+from rdt_jax._doctor import Finding, ReadPath, ReadResult, installed
 from rdt_jax.transports.nixl import ucx
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -160,7 +160,7 @@ def test_loopback_that_runs_out_of_time_is_reported_and_leaves_nothing_running()
   import multiprocessing
 
   start = time.monotonic()
-  loop = _doctor.run_loopback({}, _doctor._nixl_version()["module"], ["host"], 1 << 20, (0, 0), timeout_s=0.2)
+  loop = _doctor.run_loopback({}, installed._nixl_version()["module"], ["host"], 1 << 20, (0, 0), timeout_s=0.2)
   assert time.monotonic() - start < 10
   assert loop.error and "did not finish within 0.2 s" in loop.error
   assert "did not finish" in loop.reads["host"].state
