@@ -134,11 +134,11 @@ _hooks.set_target_device = _set_target_device
 
 def _check_transport_names() -> None:
   """Where Ray is already imported, its transport-name check explains rdt_jax
-  names from now on (`rdt_jax._seam.install_name_check`): a class defined
+  names from now on (`rdt_jax._ray.names.install_name_check`): a class defined
   before `register()` then fails saying so. Imports nothing new (`import ray`
   imports the checked module); `register()` installs it in any case."""
   if "ray.experimental.rdt.util" in sys.modules:
-    importlib.import_module("rdt_jax._seam").install_name_check()
+    importlib.import_module("rdt_jax._ray.names").install_name_check()
 
 
 _check_transport_names()

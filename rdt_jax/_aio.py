@@ -7,7 +7,7 @@ and it cannot: that thread also delivers the object's transport metadata to
 its owner (which arrives after the object itself is ready) and every reply
 to this process, so a fetch there waits for itself, and Ray's own wait ends
 in a callback error that leaves the awaiting coroutine waiting forever. The
-seam (`rdt_jax._seam`) makes that callback return `AwaitNotSupportedError`
+seam (`rdt_jax._ray.aio`) makes that callback return `AwaitNotSupportedError`
 (`rdt_jax._aio_errors`) instead, which Ray's future raises at once;
 `get_async` is the awaitable that works, in the driver and in async actors.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rdt_jax import _seam
+from rdt_jax import _ray
 
 __all__ = ["get_async"]
 
@@ -25,7 +25,7 @@ __all__ = ["get_async"]
 def _get(refs: Any, timeout: float | None) -> Any:
   import ray
 
-  with _seam.quiet_blocking_get_warning():
+  with _ray.aio.quiet_blocking_get_warning():
     return ray.get(refs, timeout=timeout)
 
 

@@ -3,7 +3,7 @@
 Every place where rdt_jax depends on a specific version of JAX or NIXL is
 here, with a comment saying why; the rest of the package imports from this
 module instead of testing versions itself. It imports no Ray. Ray is gated in
-`rdt_jax._seam`, the one module that touches Ray's internals: the tested Ray
+`rdt_jax._ray`, the one package that touches Ray's internals: the tested Ray
 range (`SUPPORTED_RAY`, matching pyproject.toml), a shape check of each
 internal made when `register()` installs the wrappers, and the
 `RDT_JAX_ALLOW_UNTESTED_RAY` setting (docs/ray_integration.md).

@@ -1,6 +1,6 @@
 """The seam's calls into the layers above it, set by the package root.
 
-`_seam` sits below `_registry` and `_targets` (both import it), yet two kinds
+`_ray` (the seam) sits below `_registry` and `_targets` (both import it), yet two kinds
 of Ray call it wraps end there:
 
 * a Ray worker's first RDT lookup registers rdt_jax's transports in that

@@ -4,7 +4,7 @@
 The registry knows rdt_jax's transports and registers each with Ray under the
 concrete class of live jax arrays (Ray matches serializers on the exact class;
 `jax.Array` itself would catch nothing). Leaves of every other array class
-are extracted by the reducers `rdt_jax._seam` installs.
+are extracted by the reducers `rdt_jax._ray.serialization` installs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from rdt_jax import _compat, _seam, _state
+from rdt_jax import _compat, _ray, _state
 from rdt_jax._dlpack._specs import RECEIVE_MODES
 from rdt_jax._errors import TransportNotRegisteredError, explain_unregistered
 
@@ -72,15 +72,15 @@ def register_transport(cls: type[DlpackTransport]) -> str:
         f"{cls.__qualname__} has no transport name: set the class attribute `name` "
         "(e.g. name = \"my_shm\"), the name users pass as tensor_transport."
     )
-  _seam.install()
+  _ray.install()
   name = name.lower()
-  info = _seam.transport_info(name)
+  info = _ray.state.transport_info(name)
   if info is not None and _qualified(info.transport_manager_class) != _qualified(cls):
     raise ValueError(
         f"Transport name {name!r} is already registered in this process by "
         f"{_qualified(info.transport_manager_class)}; give {_qualified(cls)} another `name`."
     )
-  _seam.register_tensor_transport(name, list(cls.devices), cls, _compat.array_impl_type())
+  _ray.state.register_tensor_transport(name, list(cls.devices), cls, _compat.array_impl_type())
   return name
 
 
@@ -184,22 +184,22 @@ def receive_stats(transport: str = "jax_nixl", reset: bool = False) -> dict[str,
     ValueError: if `transport` names one of Ray's own transports ("nixl",
       "gloo", ...), which rdt_jax does not count.
   """
-  _seam.install()
+  _ray.install()
   name = str(transport)
-  registered = _seam.registered_transports()
+  registered = _ray.state.registered_transports()
   if name.lower() not in registered:
-    explanation, suggestion = explain_unregistered(name, registered, _seam.in_ray_worker())
+    explanation, suggestion = explain_unregistered(name, registered, _ray.state.in_ray_worker())
     raise TransportNotRegisteredError(
         f"No transport {name!r} is registered in this process. "
         + (explanation or f"Transports registered here: {', '.join(registered) or 'none'}."),
         name,
         suggestion,
     )
-  if not _seam.is_rdt_jax_transport(name):
-    ours = [n for n in registered if _seam.is_rdt_jax_transport(n)]
+  if not _ray.state.is_rdt_jax_transport(name):
+    ours = [n for n in registered if _ray.state.is_rdt_jax_transport(n)]
     raise ValueError(
         f"{name!r} is one of Ray's own transports, which rdt_jax does not count; "
         f"receive_stats reads rdt_jax transports: {', '.join(ours) or 'none registered here'}."
     )
-  stats: dict[str, int] = _seam.transport_manager(name).receive_stats(reset=reset)
+  stats: dict[str, int] = _ray.state.transport_manager(name).receive_stats(reset=reset)
   return stats

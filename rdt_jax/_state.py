@@ -1,6 +1,6 @@
 """Process state shared by the serializer, the transports and the public API.
 
-Two things, kept apart from both the Ray wiring (`_seam`) and the transports
+Two things, kept apart from both the Ray wiring (`_ray`) and the transports
 so that neither imports the other:
 
 * the receive mode set by `rdt_jax.receive_as`;

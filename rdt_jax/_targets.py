@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _seam
+from rdt_jax import _dlpack, _ray
 
 _lock = threading.Lock()
 _targets: dict[str, Target] = {}
@@ -36,7 +36,7 @@ class Target:
 def _check_rdt_ref(ref: Any) -> str:
   if not isinstance(ref, ray.ObjectRef):
     raise TypeError(f"Expected a ray.ObjectRef, got {type(ref).__name__}.")
-  if not _seam.is_managed_object(ref.hex()):
+  if not _ray.state.is_managed_object(ref.hex()):
     raise ValueError(
         f"{ref} is not an RDT object (or this process no longer knows it: "
         "freed): targets apply to live refs returned by a method with "
@@ -87,7 +87,7 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
       not have, naming the leaf and the fix.
   """
   obj_id = _check_rdt_ref(ref)
-  if _seam.is_two_sided_object(obj_id):
+  if _ray.state.is_two_sided_object(obj_id):
     raise ValueError(
         f"{ref} is an object of a two-sided transport (jax_gloo, jax_nccl): "
         "Ray moves it only as an argument of a task, before the task runs, "
@@ -98,7 +98,7 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
     )
   buffers = flatten_target(target)
   check_disjoint(buffers)
-  meta = _seam.transport_metadata(obj_id)
+  meta = _ray.state.transport_metadata(obj_id)
   if meta is not None:
     align_targets(buffers, getattr(meta, "leaves", []))
   with _lock:
@@ -145,7 +145,7 @@ def set_target_device_for_ref(ref: ray.ObjectRef, device: Any) -> None:
 
 def _prune() -> None:
   """Drops targets of objects Ray has freed (lock held)."""
-  for obj_id in [o for o in _targets if not _seam.is_managed_object(o)]:
+  for obj_id in [o for o in _targets if not _ray.state.is_managed_object(o)]:
     del _targets[obj_id]
 
 
@@ -157,14 +157,14 @@ def num_targets() -> int:
 
 def set_target_for_obj_id(obj_id: str, buffers: list[Any]) -> None:
   """Ray's `set_target_for_ref` on an rdt_jax ref (its buffers, in leaf order),
-  for the fetch of `obj_id` that is starting (called from `rdt_jax._seam`)."""
+  for the fetch of `obj_id` that is starting (called from `rdt_jax._ray.fetch`)."""
   with _lock:
     _targets[obj_id] = Target(buffers={f"[{i}]": b for i, b in enumerate(buffers)})
 
 
 def set_target_device_for_obj_id(obj_id: str, device: Any) -> None:
   """Ray's `set_target_device_for_ref` on an rdt_jax ref, for the fetch of
-  `obj_id` that is starting (called from `rdt_jax._seam`)."""
+  `obj_id` that is starting (called from `rdt_jax._ray.fetch`)."""
   parsed = _dlpack.parse_device(device)
   with _lock:
     _targets[obj_id] = Target(device=parsed)
@@ -182,7 +182,7 @@ def _is_target_leaf(x: Any) -> bool:
 
 def _key_data_target(x: Any) -> Any:
   """A typed PRNG key target stands for its raw key data (what crosses the
-  wire, `rdt_jax._seam`): a placement template of the data's shape."""
+  wire, `rdt_jax._ray.fetch`): a placement template of the data's shape."""
   return _dlpack.prng_key_parts(x)[0] if _dlpack.is_prng_key(x) else x
 
 

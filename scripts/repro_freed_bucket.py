@@ -8,7 +8,7 @@ version 1 (a warm-up: its connection to the trainer is made), then version 2
 with `timeout=None`; fault injection holds that pull 2 s after it copied its
 first bucket (`weights.bucket:delay=2@4*1`: the fourth bucket copied).
 Meanwhile the trainer publishes version 3, which frees version 2 and its bucket
-objects (`rdt_jax._seam.free_now`). The
+objects (`rdt_jax._ray.state.free_now`). The
 contract (docs/weight_sync.md) is a failed pull: "a version freed while it was
 read is refused too". What happens: the fetch of the third bucket posts a NIXL
 READ of memory its producer has deregistered; the READ does not end until Ray
@@ -62,9 +62,9 @@ class Trainer:
     return self.refs
 
   def free(self) -> None:
-    from rdt_jax import _seam
+    from rdt_jax import _ray
 
-    _seam.free_now(self.refs[0].hex())
+    _ray.state.free_now(self.refs[0].hex())
 
 
 def _bounded(fn, wait: float) -> str:

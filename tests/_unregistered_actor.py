@@ -40,10 +40,10 @@ class Borrower:
     import jax
     from ray.experimental import set_target_device_for_ref, set_target_for_ref
 
-    from rdt_jax import _seam
+    from rdt_jax import _ray
 
     [ref] = refs
-    known_before = "jax_nixl" in _seam.registered_transports()
+    known_before = "jax_nixl" in _ray.state.registered_transports()
     buffers = []
     if target == "numpy":
       buffers = [np.zeros(3, np.int64), np.zeros(3, np.int64)]

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from _helpers import clean_env
-from rdt_jax import _doctor, _seam
+from rdt_jax import _doctor, _ray
 from rdt_jax.__main__ import main
 from rdt_jax._doctor import Finding, ReadPath, ReadResult, installed
 from rdt_jax.transports.nixl import ucx
@@ -98,7 +98,7 @@ def test_doctor_passes_on_this_host_and_finds_the_host_read_path():
   assert {"python", "ray", "jax", "numpy", "torch", "cupy", "nixl"} <= set(versions)
   assert versions["nixl"]["module"].startswith(("nixl_cu12.", "nixl_cu13."))
   assert versions["jax"]["backend"] == "cpu"
-  assert report["ray"]["tested_range"] == _seam.SUPPORTED_RAY and report["ray"]["tested"] is True
+  assert report["ray"]["tested_range"] == _ray.version.SUPPORTED_RAY and report["ray"]["tested"] is True
   assert "jax_nixl" in report["transports"]["rdt_jax"]
   assert report["gpus"]["count"] == 0
   host = report["ucx"]["reads"]["host"]
@@ -335,20 +335,20 @@ def test_xla_rule_names_a_fraction_that_fits():
 
 
 def test_ray_range_decisions():
-  args = (_seam.SUPPORTED_RAY, _seam.ALLOW_UNTESTED_ENV)
+  args = (_ray.version.SUPPORTED_RAY, _ray.version.ALLOW_UNTESTED_ENV)
   assert _doctor.judge_ray("2.60.0", True, False, *args).severity == "ok"
   refused = _doctor.judge_ray("2.61.0", False, False, *args)
-  assert refused.severity == "fail" and f"{_seam.ALLOW_UNTESTED_ENV}=1" in refused.fix
+  assert refused.severity == "fail" and f"{_ray.version.ALLOW_UNTESTED_ENV}=1" in refused.fix
   assert _doctor.judge_ray("2.61.0", False, True, *args).severity == "warn"
   assert _doctor.judge_ray(None, False, False, *args).severity == "fail"
 
 
 def test_ray_check_uses_the_seams_range(monkeypatch):
-  monkeypatch.delenv(_seam.ALLOW_UNTESTED_ENV, raising=False)
+  monkeypatch.delenv(_ray.version.ALLOW_UNTESTED_ENV, raising=False)
   info, verdict = _doctor.collect_ray()
-  assert info["tested"] == _seam.ray_version_tested()
+  assert info["tested"] == _ray.version.ray_version_tested()
   assert verdict.severity == ("ok" if info["tested"] else "fail")
-  monkeypatch.setenv(_seam.ALLOW_UNTESTED_ENV, "maybe")
+  monkeypatch.setenv(_ray.version.ALLOW_UNTESTED_ENV, "maybe")
   assert _doctor.collect_ray()[1].severity == "fail"
 
 
@@ -408,7 +408,7 @@ def test_text_report_of_a_gpu_host():
   report = {
       "versions": {"ray": {"version": "2.60.0"}, "torch": {"version": "2.11.0", "cuda": "13.0"},
                    "nixl": {"version": "1.5.1", "module": "nixl_cu13._api", "cuda": "13"}},
-      "ray": {"version": "2.60.0", "tested_range": _seam.SUPPORTED_RAY},
+      "ray": {"version": "2.60.0", "tested_range": _ray.version.SUPPORTED_RAY},
       "transports": {"rdt_jax": ["jax_nixl"], "ray_builtin": {"nixl": {"usable": True, "needs": "torch"}}},
       "gpus": {"count": 2, "names": ["NVIDIA H100", "NVIDIA H100"], "peer_access": {"0->1": True, "1->0": True},
                "nvlink": NVLINK_STATUS, "topology": "GPU0\tX\tNV18"},

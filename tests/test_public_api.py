@@ -16,7 +16,7 @@ from ray.exceptions import ActorDiedError, RayError
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 
 import rdt_jax
-from rdt_jax import _dlpack, _seam
+from rdt_jax import _dlpack, _ray
 from rdt_jax import weights as _weights
 from rdt_jax.transports import _base, _plan
 
@@ -34,7 +34,7 @@ def test_unknown_names_raise_attribute_error():
 
 
 def test_public_names_are_the_objects_rdt_jax_uses():
-  assert rdt_jax.UnsupportedRayError is _seam.UnsupportedRayError
+  assert rdt_jax.UnsupportedRayError is _ray.version.UnsupportedRayError
   assert rdt_jax.WholeArrayTransport is _base.WholeArrayTransport
   assert rdt_jax.DescribedLeaf is _dlpack.DescribedLeaf
   assert rdt_jax.LeafSpec is _dlpack.LeafSpec
@@ -255,7 +255,7 @@ def test_a_two_sided_receive_waits_at_most_ray_s_fetch_timeout(monkeypatch):
   from rdt_jax import _state
 
   monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
-  monkeypatch.setattr(_seam, "rdt_fetch_timeout_s", lambda: 0.2)
+  monkeypatch.setattr(_ray.state, "rdt_fetch_timeout_s", lambda: 0.2)
   t = _NeverArrives()
   tree = [np.arange(64, dtype=np.float32)]
   _state.record_described(tree[0], _dlpack.describe(tree[0], "[0]"))

@@ -21,7 +21,7 @@ import ray
 import conftest
 import rdt_jax
 from _unregistered_actor import Borrower
-from rdt_jax import _seam, _state
+from rdt_jax import _ray, _state
 
 rdt_jax.register()
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
   """Runs `code` in a fresh interpreter with this checkout first on the path."""
   full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(conftest.REPO), str(conftest.TESTS_DIR)])}
-  full_env.pop(_seam.ALLOW_UNTESTED_ENV, None)
+  full_env.pop(_ray.version.ALLOW_UNTESTED_ENV, None)
   full_env.update(env or {})
   return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
 
@@ -41,15 +41,15 @@ def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def test_every_shape_check_passes_on_this_ray():
-  assert _seam._check_ray_shapes() == []
-  _seam.check_ray()  # a tested minor: no error, no warning
+  assert _ray.version.check_ray_shapes() == []
+  _ray.version.check_ray()  # a tested minor: no error, no warning
 
 
 def test_a_changed_signature_is_reported(monkeypatch):
   from ray._private.serialization import SerializationContext
 
   monkeypatch.setattr(SerializationContext, "serialize_rdt_objects", lambda self, value: None)
-  problems = _seam._check_ray_shapes()
+  problems = _ray.version.check_ray_shapes()
   assert len(problems) >= 1
   assert any("serialize_rdt_objects" in p and "no longer takes" in p for p in problems)
 
@@ -110,11 +110,11 @@ def test_register_refuses_a_ray_missing_an_internal():
   assert out.stdout.startswith("UnsupportedRayError"), out.stdout
   assert f"Ray {ray.__version__}" in out.stdout
   assert "RDTManager._trigger_fetch is missing" in out.stdout
-  assert _seam.SUPPORTED_RAY in out.stdout
+  assert _ray.version.SUPPORTED_RAY in out.stdout
 
 
 def test_a_failing_check_fails_even_when_untested_rays_are_allowed():
-  out = run_python(BREAK_TRIGGER_FETCH, {_seam.ALLOW_UNTESTED_ENV: "1"})
+  out = run_python(BREAK_TRIGGER_FETCH, {_ray.version.ALLOW_UNTESTED_ENV: "1"})
   assert out.stdout.startswith("UnsupportedRayError"), out.stdout + out.stderr
 
 
@@ -137,12 +137,12 @@ for w in caught:
 def test_an_untested_ray_is_refused_naming_the_setting():
   out = run_python(UNTESTED_RAY)
   assert out.stdout.startswith("UnsupportedRayError"), out.stdout + out.stderr
-  assert "Ray 2.99.0" in out.stdout and _seam.SUPPORTED_RAY in out.stdout
-  assert f"{_seam.ALLOW_UNTESTED_ENV}=1" in out.stdout
+  assert "Ray 2.99.0" in out.stdout and _ray.version.SUPPORTED_RAY in out.stdout
+  assert f"{_ray.version.ALLOW_UNTESTED_ENV}=1" in out.stdout
 
 
 def test_an_untested_ray_runs_with_a_warning_when_allowed():
-  out = run_python(UNTESTED_RAY, {_seam.ALLOW_UNTESTED_ENV: "1"})
+  out = run_python(UNTESTED_RAY, {_ray.version.ALLOW_UNTESTED_ENV: "1"})
   assert out.stdout.startswith("registered ["), out.stdout + out.stderr
   assert "jax_nixl" in out.stdout
   assert "warning: rdt_jax is tested with ray" in out.stdout and "2.99.0" in out.stdout
@@ -250,20 +250,20 @@ def test_our_reducer_defers_to_the_one_it_replaced():
 
   try:
     dispatch[torch.Tensor] = previous  # as Ray's NIXL does on its first use
-    _seam.install_reducers()
+    _ray.serialization.install_reducers()
     ours = dispatch[torch.Tensor]
     assert ours is not previous and ours._rdt_jax_previous is previous
     x = torch.arange(3)
     assert cloudpickle.loads(cloudpickle.dumps(x)).tolist() == [0, 1, 2]
     assert seen == [x]
-    _seam.install_reducers()  # idempotent: no second layer
+    _ray.serialization.install_reducers()  # idempotent: no second layer
     assert dispatch[torch.Tensor] is ours
   finally:
     if saved is None:
       dispatch.pop(torch.Tensor, None)
     else:
       dispatch[torch.Tensor] = saved
-    _seam.install_reducers()
+    _ray.serialization.install_reducers()
 
 
 # --------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def maker():
 
 
 def test_dict_and_list_values_keep_their_containers_keys_and_order(maker):
-  # Ray's serializer is handed dicts and lists pickled whole (`_seam._whole`):
+  # Ray's serializer is handed dicts and lists pickled whole (`_ray.serialization._whole`):
   # what arrives is the same value, container types, key types and order included.
   got = ray.get(maker.containers.remote())
   assert list(got) == [1, (2, "t"), "empty", "z"]

@@ -5,7 +5,7 @@ It reports, for this host and this environment:
 * versions: Python, Ray, jax/jaxlib, numpy, torch, cupy, NIXL (the distribution
   `rdt_jax._compat.nixl_api` imports), and the CUDA build of each;
 * transports: what `rdt_jax.register()` returns here, and Ray's built-in ones;
-* whether the Ray minor is inside the tested range (`rdt_jax._seam`);
+* whether the Ray minor is inside the tested range (`rdt_jax._ray.version`);
 * GPUs: count, names, peer access between each pair, and `nvidia-smi`'s
   NVLink status and topology where it exists;
 * UCX: which protocol and transport a NIXL READ uses for host memory and, where

@@ -149,19 +149,20 @@ def collect_transports(versions: dict[str, dict[str, Any]],
 
 
 def collect_ray() -> tuple[dict[str, Any], Finding]:
-  """The installed Ray against the tested range (`rdt_jax._seam`)."""
+  """The installed Ray against the tested range (`rdt_jax._ray.version`)."""
   try:
     import ray
 
-    from rdt_jax import _seam, _settings
+    from rdt_jax import _settings
+    from rdt_jax._ray import version
   except ImportError as e:
     return {"version": None, "error": str(e)}, judge_ray(None, False, False, ">=2.59,<2.61", "")
   info: dict[str, Any] = {
-      "version": ray.__version__, "tested_range": _seam.SUPPORTED_RAY, "tested": _seam.ray_version_tested(),
+      "version": ray.__version__, "tested_range": version.SUPPORTED_RAY, "tested": version.ray_version_tested(),
   }
   try:
-    allow = bool(_settings.value(_seam.ALLOW_UNTESTED_ENV))
+    allow = bool(_settings.value(version.ALLOW_UNTESTED_ENV))
   except ValueError as e:  # SettingError: not a bool
-    return info, Finding("fail", f"invalid {_seam.ALLOW_UNTESTED_ENV}", str(e), "Set it to 0 or 1.")
+    return info, Finding("fail", f"invalid {version.ALLOW_UNTESTED_ENV}", str(e), "Set it to 0 or 1.")
   info["allow_untested"] = allow
-  return info, judge_ray(ray.__version__, info["tested"], allow, _seam.SUPPORTED_RAY, _seam.ALLOW_UNTESTED_ENV)
+  return info, judge_ray(ray.__version__, info["tested"], allow, version.SUPPORTED_RAY, version.ALLOW_UNTESTED_ENV)

@@ -27,7 +27,7 @@ def judge_ray(version: str | None, tested: bool, allow_untested: bool, supported
 
   Args:
     version: Ray's version, None if Ray is not installed.
-    tested: the minor is one rdt_jax tests (`rdt_jax._seam.ray_version_tested`).
+    tested: the minor is one rdt_jax tests (`rdt_jax._ray.version.ray_version_tested`).
     allow_untested: the user set `allow_env` to 1.
     supported: the tested range ("`>=2.59,<2.61`").
     allow_env: the variable's name (`RDT_JAX_ALLOW_UNTESTED_RAY`).

@@ -76,7 +76,7 @@ import numpy as np
 import ray
 
 import rdt_jax
-from rdt_jax import _seam, _settings
+from rdt_jax import _ray, _settings
 from rdt_jax.bench import _chaos
 from rdt_jax.bench._env import write_json
 
@@ -793,7 +793,7 @@ class _Soak:
     self.counts["late_writes"] += sum(r["late_writes"] for r in late)
     # Idle producers are forgotten after RDT_JAX_NIXL_PRODUCER_IDLE_S; a bucket's fetch left running by a
     # pull that was refused meanwhile (its version freed) ends at Ray's fetch timeout at the latest.
-    wait_s = max(float(_settings.value("RDT_JAX_NIXL_PRODUCER_IDLE_S")), _seam.rdt_fetch_timeout_s())
+    wait_s = max(float(_settings.value("RDT_JAX_NIXL_PRODUCER_IDLE_S")), _ray.state.rdt_fetch_timeout_s())
     settle_until = time.monotonic() + wait_s + 30
     while True:
       counters = ray.get([a.counters.remote() for _, a in self.actors()], timeout=CALL_BOUND_S)

@@ -24,7 +24,7 @@ import pytest
 import ray
 
 import rdt_jax
-from rdt_jax import _seam
+from rdt_jax import _ray
 from rdt_jax.testing._values import (
   every_dtype,
   expected,
@@ -62,7 +62,7 @@ class _Producer:
   def exports(self, name: str) -> int:
     """Objects the backend exported and Ray has not freed yet."""
     gc.collect()
-    return int(_seam.transport_manager(name).counters()["exports"])
+    return int(_ray.state.transport_manager(name).counters()["exports"])
 
   def resources(self) -> dict[str, int]:
     return _resources()

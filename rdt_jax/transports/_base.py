@@ -51,7 +51,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _faults, _seam, _state, _targets
+from rdt_jax import _dlpack, _faults, _ray, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
@@ -93,7 +93,7 @@ class DlpackFetchRequest(FetchRequest):
   producer: str | None = None
 
   def __post_init__(self) -> None:
-    _seam.track_fetch(self)
+    _ray.fetch.track_fetch(self)
 
   def give_up(self) -> None:
     """Releases an unfinished fetch now: the backend retires or parks its
@@ -168,7 +168,7 @@ class DlpackTransport(TensorTransportManager):
   metadata_class: ClassVar[type[DlpackTransportMetadata]] = DlpackTransportMetadata
   #: True if the backend reads any byte range of a source chunk (see above).
   reads_parts: ClassVar[bool] = False
-  #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._seam`).
+  #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._ray.state`).
   _rdt_jax_transport: ClassVar[bool] = True
 
   def __init__(self) -> None:
@@ -235,11 +235,11 @@ class DlpackTransport(TensorTransportManager):
     """
     import ray
 
-    actor_id = _seam.actor_id(actor)
+    actor_id = _ray.state.actor_id(actor)
     with self._actors_lock:
       known = self._actors_with_transport.get(actor_id)
     if known is None:
-      ref = _seam.call_on_system_group(actor, _actor_can_run, type(self))
+      ref = _ray.state.call_on_system_group(actor, _actor_can_run, type(self))
       known = (bool(ray.get(ref)), 0.0)
     with self._actors_lock:
       self._actors_with_transport[actor_id] = (known[0], time.monotonic())
@@ -601,7 +601,7 @@ class DlpackTransport(TensorTransportManager):
     request = self.fetch_multiple_tensors(
         obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
     )
-    return self.wait_fetch_complete(request, timeout=_seam.rdt_fetch_timeout_s())
+    return self.wait_fetch_complete(request, timeout=_ray.state.rdt_fetch_timeout_s())
 
   def send_multiple_tensors(
       self,
@@ -841,11 +841,11 @@ def _build(request: DlpackFetchRequest) -> list[Any]:
 
 def _actor_can_run(self: Any, cls: type[DlpackTransport]) -> bool:
   """Runs on an actor: whether it can run transport `cls`."""
-  _seam.install()
+  _ray.install()
   return cls.available_in_process()
 
 
 # A worker that unpickles an rdt_jax transport class (Ray ships them to every
 # new actor) or its metadata gets the reducers and wrappers before its first
 # RDT call.
-_seam.install()
+_ray.install()

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Final
 
 from ray.experimental.rdt.collective_tensor_transport import CollectiveCommunicatorMetadata
 
-from rdt_jax import _dlpack, _seam
+from rdt_jax import _dlpack, _ray
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Destination, DlpackTransport
 
@@ -234,4 +234,4 @@ def get_refused_message(transport: str) -> str:
 
 
 for _name in GROUP_BACKENDS:
-  _seam.refuse_driver_get(_name, get_refused_message)
+  _ray.fetch.refuse_driver_get(_name, get_refused_message)

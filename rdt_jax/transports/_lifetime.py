@@ -3,7 +3,7 @@
 Once the producing actor has died, every consumer's fetch of its objects
 fails with the same error (`ProducerDiedError`), on every host, for every
 size, path and backend: the consumer asks Ray whether the producer is dead
-(`rdt_jax._seam.actor_dead`, one GCS lookup) after the bytes are in place and
+(`rdt_jax._ray.state.actor_dead`, one GCS lookup) after the bytes are in place and
 after any failure of the backend, so
 
 * a fetch that finishes after `ray.kill(producer)` returned is refused, even
@@ -35,7 +35,7 @@ import time
 
 from ray.exceptions import ActorDiedError
 
-from rdt_jax import _seam
+from rdt_jax import _ray
 from rdt_jax._error_base import RdtJaxError
 
 __all__ = ["ProducerActorDiedError", "ProducerDiedError", "await_kill", "check_producer", "died", "producer_id"]
@@ -85,7 +85,7 @@ for _cls in (ProducerDiedError, ProducerActorDiedError):
 def producer_id() -> str | None:
   """Producer: the id to record in an object's metadata (this actor's, or
   None in a driver or task)."""
-  return _seam.current_actor_id()
+  return _ray.state.current_actor_id()
 
 
 def check_producer(obj_id: str, producer: str | None) -> None:
@@ -110,7 +110,7 @@ def died(obj_id: str, producer: str | None) -> str | None:
     return None
   with _lock:
     dead = producer in _dead
-  if not dead and _seam.actor_dead(producer):
+  if not dead and _ray.state.actor_dead(producer):
     with _lock:
       _dead[producer] = None
       while len(_dead) > MAX_DEAD_REMEMBERED:
@@ -132,4 +132,4 @@ def await_kill() -> None:
   the caller to raise the lifetime error) only if no kill came within Ray's
   RDT fetch timeout and `KILL_GRACE_S`.
   """
-  time.sleep(_seam.rdt_fetch_timeout_s() + KILL_GRACE_S)
+  time.sleep(_ray.state.rdt_fetch_timeout_s() + KILL_GRACE_S)

@@ -26,7 +26,7 @@ The rules of the stream, in one place:
 
 * versions published by one publisher strictly increase;
 * the publisher keeps at most `keep` versions readable and frees older ones at
-  once (`rdt_jax._seam.free_now`), whatever handles to them remain;
+  once (`rdt_jax._ray.state.free_now`), whatever handles to them remain;
 * a pull asks the publisher which versions it keeps before it starts and again
   after its bytes arrived: a version that is not newer than the subscriber's,
   or that is not kept, is refused with `StaleWeightsError` before any byte

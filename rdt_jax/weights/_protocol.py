@@ -23,7 +23,7 @@ from typing import Any, Final, Protocol
 
 import ray
 
-from rdt_jax import _seam
+from rdt_jax import _ray
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, stale_error
 from rdt_jax.weights._packed import PackedLayoutInfo
@@ -153,7 +153,7 @@ def ask(handle: WeightsHandle, where: str, timeout: float | None, want_structure
     MetadataError: for an answer that does not hold together.
     ray.exceptions.GetTimeoutError, ray.exceptions.RayError: as `ray.get`.
   """
-  ref = _seam.call_on_system_group(handle.actor, query, handle.publisher,
+  ref = _ray.state.call_on_system_group(handle.actor, query, handle.publisher,
                                    handle.structure if want_structure else None)
   kept, structure = check_answer(ray.get(ref, timeout=timeout), where)
   if kept is None or handle.version not in kept:
@@ -170,7 +170,7 @@ def ask_buckets(handle: WeightsHandle, where: str, timeout: float | None, curren
     MetadataError: for an answer that does not hold together, or buckets
       that do not cover `total` bytes.
   """
-  reply = ray.get(_seam.call_on_system_group(handle.actor, object_query, handle.publisher, handle.version),
+  reply = ray.get(_ray.state.call_on_system_group(handle.actor, object_query, handle.publisher, handle.version),
                   timeout=timeout)
   if not (isinstance(reply, ObjectAnswer) and type(reply.bucket_bytes) is int and (
       reply.refs is None or (isinstance(reply.refs, tuple) and all(isinstance(r, ray.ObjectRef) for r in reply.refs)))):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _seam, _settings
+from rdt_jax import _dlpack, _ray, _settings
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, Stream
@@ -119,7 +119,7 @@ class WeightPublisher:
           f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
           "cannot pull them. Use 'jax_nixl' (or 'jax_transfer')."
       )
-    actor = ray.get_runtime_context().current_actor if ray.is_initialized() and _seam.in_ray_worker() else None
+    actor = ray.get_runtime_context().current_actor if ray.is_initialized() and _ray.state.in_ray_worker() else None
     if actor is None:
       raise RuntimeError(
           "WeightPublisher lives in a Ray actor (the trainer's, with @ray.remote(enable_tensor_transport=True)): "
@@ -295,5 +295,5 @@ def _free(dropped: list[_Kept]) -> None:
   """Frees the RDT objects of versions that left the window (those made)."""
   for k in dropped:
     for ref in ([k.ref] if k.ref is not None else []) + (k.buckets or []):
-      _seam.free_now(ref.hex())
+      _ray.state.free_now(ref.hex())
 

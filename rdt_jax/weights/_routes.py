@@ -31,7 +31,7 @@ from typing import Any, Final
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _seam, _targets
+from rdt_jax import _dlpack, _faults, _ray, _targets
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _lifetime
@@ -168,7 +168,7 @@ def _dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> Base
   from ray.exceptions import RayDirectTransportError
 
   try:
-    _lifetime.check_producer(obj_id, _seam.actor_id(actor))
+    _lifetime.check_producer(obj_id, _ray.state.actor_id(actor))
   except _lifetime.ProducerDiedError as e:
     return RayDirectTransportError(str(e))
   return RayDirectTransportError(
