@@ -31,7 +31,7 @@ def _transport_classes() -> dict[str, type[DlpackTransport]]:
     classes[_collective.GlooTransport.name] = _collective.GlooTransport
     classes[_collective.NcclTransport.name] = _collective.NcclTransport
   if _compat.has_jax_transfer():
-    from rdt_jax.transports._transfer import TransferTransport
+    from rdt_jax.transports.transfer import TransferTransport
 
     classes[TransferTransport.name] = TransferTransport
   return classes

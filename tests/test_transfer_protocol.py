@@ -32,8 +32,8 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 from _helpers import wait_for
 from rdt_jax import _compat, _dlpack, _state
-from rdt_jax.transports import _transfer
-from rdt_jax.transports._transfer import TransferTransport
+from rdt_jax.transports.transfer import TransferTransport
+from rdt_jax.transports.transfer import transport as _transfer
 
 pytestmark = pytest.mark.skipif(not _compat.has_jax_transfer(), reason="jax has no transfer server")
 
@@ -219,7 +219,7 @@ def test_metadata_without_a_producer_to_pull_from_is_refused(pair, field, value)
 #: timeout, and prints the error's message.
 _PROBE = """
 import sys
-from rdt_jax.transports import _transfer
+from rdt_jax.transports.transfer import transport as _transfer
 _transfer.CONNECT_TIMEOUT_S = 1.0
 try:
   _transfer._probe((sys.argv[1], 9), "obj-1")
