@@ -32,8 +32,7 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 from _helpers import wait_for
 from rdt_jax import _compat, _dlpack, _state
-from rdt_jax.transports.transfer import TransferTransport
-from rdt_jax.transports.transfer import transport as _transfer
+from rdt_jax.transports.transfer import TransferTransport, peers, protocol
 
 pytestmark = pytest.mark.skipif(not _compat.has_jax_transfer(), reason="jax has no transfer server")
 
@@ -84,7 +83,7 @@ def test_offer_of_a_consumer_that_left_is_withdrawn(pair):
   prod, cons = pair
   x = np.arange(4096, dtype=np.float32)
   obj_id, meta = _export(prod, [x])
-  offered = prod._offers[obj_id][1][0]
+  offered = prod._offers._objects[obj_id][1][0]
   base = sys.getrefcount(offered)
   address = (meta.offer_address[0], meta.offer_address[1])
   sock, _ = cons._request_offer(meta, obj_id, 12345, [None], threading.Event())
@@ -94,7 +93,7 @@ def test_offer_of_a_consumer_that_left_is_withdrawn(pair):
   assert wait_for(lambda: prod.num_pending_offers() == 0)
   assert wait_for(lambda: sys.getrefcount(offered) == base)
   prod.garbage_collect(obj_id, meta, [x])
-  cons._pool.forget(address)
+  cons._peers.pool.forget(address)
 
 
 def test_nothing_received_is_unpickled(pair, tmp_path):
@@ -108,21 +107,21 @@ def test_nothing_received_is_unpickled(pair, tmp_path):
 
   address = (meta.offer_address[0], meta.offer_address[1])
   for payload in (pickle.dumps((obj_id, 1, None)), pickle.dumps(Boom()), b"\xff" * 64, b"[1, 2]"):
-    sock = cons._pool.take(address, meta.authkey, obj_id)
+    sock = cons._peers.pool.take(address, meta.authkey, obj_id)
     sock.sendall(struct.pack(">I", len(payload)) + payload)
     sock.settimeout(10)
     assert sock.recv(16) == b""  # the service closed the connection
     sock.close()
   assert not marker.exists()
   # A message over the size limit is refused before it is read.
-  sock = cons._pool.take(address, meta.authkey, obj_id)
-  sock.sendall(struct.pack(">I", _transfer.MAX_MESSAGE + 1))
+  sock = cons._peers.pool.take(address, meta.authkey, obj_id)
+  sock.sendall(struct.pack(">I", protocol.MAX_MESSAGE + 1))
   sock.settimeout(10)
   assert sock.recv(16) == b""
   sock.close()
   # A wrong key is refused at the challenge.
   with pytest.raises(RuntimeError, match="refused or did not answer"):
-    cons._pool.take(address, b"wrong key", obj_id)
+    cons._peers.pool.take(address, b"wrong key", obj_id)
   # The service still serves genuine requests.
   assert len(_fetch(cons, obj_id, meta)) == 2
   prod.garbage_collect(obj_id, meta, _tree())
@@ -146,9 +145,9 @@ class _SilentProducer:
         return
       self.conns.append(conn)
       nonce = "ab" * 32
-      _transfer._send(conn, {"nonce": nonce})
-      _transfer._receive(conn)
-      _transfer._send(conn, {"ok": True})
+      protocol.send(conn, {"nonce": nonce})
+      protocol.receive(conn)
+      protocol.send(conn, {"ok": True})
 
   def close(self):
     self.listener.close()
@@ -160,14 +159,14 @@ def test_a_stopped_producer_fails_the_fetch_in_bounded_time(pair, monkeypatch):
   prod, cons = pair
   obj_id, meta = _export(prod, _tree())
   silent = _SilentProducer(meta.authkey)
-  monkeypatch.setattr(_transfer, "ANSWER_TIMEOUT_S", 1.0)
+  monkeypatch.setattr(protocol, "ANSWER_TIMEOUT_S", 1.0)
   meta.offer_address = silent.address
   start = time.monotonic()
   with pytest.raises(Exception, match="did not answer within 1s"):
     _fetch(cons, obj_id, meta)
   assert time.monotonic() - start < 10
   # Ray's abort ends the wait at once.
-  monkeypatch.setattr(_transfer, "ANSWER_TIMEOUT_S", 60.0)
+  monkeypatch.setattr(protocol, "ANSWER_TIMEOUT_S", 60.0)
   threading.Timer(0.5, lambda: cons.abort_transport(obj_id, None)).start()
   start = time.monotonic()
   with pytest.raises(Exception, match="aborted"):
@@ -192,7 +191,7 @@ def test_connections_to_gone_or_idle_producers_are_forgotten(pair, monkeypatch):
     with pytest.raises(Exception, match="has exited"):
       _fetch(cons, obj_id, dead)
   # Idle connections go after IDLE_S.
-  monkeypatch.setattr(_transfer, "IDLE_S", 0.0)
+  monkeypatch.setattr(peers, "IDLE_S", 0.0)
   cons.prune()
   assert cons.num_peers() == 0
   prod.garbage_collect(obj_id, meta, _tree())
@@ -215,14 +214,14 @@ def test_metadata_without_a_producer_to_pull_from_is_refused(pair, field, value)
   prod.garbage_collect(obj_id, meta, _tree())
 
 
-#: Runs `_probe` against the address given as argv[1], with a 1 s connect
+#: Runs `peers.probe` against the address given as argv[1], with a 1 s connect
 #: timeout, and prints the error's message.
 _PROBE = """
 import sys
-from rdt_jax.transports.transfer import transport as _transfer
-_transfer.CONNECT_TIMEOUT_S = 1.0
+from rdt_jax.transports.transfer import peers
+peers.CONNECT_TIMEOUT_S = 1.0
 try:
-  _transfer._probe((sys.argv[1], 9), "obj-1")
+  peers.probe((sys.argv[1], 9), "obj-1")
 except RuntimeError as e:
   print(e)
 """
