@@ -16,7 +16,7 @@ import pytest
 
 from rdt_jax import _dlpack, _process
 from rdt_jax._dlpack import _packing
-from rdt_jax.weights import _packed as _weights_packed
+from rdt_jax.weights import _packed_plan
 
 torch = pytest.importorskip("torch")
 
@@ -144,7 +144,7 @@ def _plan(template: dict, atomic: bool = False, published: dict | None = None):
   leaves, treedef = jax.tree_util.tree_flatten(published)
   layout = _packing.PackedLayout.of([x.nbytes for x in leaves])
   info = packed.PackedLayoutInfo(layout, treedef, tuple(range(len(leaves))), tuple(x.shape for x in leaves))
-  plan = packed.PackedPlan(info, entries, dict(_weights.flatten(template)), atomic)
+  plan = _packed_plan.PackedPlan(info, entries, dict(_weights.flatten(template)), atomic)
   source = _dlpack.host_pool.acquire(layout.total)
   _packing.Packer(layout, [path for path, *_ in entries]).pack(leaves, _dlpack.host_pointer(source))
   return plan, source, published
@@ -158,7 +158,7 @@ def copy_in_buckets(plan, source, staging, size: int = 64) -> None:
   count = -(-total // size)
   pairs = plan.pairs(0 if staging is None else _dlpack.host_pointer(staging))
   base = _dlpack.host_pointer(source)
-  for i, runs in enumerate(_weights_packed.bucket_runs(pairs, size, count)):
+  for i, runs in enumerate(_packed_plan.bucket_runs(pairs, size, count)):
     for local, offset, n in runs:
       ctypes.memmove(local, base + i * size + offset, n)
 

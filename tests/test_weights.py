@@ -246,12 +246,12 @@ def test_publisher_lives_in_an_actor_and_keeps_at_least_one():
 
 
 def test_bucket_runs_cut_copies_at_bucket_boundaries():
-  from rdt_jax.weights import _packed as _weights_packed
+  from rdt_jax.weights import _packed_plan
 
-  runs = _weights_packed.bucket_runs([(1000, 0, 10), (2000, 60, 10), (3000, 100, 28)], 64, 2)
+  runs = _packed_plan.bucket_runs([(1000, 0, 10), (2000, 60, 10), (3000, 100, 28)], 64, 2)
   assert runs == [[(1000, 0, 10), (2000, 60, 4)], [(2004, 0, 6), (3000, 36, 28)]]
   with pytest.raises(ValueError, match="outside 2 buckets of 64 bytes"):
-    _weights_packed.bucket_runs([(0, 120, 16)], 64, 2)
+    _packed_plan.bucket_runs([(0, 120, 16)], 64, 2)
 
 
 def test_bucket_size_is_a_multiple_of_the_alignment(monkeypatch):

@@ -38,7 +38,7 @@ import pytest
 
 from rdt_jax import _dlpack, _node_local, _process
 from rdt_jax._metadata import MetadataError
-from rdt_jax.weights import _handle, _packed, _routes
+from rdt_jax.weights import _handle, _packed, _packed_checks, _packed_plan, _routes
 
 SENTINEL = 0xAB
 GUARD = 0x5C
@@ -111,9 +111,9 @@ def _pull(v: Version, info, entries, source, template: Template):
   """What a node-local pull of `source` runs, in order (`WeightSubscriber`'s
   `_plan` and `_pull_packed`, `_routes.pull_node_local`), without Ray."""
   _handle.check_template(template.flat(), entries)
-  _packed.check_layout(info, entries, "fuzz")
-  plan = _packed.PackedPlan(info, entries, dict(template.flat()), atomic=False)
-  source = _packed.check_source(source, "fuzz", plan, VERSION)
+  _packed_checks.check_layout(info, entries, "fuzz")
+  plan = _packed_plan.PackedPlan(info, entries, dict(template.flat()), atomic=False)
+  source = _packed_checks.check_source(source, "fuzz", plan, VERSION)
   if not _routes.can_read_directly(source):
     return "elsewhere"  # the pull would go through Ray
   kept = _routes.read_table(source, v.publisher)
@@ -122,7 +122,7 @@ def _pull(v: Version, info, entries, source, template: Template):
   staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
   _node_local.read(source.origin, plan.prepared(source.buffer, 0 if staging is None else _dlpack.host_pointer(staging)))
   leaves = plan.commit(staging)
-  return _packed.unflatten(plan.info, leaves, source.rest)
+  return _packed_plan.unflatten(plan.info, leaves, source.rest)
 
 
 def _outcome(v: Version, info, entries, source, what: str, forged: bool = False) -> str:

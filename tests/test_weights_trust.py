@@ -34,6 +34,7 @@ from _helpers import wait_for
 from conftest import worker_env
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights import _packed as packed
+from rdt_jax.weights import _packed_checks as checks
 from rdt_jax.weights import _protocol
 
 rdt_jax.register()
@@ -398,7 +399,7 @@ def _source(**changes) -> packed.PackedSource:
 ])
 def test_a_handle_s_packed_source_is_bounded_before_any_read(field, value):
   with pytest.raises(MetadataError, match=f"packed.{field}"):
-    packed.check_source(_source(**{field: value}), "v1 of publisher p")
+    checks.check_source(_source(**{field: value}), "v1 of publisher p")
 
 
 def _info(offsets=(0, 64), sizes=(16, 32), total=128, shapes=((4,), (8,)), positions=(0, 1), leaves=3):
@@ -413,7 +414,7 @@ ENTRIES = (("['a']", "array", (4,), "float32"), ("['b']", "array", (8,), "float3
 
 
 def test_a_sound_layout_passes():
-  packed.check_layout(_info(), ENTRIES, "x")
+  checks.check_layout(_info(), ENTRIES, "x")
 
 
 @pytest.mark.parametrize(("info", "field"), [
@@ -428,12 +429,12 @@ def test_a_sound_layout_passes():
 ])
 def test_a_layout_that_does_not_hold_together_is_refused_by_field(info, field):
   with pytest.raises(MetadataError, match=field.replace("[", r"\[").replace("]", r"\]")):
-    packed.check_layout(_info(**info), ENTRIES, "v1 of publisher p")
+    checks.check_layout(_info(**info), ENTRIES, "v1 of publisher p")
 
 
 def test_an_unknown_dtype_in_a_layout_is_refused():
   with pytest.raises(MetadataError, match="dtype 'float99'"):
-    packed.check_layout(_info(), (ENTRIES[0], ("['b']", "array", (8,), "float99")), "x")
+    checks.check_layout(_info(), (ENTRIES[0], ("['b']", "array", (8,), "float99")), "x")
 
 
 @pytest.mark.parametrize("answer", [(None, None), ((1, 2), None), _protocol.Answer(("1",)),

@@ -41,9 +41,12 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 
 * `_handle`: `WeightsHandle`, `StaleWeightsError`, a value's structure and
   its digest, the template check;
-* `_packed`: packed layouts, the kept-versions table, the publisher's
-  stream, the subscriber's plan, buckets, and the checks of what a
-  publisher sends;
+* `_packed`: packed versions' overview; their layouts, the kept-versions
+  table and the publisher's stream;
+* `_packed_checks`: the checks of what a publisher sends about a packed
+  version (nothing trusted before them);
+* `_packed_plan`: the subscriber's plan of a packed structure, the pulled
+  value, buckets;
 * `_protocol`: the subscriber's questions to the publisher and their typed
   answers;
 * `_publisher`: `WeightPublisher` and its kept versions;

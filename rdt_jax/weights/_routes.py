@@ -44,16 +44,9 @@ from rdt_jax.weights._handle import (
   replaced_error,
   stale_error,
 )
-from rdt_jax.weights._packed import (
-  EMPTY,
-  MAX_SLOTS,
-  ForeignTable,
-  KeptTable,
-  PackedPlan,
-  PackedSource,
-  bucket_runs,
-  table_token,
-)
+from rdt_jax.weights._packed import EMPTY, ForeignTable, KeptTable, PackedSource, table_token
+from rdt_jax.weights._packed_checks import MAX_SLOTS
+from rdt_jax.weights._packed_plan import PackedPlan, bucket_runs
 from rdt_jax.weights._protocol import Published, ask, ask_buckets
 from rdt_jax.weights._publisher import WeightPublisher
 

@@ -20,7 +20,8 @@ import ray
 from rdt_jax import _dlpack, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
-from rdt_jax.weights._packed import PackedPlan, check_layout, check_source, unflatten
+from rdt_jax.weights._packed_checks import check_layout, check_source
+from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import publishers
 from rdt_jax.weights._publisher import WeightPublisher
 
