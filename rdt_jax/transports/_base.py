@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import traceback
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -54,19 +52,12 @@ from ray.experimental.rdt.tensor_transport_manager import (
 from rdt_jax import _dlpack, _faults, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
+from rdt_jax.transports._aborts import AbortMarks
+from rdt_jax.transports._capabilities import ActorCapabilities
 from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
 
 if TYPE_CHECKING:
   import ray
-
-#: How many aborted objects a process remembers. Ray aborts a failed transfer
-#: on both sides; on a producer no fetch ever consumes the mark, so the oldest
-#: are forgotten (and `release` forgets an object's mark when Ray frees it).
-MAX_ABORTED = 4096
-#: Actors whose answer to `actor_has_tensor_transport` a process keeps at most.
-MAX_ACTORS_KNOWN = 4096
-#: Seconds an actor's answer is kept after its last use (a gone actor's goes then).
-ACTOR_ANSWER_IDLE_S = 600.0
 
 __all__ = [
     "Destination",
@@ -172,11 +163,8 @@ class DlpackTransport(TensorTransportManager):
   _rdt_jax_transport: ClassVar[bool] = True
 
   def __init__(self) -> None:
-    self._aborted: OrderedDict[str, None] = OrderedDict()
-    self._aborted_lock = threading.Lock()
-    # actor id -> (can run this transport, time.monotonic() of its last use)
-    self._actors_with_transport: OrderedDict[str, tuple[bool, float]] = OrderedDict()
-    self._actors_lock = threading.Lock()
+    self._aborted = AbortMarks()
+    self._actors = ActorCapabilities()
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
     # Objects the backend exported that Ray has not freed yet (`counters`).
@@ -233,27 +221,7 @@ class DlpackTransport(TensorTransportManager):
       with a `ValueError`; a two-sided backend's override instead raises an
       error naming the missing collective group.
     """
-    import ray
-
-    actor_id = _seam.actor_id(actor)
-    with self._actors_lock:
-      known = self._actors_with_transport.get(actor_id)
-    if known is None:
-      ref = _seam.call_on_system_group(actor, _actor_can_run, type(self))
-      known = (bool(ray.get(ref)), 0.0)
-    with self._actors_lock:
-      self._actors_with_transport[actor_id] = (known[0], time.monotonic())
-      self._actors_with_transport.move_to_end(actor_id)
-      self._forget_actors()
-    return known[0]
-
-  def _forget_actors(self) -> None:
-    """Drops cached answers beyond `MAX_ACTORS_KNOWN`, or unused for
-    `ACTOR_ANSWER_IDLE_S` (lock held): a gone actor's answer does not stay."""
-    expired = time.monotonic() - ACTOR_ANSWER_IDLE_S
-    answers = self._actors_with_transport
-    while answers and (len(answers) > MAX_ACTORS_KNOWN or next(iter(answers.values()))[1] < expired):
-      answers.popitem(last=False)
+    return self._actors.can_run(actor, type(self))
 
   def counters(self) -> dict[str, int]:
     """Everything this process holds for transfers, as counts (backends add
@@ -263,12 +231,9 @@ class DlpackTransport(TensorTransportManager):
     `actors_known` (cached `actor_has_tensor_transport` answers, bounded by
     `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
     process whose peers are gone or idle returns to its baseline."""
-    with self._actors_lock:
-      self._forget_actors()
-      actors = len(self._actors_with_transport)
     with self._exported_lock:
       exports = len(self._exported)
-    return {"exports": exports, "abort_marks": self.num_aborted(), "actors_known": actors}
+    return {"exports": exports, "abort_marks": self.num_aborted(), "actors_known": len(self._actors)}
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
@@ -651,25 +616,19 @@ class DlpackTransport(TensorTransportManager):
     `can_abort_transport()` is True): the consumer's wait stops early with a
     `RuntimeError` saying the transfer was aborted, and a later fetch of the
     object starts afresh."""
-    with self._aborted_lock:
-      self._aborted[obj_id] = None
-      while len(self._aborted) > MAX_ABORTED:
-        self._aborted.popitem(last=False)
+    self._aborted.mark(obj_id)
 
   def aborted(self, obj_id: str) -> bool:
     """True (once) if Ray aborted the transfer of `obj_id` here."""
-    with self._aborted_lock:
-      return self._aborted.pop(obj_id, False) is None
+    return self._aborted.take(obj_id)
 
   def forget_abort(self, obj_id: str) -> None:
     """Drops the abort mark of `obj_id` (called when Ray frees the object)."""
-    with self._aborted_lock:
-      self._aborted.pop(obj_id, None)
+    self._aborted.forget(obj_id)
 
   def num_aborted(self) -> int:
     """Abort marks this process holds (bounded by `MAX_ABORTED`)."""
-    with self._aborted_lock:
-      return len(self._aborted)
+    return len(self._aborted)
 
   def _raise_if_aborted(self, obj_id: str) -> None:
     if self.aborted(obj_id):
@@ -837,12 +796,6 @@ def _build(request: DlpackFetchRequest) -> list[Any]:
   assert request.plan is not None
   with _dlpack.gc_paused(len(request.plan.plans)):
     return request.plan.build()
-
-
-def _actor_can_run(self: Any, cls: type[DlpackTransport]) -> bool:
-  """Runs on an actor: whether it can run transport `cls`."""
-  _seam.install()
-  return cls.available_in_process()
 
 
 # A worker that unpickles an rdt_jax transport class (Ray ships them to every
