@@ -39,22 +39,21 @@ from __future__ import annotations
 
 import math
 import threading
-import traceback
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
-    FetchRequest,
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _faults, _seam, _state, _targets
+from rdt_jax import _dlpack, _seam
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports import _inband, _lifetime
+from rdt_jax.transports import _extract, _fetch, _inband
 from rdt_jax.transports._aborts import AbortMarks
 from rdt_jax.transports._capabilities import ActorCapabilities
-from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
+from rdt_jax.transports._extract import Exported
+from rdt_jax.transports._fetch import DlpackFetchRequest
+from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan
 
 if TYPE_CHECKING:
   import ray
@@ -66,42 +65,6 @@ __all__ = [
     "Placement",
     "WholeArrayTransport",
 ]
-
-
-@dataclass
-class DlpackFetchRequest(FetchRequest):
-  """An in-flight fetch: the receive plan and the backend's transfer handle.
-
-  `transport` is None for an in-band object (nothing of the backend's to
-  release if the request is dropped unfinished).
-  """
-
-  plan: ReceivePlan | None = None
-  handle: Any = None
-  transport: DlpackTransport | None = None
-  done: bool = False
-  inline: bool = False
-  producer: str | None = None
-
-  def __post_init__(self) -> None:
-    _seam.track_fetch(self)
-
-  def give_up(self) -> None:
-    """Releases an unfinished fetch now: the backend retires or parks its
-    transfer, the plan's memory is quarantined. Called for every fetch of a
-    batched `ray.get` that Ray dropped when another one failed or timed out,
-    so none stays in flight until the request happens to be collected."""
-    if self.done:
-      return
-    self.done = True
-    if self.transport is not None:
-      self.transport._abandon(self.handle)
-    if self.plan is not None:
-      self.plan.quarantine()
-
-  def __del__(self) -> None:
-    if self.transport is not None and not self.done:
-      self.transport._abandon(self.handle)
 
 
 class DlpackTransport(TensorTransportManager):
@@ -168,8 +131,7 @@ class DlpackTransport(TensorTransportManager):
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
     # Objects the backend exported that Ray has not freed yet (`counters`).
-    self._exported: set[str] = set()
-    self._exported_lock = threading.Lock()
+    self._exported = Exported()
 
   def receive_stats(self, reset: bool = False) -> dict[str, int]:
     """What this process's fetches asked the backend to move, since the last
@@ -231,9 +193,7 @@ class DlpackTransport(TensorTransportManager):
     `actors_known` (cached `actor_has_tensor_transport` answers, bounded by
     `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
     process whose peers are gone or idle returns to its baseline."""
-    with self._exported_lock:
-      exports = len(self._exported)
-    return {"exports": exports, "abort_marks": self.num_aborted(), "actors_known": len(self._actors)}
+    return {"exports": len(self._exported), "abort_marks": self.num_aborted(), "actors_known": len(self._actors)}
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
@@ -254,25 +214,7 @@ class DlpackTransport(TensorTransportManager):
       UnsupportedLeafError: for a leaf that cannot be sent (deleted, sub-byte
         dtype, unsupported device, ...), naming it by its pytree path.
     """
-    with _dlpack.gc_paused(len(rdt_object)):
-      described = _state.take_described(rdt_object)
-      device = self._common_device(described)
-      meta = self.metadata_class(
-          tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],
-          tensor_device=device,
-          leaves=[d.spec for d in described],
-          producer=_lifetime.producer_id(),
-      )
-      if described:
-        # Queued device work writing the leaves finishes before any read.
-        _dlpack.wait_for_producers(described)
-        if self.is_one_sided() and _inband.fits(device, meta):
-          _inband.pack(described, meta)
-        else:
-          self._export(obj_id, rdt_object, described, meta)
-          with self._exported_lock:
-            self._exported.add(obj_id)
-    return meta
+    return _extract.extract(self, obj_id, rdt_object)
 
   def _export(
       self,
@@ -282,30 +224,6 @@ class DlpackTransport(TensorTransportManager):
       meta: DlpackTransportMetadata,
   ) -> None:
     self.export_buffers(obj_id, leaves, meta)
-
-  def _common_device(self, described: list[_dlpack.DescribedLeaf]) -> str | None:
-    if not described:
-      return None
-    first = described[0]
-    for d in described:
-      if d.device not in self.devices:
-        raise _dlpack.UnsupportedLeafError(
-            d.spec.path,
-            f"(dtype {d.spec.dtype.name}) lives on a {d.device} device, which "
-            f"the {self.name} transport does not move (it moves "
-            f"{', '.join(self.devices)})",
-            "Use a transport for that device (jax_nixl moves cpu and cuda), "
-            "or move the array first.",
-        )
-      if d.device != first.device:
-        raise _dlpack.UnsupportedLeafError(
-            d.spec.path,
-            f"lives on {d.device} but leaf {first.spec.path} lives on "
-            f"{first.device}; one RDT object holds leaves of one device kind",
-            "Return the cpu and cuda leaves from separate RDT methods, or "
-            "move them to one device kind.",
-        )
-    return first.device
 
   def get_communicator_metadata(
       self,
@@ -354,47 +272,7 @@ class DlpackTransport(TensorTransportManager):
       ray.exceptions.RayDirectTransportError: if the backend failed to start,
         or the object's producer actor has died (`_lifetime`).
     """
-    self._raise_if_aborted(obj_id)
-    tensor_transport_metadata.validate(obj_id)  # MetadataError before any memory is taken
-    target = _targets.pop_target(obj_id)
-    if target is None and target_buffers:
-      target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
-    if _inband.carried(tensor_transport_metadata):
-      return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
-    meta = tensor_transport_metadata
-    try:
-      with _dlpack.gc_paused(len(meta.leaves)):
-        plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
-        self._prepare(plan, stage=not self.receives_synchronously(meta, plan.memory_kinds()))
-    except Exception:
-      if not self.is_one_sided():
-        # The producer is already sending: take its bytes so it does not block.
-        self._drain(obj_id, meta, communicator_metadata)
-      raise
-    request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
-    try:
-      with _dlpack.gc_paused(len(plan.plans)):
-        try:
-          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
-        except StageCallerMemory:  # nothing was written: plan again, caller memory staged
-          plan.return_regions()
-          plan = request.plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
-          plan.allocate(self.reads_parts, stage=True)
-          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
-    except BaseException as e:
-      request.done = True  # the backend released (or parked) what it took
-      plan.quarantine()
-      if not isinstance(e, Exception):
-        raise
-      error = e
-    else:
-      request.producer = tensor_transport_metadata.producer
-      return request
-    try:
-      self._check_producer(obj_id, tensor_transport_metadata.producer, failed=True)  # before the backend's error
-      raise error
-    finally:
-      del error  # see wait_fetch_complete
+    return _fetch.start(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers)
 
   def receives_synchronously(self, meta: DlpackTransportMetadata, kinds: set[MemoryKind]) -> bool:
     """True if every write into this object's receive memory (of memory
@@ -412,22 +290,6 @@ class DlpackTransport(TensorTransportManager):
     """
     return not self.is_one_sided()
 
-  def _fetch_in_band(
-      self, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
-  ) -> DlpackFetchRequest:
-    """Receives an in-band object from its metadata; no backend hook runs."""
-    with _dlpack.gc_paused(len(meta.leaves)):
-      plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
-      plan.allocate(reads_parts=True)
-    self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
-    try:
-      _inband.copy_out(meta, plan.destinations)
-    except BaseException:
-      plan.quarantine()
-      raise
-    self._count(inline=1)
-    return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer)
-
   def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
     plan.allocate(self.reads_parts, stage)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
@@ -441,24 +303,9 @@ class DlpackTransport(TensorTransportManager):
   ) -> Any:
     if not plan.destinations:
       return None
-    return self._wrap_errors(
-        obj_id, self.start_receive, obj_id, meta, communicator_metadata, plan.destinations
+    return _fetch.wrap_errors(
+        self.name, obj_id, self.start_receive, obj_id, meta, communicator_metadata, plan.destinations
     )
-
-  def _drain(
-      self,
-      obj_id: str,
-      meta: DlpackTransportMetadata,
-      communicator_metadata: CommunicatorMetadata,
-  ) -> None:
-    """Receives an object this process cannot take into scratch buffers."""
-    scratch = ReceivePlan(meta.leaves, "numpy")
-    destinations = scratch.allocate()
-    if destinations:
-      handle = self.start_receive(obj_id, meta, communicator_metadata, destinations)
-      self.wait_receive(handle, obj_id, -1)
-      self.finish_receive(handle)
-    scratch.return_regions()
 
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1
@@ -477,67 +324,10 @@ class DlpackTransport(TensorTransportManager):
         object's producer actor has died (checked once the bytes are in
         place, and after any failure: `_lifetime`).
     """
-    try:
-      if fetch_request.inline:
-        leaves = _build(fetch_request)  # the bytes arrived with the metadata
-      else:
-        leaves = self._complete(fetch_request, timeout)
-    except Exception as e:
-      error = e
-    else:
-      self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=False)
-      return leaves
-    try:
-      self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=True)  # before the backend's error
-      raise error
-    finally:
-      # A local naming the error it raises would keep this frame, the
-      # error and its traceback in a cycle, and with them every frame the
-      # error passes on its way up: the caller's `refs`, Ray's list of the
-      # object's refs. Ray would count them held (the producer keeps the
-      # object) until Python's cyclic collector ran, seconds or minutes later.
-      del error
-
-  def _check_producer(self, obj_id: str, producer: str | None, failed: bool) -> None:
-    """Raises the lifetime error if the producer of `obj_id` has died
-    (`_lifetime.check_producer`); `failed`: the backend's move failed.
-
-    One-sided: `RayDirectTransportError` wrapping `ProducerDiedError`.
-    Two-sided: a move fails when its producer died before sending; Ray then
-    kills both actors of the transfer (its rule for GLOO and NCCL), so the
-    consumer waits for that kill (`ActorDiedError`, as with Ray's own
-    transports) rather than race it with an error of its own. A move that
-    completed from a send the producer ran before dying is followed by no
-    kill: `ProducerActorDiedError`, an `ActorDiedError` as well.
-    """
-    if _faults.ON:
-      _faults.hit("lifetime.check")
-    if self.is_one_sided():
-      self._wrap_errors(obj_id, _lifetime.check_producer, obj_id, producer)
-      return
-    if producer is None:
-      return  # stored by the driver: no producer actor to outlive
-    message = self._wrap_errors(obj_id, _lifetime.died, obj_id, producer)
-    if message is not None:
-      if failed:
-        _lifetime.await_kill()
-      raise _lifetime.ProducerActorDiedError(message, producer)
+    return _fetch.finish(self, fetch_request, timeout)
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
-    if request.handle is not None:
-      try:
-        self._wrap_errors(request.obj_id, self.wait_receive, request.handle, request.obj_id, timeout)
-      except BaseException:
-        # Given up (timeout, abort, error): release now, not when collected.
-        request.done = True
-        self._abandon(request.handle)
-        if request.plan is not None:
-          request.plan.quarantine()
-        raise
-      request.done = True
-      self.finish_receive(request.handle)
-      request.handle = None  # what the backend held for the move is no longer needed
-    return _build(request)
+    return _fetch.complete(self, request, timeout)
 
   def _abandon(self, handle: Any) -> None:
     """A fetch request was dropped unfinished: release what it took."""
@@ -584,14 +374,7 @@ class DlpackTransport(TensorTransportManager):
     Raises:
       NotImplementedError: on a one-sided transport (Ray never calls it there).
     """
-    if self.is_one_sided():
-      raise NotImplementedError(
-          f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
-      )
-    leaves = tensor_transport_metadata.leaves
-    described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
-    _dlpack.wait_for_producers(described)
-    self.send_buffers(described, tensor_transport_metadata, communicator_metadata)
+    _extract.send(self, tensors, tensor_transport_metadata, communicator_metadata)
 
   def garbage_collect(
       self,
@@ -604,8 +387,7 @@ class DlpackTransport(TensorTransportManager):
     (not one sent in band), calls the backend's `release`."""
     self.forget_abort(obj_id)
     if not _inband.carried(tensor_transport_meta):
-      with self._exported_lock:
-        self._exported.discard(obj_id)
+      self._exported.discard(obj_id)
       self.release(obj_id)
 
   def abort_transport(
@@ -629,25 +411,6 @@ class DlpackTransport(TensorTransportManager):
   def num_aborted(self) -> int:
     """Abort marks this process holds (bounded by `MAX_ABORTED`)."""
     return len(self._aborted)
-
-  def _raise_if_aborted(self, obj_id: str) -> None:
-    if self.aborted(obj_id):
-      raise RuntimeError(f"{self.name} transfer of object {obj_id} was aborted.")
-
-  def _wrap_errors(self, obj_id: str, fn: Any, *args: Any) -> Any:
-    """Runs a backend hook; failures become RayDirectTransportError."""
-    from ray.exceptions import RayDirectTransportError
-
-    try:
-      return fn(*args)
-    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError, StageCallerMemory):
-      raise
-    except Exception:
-      raise RayDirectTransportError(
-          f"The {self.name} transfer of object {obj_id} failed. The source "
-          "actor may have died during the transfer. The backend raised:\n"
-          f"{traceback.format_exc()}"
-      ) from None
 
   # ---- The backend's half.
 
@@ -738,15 +501,15 @@ class WholeArrayTransport(DlpackTransport):
         for spec, p in zip(meta.leaves, placements)
     ]
     self._count(fetches=1, bytes=sum(pulled), destinations=len(placements))
-    return self._wrap_errors(
-        obj_id, self.start_pull, obj_id, meta, communicator_metadata, placements
+    return _fetch.wrap_errors(
+        self.name, obj_id, self.start_pull, obj_id, meta, communicator_metadata, placements
     )
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
     arrays: list[Any] = []
     if request.handle is not None:
-      arrays = self._wrap_errors(
-          request.obj_id, self.wait_pull, request.handle, request.obj_id, timeout
+      arrays = _fetch.wrap_errors(
+          self.name, request.obj_id, self.wait_pull, request.handle, request.obj_id, timeout
       )
     request.done = True
     assert request.plan is not None
@@ -788,14 +551,6 @@ class WholeArrayTransport(DlpackTransport):
 
   def cancel_pull(self, handle: Any) -> None:
     """Consumer: release what `start_pull` took if the fetch was dropped."""
-
-
-def _build(request: DlpackFetchRequest) -> list[Any]:
-  """The leaves of a fetch whose bytes are all in its plan's memory."""
-  request.done = True
-  assert request.plan is not None
-  with _dlpack.gc_paused(len(request.plan.plans)):
-    return request.plan.build()
 
 
 # A worker that unpickles an rdt_jax transport class (Ray ships them to every
