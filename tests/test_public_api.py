@@ -18,7 +18,7 @@ from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 import rdt_jax
 from rdt_jax import _dlpack, _seam
 from rdt_jax import weights as _weights
-from rdt_jax.transports import _base, _plan
+from rdt_jax.transports import _plan, _whole_array
 
 
 @pytest.mark.parametrize("name", rdt_jax.__all__)
@@ -35,7 +35,7 @@ def test_unknown_names_raise_attribute_error():
 
 def test_public_names_are_the_objects_rdt_jax_uses():
   assert rdt_jax.UnsupportedRayError is _seam.UnsupportedRayError
-  assert rdt_jax.WholeArrayTransport is _base.WholeArrayTransport
+  assert rdt_jax.WholeArrayTransport is _whole_array.WholeArrayTransport
   assert rdt_jax.DescribedLeaf is _dlpack.DescribedLeaf
   assert rdt_jax.LeafSpec is _dlpack.LeafSpec
   assert rdt_jax.Destination is _plan.Destination

@@ -86,7 +86,8 @@ from typing import Any, Final
 
 from rdt_jax import _compat, _dlpack
 from rdt_jax._metadata import DlpackTransportMetadata, MetadataError
-from rdt_jax.transports._base import Placement, WholeArrayTransport
+from rdt_jax.transports._plan import Placement
+from rdt_jax.transports._whole_array import WholeArrayTransport
 
 #: Where a process outside Ray binds its servers.
 LOOPBACK: Final = "127.0.0.1"
