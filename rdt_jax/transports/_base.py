@@ -1,27 +1,25 @@
-"""The shared half of every rdt_jax transport.
+"""The shared half of every rdt_jax transport: `DlpackTransport`.
 
 `DlpackTransport` implements Ray's `TensorTransportManager` for any array
 type: it turns the leaves Ray extracted into framework-neutral metadata and raw
 buffers (through the DLPack layer, `rdt_jax._dlpack`), plans the receive
 (`ReceivePlan`), and rebuilds the consumer's arrays. A backend subclass only
-moves bytes: register, move, release. It implements:
+moves bytes: register, move, release. Its hooks are declared here, each
+required of one kind of transport (one-sided or two-sided) or optional; a
+subclass that misses one its kind needs is refused when it is defined. A
+backend that moves whole jax arrays rather than bytes (`jax_transfer`)
+subclasses `WholeArrayTransport` instead (`_whole_array`).
 
-* `export_buffers` (producer): make the described buffers reachable and add
-  what consumers need to the metadata (one-sided backends register memory);
-* `start_receive` / `wait_receive` (consumer): move the bytes of every chunk
-  into the given destinations; `finish_receive` (after success) /
-  `cancel_receive` (after failure, or a dropped request) release what the
-  receive took;
-* `release` (producer): undo `export_buffers` when Ray frees the object;
-* `send_buffers` (producer, two-sided backends only): push every chunk to the
-  consumer, whose `wait_receive` takes them in the same order. When the
-  consumer cannot take an object (a 64-bit leaf where x64 is off, a target
-  that does not fit), the base still receives the bytes, into scratch
-  buffers, so the sender never blocks on a receive that will not come.
+This module is Ray's interface and the hooks; the work is done in rooms of
+their own under `rdt_jax.transports`:
 
-A backend that moves whole jax arrays rather than bytes (`jax_transfer`)
-subclasses `WholeArrayTransport` (`_whole_array`) instead, whose hooks are
-`export_arrays`, `start_pull` and `wait_pull`.
+* `_extract`: the producer's side (describe, check, in band or export, send);
+* `_fetch`: the consumer's side (plan, start, wait, rebuild; two-sided
+  scratch receives; a backend's errors wrapped for Ray);
+* `_aborts`: the marks `abort_transport` leaves;
+* `_capabilities`: the cached answers to `actor_has_tensor_transport`;
+* `_required`: which hooks each kind needs, checked at definition and on
+  registration.
 
 Where in-band sending is turned on (`RDT_JAX_INLINE_MAX_BYTES` above 0; off
 by default), small objects of one-sided backends travel in band
@@ -47,12 +45,13 @@ from ray.experimental.rdt.tensor_transport_manager import (
 
 from rdt_jax import _dlpack, _seam
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports import _extract, _fetch, _inband
+from rdt_jax.transports import _extract, _fetch, _inband, _required
 from rdt_jax.transports._aborts import AbortMarks
 from rdt_jax.transports._capabilities import ActorCapabilities
 from rdt_jax.transports._extract import Exported
 from rdt_jax.transports._fetch import DlpackFetchRequest
 from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan
+from rdt_jax.transports._required import abstract_hook
 
 if TYPE_CHECKING:
   import ray
@@ -84,14 +83,19 @@ class DlpackTransport(TensorTransportManager):
     the bytes the consumer needs; otherwise such a leaf's chunks arrive
     whole, one destination per chunk in order, and are cut on the host;
 
-  and implements, on the producer, `export_buffers(obj_id, leaves, meta)`
-  (make the described buffers reachable, add what consumers need to `meta`)
-  and `release(obj_id)` (undo it when Ray frees the object); a two-sided
-  backend also `send_buffers(...)`. On the consumer it implements
-  `start_receive(obj_id, meta, communicator_metadata, destinations)` (start
-  moving every chunk into its destination; return a handle),
-  `wait_receive(handle, obj_id, timeout)`, and `finish_receive(handle)` /
-  `cancel_receive(handle)` to release what the receive took. Register a
+  and implements the hooks its kind needs. On the producer, a one-sided
+  backend implements `export_buffers(obj_id, leaves, meta)` (make the
+  described buffers reachable, add what consumers need to `meta`) and
+  `release(obj_id)` (undo it when Ray frees the object); a two-sided one
+  `send_buffers(leaves, meta, communicator_metadata)`. On the consumer both
+  implement `start_receive(obj_id, meta, communicator_metadata,
+  destinations)` (start moving every chunk into its destination; return a
+  handle); `wait_receive(handle, obj_id, timeout)`, and
+  `finish_receive(handle)` / `cancel_receive(handle)` to release what the
+  receive took, are optional. A subclass that sets `name` and
+  `is_one_sided()` but misses a hook its kind needs is refused with a
+  `TypeError` when it is defined (and `register_transport` refuses one
+  without `is_one_sided()` / `can_abort_transport()`). Register a
   subclass with `rdt_jax.register_transport(MyTransport)`;
   `examples/shm_transport.py` is a complete one in under 100 lines.
 
@@ -122,6 +126,10 @@ class DlpackTransport(TensorTransportManager):
   reads_parts: ClassVar[bool] = False
   #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._seam`).
   _rdt_jax_transport: ClassVar[bool] = True
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    _required.check_defined(cls)  # a transport that misses a hook its kind needs is refused
 
   def __init__(self) -> None:
     self._aborted = AbortMarks()
@@ -410,16 +418,28 @@ class DlpackTransport(TensorTransportManager):
     """Abort marks this process holds (bounded by `MAX_ABORTED`)."""
     return len(self._aborted)
 
-  # ---- The backend's half.
+  # ---- The backend's half. A hook marked `abstract_hook` is required of the
+  # kinds `_required_hooks` names; a subclass that misses one is refused.
 
+  #: The hooks each kind implements, one-sided (True) or two-sided (False):
+  #: checked when a subclass is defined (`rdt_jax.transports._required`).
+  _required_hooks: ClassVar[dict[bool, tuple[str, ...]]] = {
+      True: ("export_buffers", "start_receive", "release"),
+      False: ("send_buffers", "start_receive"),
+  }
+
+  @abstract_hook
   def export_buffers(
       self,
       obj_id: str,
       leaves: list[_dlpack.DescribedLeaf],
       meta: DlpackTransportMetadata,
   ) -> None:
-    """Producer: make the leaves' buffers reachable; extend `meta` in place."""
+    """Producer: make the leaves' buffers reachable; extend `meta` in place.
+    Required of one-sided transports; optional for two-sided ones, whose
+    `send_buffers` pushes the bytes (the default exports nothing)."""
 
+  @abstract_hook
   def send_buffers(
       self,
       leaves: list[_dlpack.DescribedLeaf],
@@ -427,9 +447,11 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
   ) -> None:
     """Producer of a two-sided backend: push every non-empty chunk, in leaf
-    order, to the consumer named by `communicator_metadata`."""
+    order, to the consumer named by `communicator_metadata`. Required of
+    two-sided transports (Ray never calls it on one-sided ones)."""
     raise NotImplementedError(f"{self.name} is two-sided but has no send_buffers.")
 
+  @abstract_hook
   def start_receive(
       self,
       obj_id: str,
@@ -437,25 +459,32 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
       destinations: list[Destination],
   ) -> Any:
-    """Consumer: start moving every chunk into `destinations`; return a handle."""
+    """Consumer: start moving every chunk into `destinations`; return a
+    handle, or None once the bytes are in place. Required."""
     raise NotImplementedError
 
   def wait_receive(self, handle: Any, obj_id: str, timeout: float) -> None:
-    """Consumer: block until the move started by `start_receive` is done.
+    """Optional: on the consumer, block until the move started by
+    `start_receive` is done (the default returns at once: for a
+    `start_receive` that moves the bytes itself).
 
     Raises:
       TimeoutError: after `timeout` seconds (-1: no limit).
     """
 
   def finish_receive(self, handle: Any) -> None:
-    """Consumer: release what `start_receive` took, after success."""
+    """Optional: on the consumer, release what `start_receive` took, after
+    success (the default holds nothing)."""
 
   def cancel_receive(self, handle: Any) -> None:
-    """Consumer: release what `start_receive` took, after failure or if the
-    request was dropped unfinished."""
+    """Optional: on the consumer, release what `start_receive` took, after
+    failure or if the request was dropped unfinished (the default holds
+    nothing)."""
 
+  @abstract_hook
   def release(self, obj_id: str) -> None:
-    """Producer: undo `export_buffers` for `obj_id`."""
+    """Producer: undo `export_buffers` for `obj_id`. Required of one-sided
+    transports; optional for two-sided ones (the default releases nothing)."""
 
 
 # A worker that unpickles an rdt_jax transport class (Ray ships them to every

@@ -13,7 +13,7 @@ aborts, the lifetime check) is `DlpackTransport`'s.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
@@ -23,6 +23,7 @@ from rdt_jax.transports import _fetch
 from rdt_jax.transports._base import DlpackTransport
 from rdt_jax.transports._fetch import DlpackFetchRequest
 from rdt_jax.transports._plan import Placement, ReceivePlan
+from rdt_jax.transports._required import abstract_hook
 
 __all__ = ["WholeArrayTransport"]
 
@@ -38,7 +39,17 @@ class WholeArrayTransport(DlpackTransport):
   its `Placement`; return a handle) and `wait_pull(handle, obj_id, timeout)`
   (return one array per leaf). The base converts the arrays to the type each
   leaf should arrive as, or copies them into numpy/torch targets.
+
+  `cancel_pull` is optional. A subclass that misses a hook its kind needs
+  is refused with a `TypeError` when it is defined or registered.
   """
+
+  #: The hooks each kind implements, one-sided (True) or two-sided (False):
+  #: checked when a subclass is defined (`rdt_jax.transports._required`).
+  _required_hooks: ClassVar[dict[bool, tuple[str, ...]]] = {
+      True: ("export_arrays", "start_pull", "wait_pull", "release"),
+      False: ("export_arrays", "send_buffers", "start_pull", "wait_pull"),
+  }
 
   def _export(
       self,
@@ -88,6 +99,7 @@ class WholeArrayTransport(DlpackTransport):
 
   # ---- The backend's half.
 
+  @abstract_hook
   def export_arrays(
       self,
       obj_id: str,
@@ -95,9 +107,11 @@ class WholeArrayTransport(DlpackTransport):
       leaves: list[_dlpack.DescribedLeaf],
       meta: DlpackTransportMetadata,
   ) -> None:
-    """Producer: offer `arrays` (one per leaf, any framework); extend `meta`."""
+    """Producer: offer `arrays` (one per leaf, any framework); extend `meta`.
+    Required."""
     raise NotImplementedError
 
+  @abstract_hook
   def start_pull(
       self,
       obj_id: str,
@@ -105,11 +119,14 @@ class WholeArrayTransport(DlpackTransport):
       communicator_metadata: CommunicatorMetadata,
       placements: list[Placement],
   ) -> Any:
-    """Consumer: start moving one array per leaf onto its placement."""
+    """Consumer: start moving one array per leaf onto its placement; return a
+    handle for `wait_pull`. Required."""
     raise NotImplementedError
 
+  @abstract_hook
   def wait_pull(self, handle: Any, obj_id: str, timeout: float) -> list[Any]:
     """Consumer: the arrays `start_pull` moved, one per leaf, once ready.
+    Required.
 
     Raises:
       TimeoutError: after `timeout` seconds (-1: no limit).
@@ -117,4 +134,5 @@ class WholeArrayTransport(DlpackTransport):
     raise NotImplementedError
 
   def cancel_pull(self, handle: Any) -> None:
-    """Consumer: release what `start_pull` took if the fetch was dropped."""
+    """Optional: on the consumer, release what `start_pull` took if the
+    fetch was dropped (the default holds nothing)."""
