@@ -18,7 +18,7 @@ from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 import rdt_jax
 from rdt_jax import _dlpack, _seam
 from rdt_jax import weights as _weights
-from rdt_jax.transports import _plan, _whole_array
+from rdt_jax.transports import _destinations, _whole_array
 
 
 @pytest.mark.parametrize("name", rdt_jax.__all__)
@@ -38,8 +38,8 @@ def test_public_names_are_the_objects_rdt_jax_uses():
   assert rdt_jax.WholeArrayTransport is _whole_array.WholeArrayTransport
   assert rdt_jax.DescribedLeaf is _dlpack.DescribedLeaf
   assert rdt_jax.LeafSpec is _dlpack.LeafSpec
-  assert rdt_jax.Destination is _plan.Destination
-  assert rdt_jax.Placement is _plan.Placement
+  assert rdt_jax.Destination is _destinations.Destination
+  assert rdt_jax.Placement is _destinations.Placement
   assert rdt_jax.WeightPublisher is _weights.WeightPublisher
   assert rdt_jax.StaleWeightsError is _weights.StaleWeightsError
 

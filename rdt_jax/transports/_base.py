@@ -48,9 +48,10 @@ from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _extract, _fetch, _inband, _required
 from rdt_jax.transports._aborts import AbortMarks
 from rdt_jax.transports._capabilities import ActorCapabilities
+from rdt_jax.transports._destinations import Destination, MemoryKind, Placement
 from rdt_jax.transports._extract import Exported
 from rdt_jax.transports._fetch import DlpackFetchRequest
-from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan
+from rdt_jax.transports._plan import ReceivePlan
 from rdt_jax.transports._required import abstract_hook
 
 if TYPE_CHECKING:

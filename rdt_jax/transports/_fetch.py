@@ -28,7 +28,8 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, 
 from rdt_jax import _dlpack, _faults, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
-from rdt_jax.transports._plan import ReceivePlan, StageCallerMemory
+from rdt_jax.transports._destinations import StageCallerMemory
+from rdt_jax.transports._plan import ReceivePlan
 
 if TYPE_CHECKING:
   from rdt_jax.transports._base import DlpackTransport

@@ -86,7 +86,7 @@ from typing import Any, Final
 
 from rdt_jax import _compat, _dlpack
 from rdt_jax._metadata import DlpackTransportMetadata, MetadataError
-from rdt_jax.transports._plan import Placement
+from rdt_jax.transports._destinations import Placement
 from rdt_jax.transports._whole_array import WholeArrayTransport
 
 #: Where a process outside Ray binds its servers.

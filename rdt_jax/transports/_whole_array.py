@@ -21,8 +21,9 @@ from rdt_jax import _dlpack
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _fetch
 from rdt_jax.transports._base import DlpackTransport
+from rdt_jax.transports._destinations import Placement
 from rdt_jax.transports._fetch import DlpackFetchRequest
-from rdt_jax.transports._plan import Placement, ReceivePlan
+from rdt_jax.transports._plan import ReceivePlan
 from rdt_jax.transports._required import abstract_hook
 
 __all__ = ["WholeArrayTransport"]
