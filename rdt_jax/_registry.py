@@ -55,10 +55,11 @@ def register_transport(cls: type[DlpackTransport]) -> str:
     The transport's lower-case name, to pass as `tensor_transport`.
 
   Raises:
-    TypeError: if `cls` is not a `DlpackTransport` subclass, or does not
-      implement Ray's `is_one_sided()` and `can_abort_transport()`, or a
-      hook its kind needs (a class that sets both is checked when it is
-      defined already), naming what is missing.
+    TypeError: if `cls` is not a `DlpackTransport` subclass, does not
+      implement Ray's `is_one_sided()` and `can_abort_transport()`, or
+      misses a hook its kind needs, naming what is missing (a class that
+      sets `name` and `is_one_sided()` is refused for a missing hook when
+      it is defined already).
     ValueError: if `cls` sets no `name`, or another class is registered
       under its name in this process (rdt_jax's own names included).
   """
