@@ -44,11 +44,11 @@ if TYPE_CHECKING:
   from rdt_jax._targets import set_target_device_for_ref as set_target_device_for_ref
   from rdt_jax._targets import set_target_for_ref as set_target_for_ref
   from rdt_jax.transports._base import DlpackTransport as DlpackTransport
-  from rdt_jax.transports._base import WholeArrayTransport as WholeArrayTransport
+  from rdt_jax.transports._destinations import Destination as Destination
+  from rdt_jax.transports._destinations import Placement as Placement
   from rdt_jax.transports._lifetime import ProducerActorDiedError as ProducerActorDiedError
   from rdt_jax.transports._lifetime import ProducerDiedError as ProducerDiedError
-  from rdt_jax.transports._plan import Destination as Destination
-  from rdt_jax.transports._plan import Placement as Placement
+  from rdt_jax.transports._whole_array import WholeArrayTransport as WholeArrayTransport
   from rdt_jax.transports.nixl.registrations import NixlError as NixlError
   from rdt_jax.transports.nixl.views import DeviceViewBusy as DeviceViewBusy
   from rdt_jax.weights import StaleWeightsError as StaleWeightsError
@@ -62,14 +62,14 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "AwaitNotSupportedError": "rdt_jax._aio_errors",
     "DescribedLeaf": "rdt_jax._dlpack",
-    "Destination": "rdt_jax.transports._plan",
+    "Destination": "rdt_jax.transports._destinations",
     "DeviceViewBusy": "rdt_jax.transports.nixl.views",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
     "LeafSpec": "rdt_jax._dlpack",
     "MetadataError": "rdt_jax._metadata",
     "NixlError": "rdt_jax.transports.nixl.registrations",
-    "Placement": "rdt_jax.transports._plan",
+    "Placement": "rdt_jax.transports._destinations",
     "ProducerActorDiedError": "rdt_jax.transports._lifetime",
     "ProducerDiedError": "rdt_jax.transports._lifetime",
     "RdtJaxError": "rdt_jax._error_base",
@@ -84,7 +84,7 @@ _EXPORTS: dict[str, str] = {
     "WeightPublisher": "rdt_jax.weights",
     "WeightSubscriber": "rdt_jax.weights",
     "WeightsHandle": "rdt_jax.weights",
-    "WholeArrayTransport": "rdt_jax.transports._base",
+    "WholeArrayTransport": "rdt_jax.transports._whole_array",
     "get_async": "rdt_jax._aio",
     "receive_as": "rdt_jax._registry",
     "receive_stats": "rdt_jax._registry",

@@ -55,10 +55,15 @@ def register_transport(cls: type[DlpackTransport]) -> str:
     The transport's lower-case name, to pass as `tensor_transport`.
 
   Raises:
-    TypeError: if `cls` is not a `DlpackTransport` subclass.
+    TypeError: if `cls` is not a `DlpackTransport` subclass, does not
+      implement Ray's `is_one_sided()` and `can_abort_transport()`, or
+      misses a hook its kind needs, naming what is missing (a class that
+      sets `name` and `is_one_sided()` is refused for a missing hook when
+      it is defined already).
     ValueError: if `cls` sets no `name`, or another class is registered
       under its name in this process (rdt_jax's own names included).
   """
+  from rdt_jax.transports import _required
   from rdt_jax.transports._base import DlpackTransport
 
   if not (isinstance(cls, type) and issubclass(cls, DlpackTransport)):
@@ -80,6 +85,7 @@ def register_transport(cls: type[DlpackTransport]) -> str:
         f"Transport name {name!r} is already registered in this process by "
         f"{_qualified(info.transport_manager_class)}; give {_qualified(cls)} another `name`."
     )
+  _required.check_registered(cls)
   _ray.state.register_tensor_transport(name, list(cls.devices), cls, _compat.array_impl_type())
   return name
 

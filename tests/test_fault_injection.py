@@ -327,18 +327,18 @@ def test_producer_killed_while_exporting():
 
 
 def test_abort_marks_are_bounded_and_forgotten_on_free():
-  from rdt_jax.transports import _base
+  from rdt_jax.transports import _aborts
   from rdt_jax.transports.nixl import NixlTransport
 
   t = NixlTransport()
-  for i in range(_base.MAX_ABORTED + 10):
+  for i in range(_aborts.MAX_ABORTED + 10):
     t.abort_transport(f"obj{i}", None)
-  assert t.num_aborted() == _base.MAX_ABORTED
+  assert t.num_aborted() == _aborts.MAX_ABORTED
   assert not t.aborted("obj0")  # the oldest were forgotten
-  last = f"obj{_base.MAX_ABORTED + 9}"
+  last = f"obj{_aborts.MAX_ABORTED + 9}"
   t.garbage_collect(last, None, [])
   assert not t.aborted(last)
-  assert t.num_aborted() == _base.MAX_ABORTED - 1
+  assert t.num_aborted() == _aborts.MAX_ABORTED - 1
 
 
 def test_unused_targets_are_dropped_once_their_object_is_freed(producer):

@@ -227,7 +227,7 @@ def test_one_read_into_host_and_device_memory_is_refused_by_name():
   with a host target for one leaf (or the reverse) is refused, never read with
   device pointers described as host memory."""
   pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
-  from rdt_jax.transports._plan import Destination
+  from rdt_jax.transports._destinations import Destination
   from rdt_jax.transports.nixl.read import _mem_type
 
   host = Destination(0x1000, 8, CPU, None, (0x1000, 8))

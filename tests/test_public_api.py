@@ -18,7 +18,7 @@ from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
 import rdt_jax
 from rdt_jax import _dlpack, _ray
 from rdt_jax import weights as _weights
-from rdt_jax.transports import _base, _plan
+from rdt_jax.transports import _destinations, _whole_array
 
 
 @pytest.mark.parametrize("name", rdt_jax.__all__)
@@ -35,11 +35,11 @@ def test_unknown_names_raise_attribute_error():
 
 def test_public_names_are_the_objects_rdt_jax_uses():
   assert rdt_jax.UnsupportedRayError is _ray.version.UnsupportedRayError
-  assert rdt_jax.WholeArrayTransport is _base.WholeArrayTransport
+  assert rdt_jax.WholeArrayTransport is _whole_array.WholeArrayTransport
   assert rdt_jax.DescribedLeaf is _dlpack.DescribedLeaf
   assert rdt_jax.LeafSpec is _dlpack.LeafSpec
-  assert rdt_jax.Destination is _plan.Destination
-  assert rdt_jax.Placement is _plan.Placement
+  assert rdt_jax.Destination is _destinations.Destination
+  assert rdt_jax.Placement is _destinations.Placement
   assert rdt_jax.WeightPublisher is _weights.WeightPublisher
   assert rdt_jax.StaleWeightsError is _weights.StaleWeightsError
 
@@ -223,9 +223,157 @@ def test_register_transport_refuses_a_name_taken_by_another_class():
     rdt_jax.register_transport(_Clash)
 
 
+# ---- a transport that misses a hook its kind needs is refused (docs/custom_transport.md, "The hooks")
+
+
+def test_a_one_sided_transport_without_export_buffers_is_refused_when_defined():
+  with pytest.raises(
+      TypeError,
+      match=r"\._NoExport is a one-sided rdt_jax\.DlpackTransport but does not implement export_buffers, "
+      r"release\. A one-sided DlpackTransport implements export_buffers\(obj_id, leaves, meta\), "
+      r"start_receive\(obj_id, meta, communicator_metadata, destinations\) and release\(obj_id\); "
+      r"the other hooks are optional",
+  ):
+
+    class _NoExport(rdt_jax.DlpackTransport):
+      name = "no_export_example"
+
+      @staticmethod
+      def is_one_sided() -> bool:
+        return True
+
+      @staticmethod
+      def can_abort_transport() -> bool:
+        return False
+
+      def start_receive(self, obj_id, meta, communicator_metadata, destinations):
+        pass
+
+
+def test_a_two_sided_transport_without_send_buffers_is_refused_when_defined():
+  with pytest.raises(
+      TypeError,
+      match=r"\._NoSend is a two-sided rdt_jax\.DlpackTransport but does not implement send_buffers\. "
+      r"A two-sided DlpackTransport implements send_buffers\(leaves, meta, communicator_metadata\) and "
+      r"start_receive\(obj_id, meta, communicator_metadata, destinations\)",
+  ):
+
+    class _NoSend(rdt_jax.DlpackTransport):
+      name = "no_send_example"
+
+      @staticmethod
+      def is_one_sided() -> bool:
+        return False
+
+      @staticmethod
+      def can_abort_transport() -> bool:
+        return False
+
+      def start_receive(self, obj_id, meta, communicator_metadata, destinations):
+        pass
+
+
+def test_a_whole_array_transport_without_wait_pull_is_refused_when_defined():
+  with pytest.raises(
+      TypeError,
+      match=r"\._NoWait is a one-sided rdt_jax\.WholeArrayTransport but does not implement wait_pull\. "
+      r"A one-sided WholeArrayTransport implements export_arrays\(obj_id, arrays, leaves, meta\), "
+      r"start_pull\(obj_id, meta, communicator_metadata, placements\), wait_pull\(handle, obj_id, timeout\) "
+      r"and release\(obj_id\)",
+  ):
+
+    class _NoWait(rdt_jax.WholeArrayTransport):
+      name = "no_wait_example"
+
+      @staticmethod
+      def is_one_sided() -> bool:
+        return True
+
+      @staticmethod
+      def can_abort_transport() -> bool:
+        return False
+
+      def export_arrays(self, obj_id, arrays, leaves, meta):
+        pass
+
+      def start_pull(self, obj_id, meta, communicator_metadata, placements):
+        pass
+
+      def release(self, obj_id):
+        pass
+
+
+class _KindlessBase(rdt_jax.DlpackTransport):
+  """No `is_one_sided()`: its kind is unknown when it is defined."""
+
+  name = "kindless_example"
+
+
+def test_register_transport_refuses_a_transport_without_ray_s_static_methods():
+  with pytest.raises(
+      TypeError,
+      match=r"\._KindlessBase does not implement can_abort_transport\(\) and is_one_sided\(\): every "
+      r"transport implements the static methods",
+  ):
+    rdt_jax.register_transport(_KindlessBase)
+
+
+class _OneSidedBase(rdt_jax.DlpackTransport):
+  """A base for transports (no `name`): its hooks are its subclasses'."""
+
+  @staticmethod
+  def is_one_sided() -> bool:
+    return True
+
+  @staticmethod
+  def can_abort_transport() -> bool:
+    return False
+
+
+def test_a_base_without_a_name_is_checked_in_its_subclasses():
+  with pytest.raises(TypeError, match=r"\._Named is a one-sided .* does not implement export_buffers, "
+                                      r"start_receive, release\."):
+
+    class _Named(_OneSidedBase):
+      name = "named_example"
+
+
+def test_rdt_jax_s_transports_and_the_example_implement_their_hooks():
+  from rdt_jax import _registry
+  from rdt_jax.transports import _required
+  from shm_transport import ShmTransport
+
+  for cls in (*_registry._transport_classes().values(), ShmTransport, _NeverArrives):
+    assert _required.missing_hooks(cls) == [], cls
+    _required.check_registered(cls)
+
+
+#: The hooks each base declares.
+HOOKS = {
+    "DlpackTransport": ("export_buffers", "send_buffers", "start_receive", "wait_receive", "finish_receive",
+                        "cancel_receive", "release"),
+    "WholeArrayTransport": ("export_arrays", "start_pull", "wait_pull", "cancel_pull"),
+}
+
+
+@pytest.mark.parametrize("base", sorted(HOOKS))
+def test_hooks_are_abstract_or_say_they_are_optional(base):
+  """A hook that some kind requires is an abstract placeholder; every other
+  has a default, and its docstring starts with "Optional:"."""
+  cls = getattr(rdt_jax, base)
+  required = set().union(*cls._required_hooks.values())
+  for name in HOOKS[base]:
+    hook = vars(cls)[name]
+    if name in required:
+      assert getattr(hook, "__rdt_jax_abstract_hook__", False), name
+    else:
+      assert not hasattr(hook, "__rdt_jax_abstract_hook__") and hook.__doc__.startswith("Optional:"), name
+
+
 class _NeverArrives(rdt_jax.DlpackTransport):
-  """A two-sided transport whose bytes never arrive: `wait_receive` waits
-  out the timeout it is given, as the hook's contract says."""
+  """A two-sided transport whose bytes never arrive: `send_buffers` sends
+  nothing, and `wait_receive` waits out the timeout it is given, as the
+  hook's contract says."""
 
   name = "never_arrives_example"
   devices = ("cpu",)
@@ -237,6 +385,9 @@ class _NeverArrives(rdt_jax.DlpackTransport):
   @staticmethod
   def can_abort_transport() -> bool:
     return False
+
+  def send_buffers(self, leaves, meta, communicator_metadata):
+    pass
 
   def start_receive(self, obj_id, meta, communicator_metadata, destinations):
     return object()

@@ -1,27 +1,25 @@
-"""The shared half of every rdt_jax transport.
+"""The shared half of every rdt_jax transport: `DlpackTransport`.
 
 `DlpackTransport` implements Ray's `TensorTransportManager` for any array
 type: it turns the leaves Ray extracted into framework-neutral metadata and raw
 buffers (through the DLPack layer, `rdt_jax._dlpack`), plans the receive
 (`ReceivePlan`), and rebuilds the consumer's arrays. A backend subclass only
-moves bytes: register, move, release. It implements:
+moves bytes: register, move, release. Its hooks are declared here, each
+required of one kind of transport (one-sided or two-sided) or optional; a
+subclass that misses one its kind needs is refused when it is defined. A
+backend that moves whole jax arrays rather than bytes (`jax_transfer`)
+subclasses `WholeArrayTransport` instead (`_whole_array`).
 
-* `export_buffers` (producer): make the described buffers reachable and add
-  what consumers need to the metadata (one-sided backends register memory);
-* `start_receive` / `wait_receive` (consumer): move the bytes of every chunk
-  into the given destinations; `finish_receive` (after success) /
-  `cancel_receive` (after failure, or a dropped request) release what the
-  receive took;
-* `release` (producer): undo `export_buffers` when Ray frees the object;
-* `send_buffers` (producer, two-sided backends only): push every chunk to the
-  consumer, whose `wait_receive` takes them in the same order. When the
-  consumer cannot take an object (a 64-bit leaf where x64 is off, a target
-  that does not fit), the base still receives the bytes, into scratch
-  buffers, so the sender never blocks on a receive that will not come.
+This module is Ray's interface and the hooks; the work is done in rooms of
+their own under `rdt_jax.transports`:
 
-A backend that moves whole jax arrays rather than bytes (`jax_transfer`)
-subclasses `WholeArrayTransport` instead, whose hooks are `export_arrays`,
-`start_pull` and `wait_pull`.
+* `_extract`: the producer's side (describe, check, in band or export, send);
+* `_fetch`: the consumer's side (plan, start, wait, rebuild; two-sided
+  scratch receives; a backend's errors wrapped for Ray);
+* `_aborts`: the marks `abort_transport` leaves;
+* `_capabilities`: the cached answers to `actor_has_tensor_transport`;
+* `_required`: which hooks each kind needs, checked at definition and on
+  registration.
 
 Where in-band sending is turned on (`RDT_JAX_INLINE_MAX_BYTES` above 0; off
 by default), small objects of one-sided backends travel in band
@@ -37,80 +35,34 @@ refused with one error on every host.
 
 from __future__ import annotations
 
-import math
 import threading
-import time
-import traceback
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
-    FetchRequest,
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _faults, _ray, _state, _targets
+from rdt_jax import _dlpack, _ray
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports import _inband, _lifetime
-from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
+from rdt_jax.transports import _extract, _fetch, _inband, _required
+from rdt_jax.transports._aborts import AbortMarks
+from rdt_jax.transports._capabilities import ActorCapabilities
+from rdt_jax.transports._destinations import Destination, MemoryKind, Placement
+from rdt_jax.transports._extract import Exported
+from rdt_jax.transports._fetch import DlpackFetchRequest
+from rdt_jax.transports._plan import ReceivePlan
+from rdt_jax.transports._required import abstract_hook
 
 if TYPE_CHECKING:
   import ray
-
-#: How many aborted objects a process remembers. Ray aborts a failed transfer
-#: on both sides; on a producer no fetch ever consumes the mark, so the oldest
-#: are forgotten (and `release` forgets an object's mark when Ray frees it).
-MAX_ABORTED = 4096
-#: Actors whose answer to `actor_has_tensor_transport` a process keeps at most.
-MAX_ACTORS_KNOWN = 4096
-#: Seconds an actor's answer is kept after its last use (a gone actor's goes then).
-ACTOR_ANSWER_IDLE_S = 600.0
 
 __all__ = [
     "Destination",
     "DlpackFetchRequest",
     "DlpackTransport",
     "Placement",
-    "WholeArrayTransport",
 ]
-
-
-@dataclass
-class DlpackFetchRequest(FetchRequest):
-  """An in-flight fetch: the receive plan and the backend's transfer handle.
-
-  `transport` is None for an in-band object (nothing of the backend's to
-  release if the request is dropped unfinished).
-  """
-
-  plan: ReceivePlan | None = None
-  handle: Any = None
-  transport: DlpackTransport | None = None
-  done: bool = False
-  inline: bool = False
-  producer: str | None = None
-
-  def __post_init__(self) -> None:
-    _ray.fetch.track_fetch(self)
-
-  def give_up(self) -> None:
-    """Releases an unfinished fetch now: the backend retires or parks its
-    transfer, the plan's memory is quarantined. Called for every fetch of a
-    batched `ray.get` that Ray dropped when another one failed or timed out,
-    so none stays in flight until the request happens to be collected."""
-    if self.done:
-      return
-    self.done = True
-    if self.transport is not None:
-      self.transport._abandon(self.handle)
-    if self.plan is not None:
-      self.plan.quarantine()
-
-  def __del__(self) -> None:
-    if self.transport is not None and not self.done:
-      self.transport._abandon(self.handle)
 
 
 class DlpackTransport(TensorTransportManager):
@@ -132,14 +84,19 @@ class DlpackTransport(TensorTransportManager):
     the bytes the consumer needs; otherwise such a leaf's chunks arrive
     whole, one destination per chunk in order, and are cut on the host;
 
-  and implements, on the producer, `export_buffers(obj_id, leaves, meta)`
-  (make the described buffers reachable, add what consumers need to `meta`)
-  and `release(obj_id)` (undo it when Ray frees the object); a two-sided
-  backend also `send_buffers(...)`. On the consumer it implements
-  `start_receive(obj_id, meta, communicator_metadata, destinations)` (start
-  moving every chunk into its destination; return a handle),
-  `wait_receive(handle, obj_id, timeout)`, and `finish_receive(handle)` /
-  `cancel_receive(handle)` to release what the receive took. Register a
+  and implements the hooks its kind needs. On the producer, a one-sided
+  backend implements `export_buffers(obj_id, leaves, meta)` (make the
+  described buffers reachable, add what consumers need to `meta`) and
+  `release(obj_id)` (undo it when Ray frees the object); a two-sided one
+  `send_buffers(leaves, meta, communicator_metadata)`. On the consumer both
+  implement `start_receive(obj_id, meta, communicator_metadata,
+  destinations)` (start moving every chunk into its destination; return a
+  handle); `wait_receive(handle, obj_id, timeout)`, and
+  `finish_receive(handle)` / `cancel_receive(handle)` to release what the
+  receive took, are optional. A subclass that sets `name` and
+  `is_one_sided()` but misses a hook its kind needs is refused with a
+  `TypeError` when it is defined (and `register_transport` refuses one
+  without `is_one_sided()` / `can_abort_transport()`). Register a
   subclass with `rdt_jax.register_transport(MyTransport)`;
   `examples/shm_transport.py` is a complete one in under 100 lines.
 
@@ -168,20 +125,20 @@ class DlpackTransport(TensorTransportManager):
   metadata_class: ClassVar[type[DlpackTransportMetadata]] = DlpackTransportMetadata
   #: True if the backend reads any byte range of a source chunk (see above).
   reads_parts: ClassVar[bool] = False
-  #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._ray.state`).
+  #: Marks rdt_jax transports in Ray's registry (read by `rdt_jax._ray`).
   _rdt_jax_transport: ClassVar[bool] = True
 
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    _required.check_defined(cls)  # a transport that misses a hook its kind needs is refused
+
   def __init__(self) -> None:
-    self._aborted: OrderedDict[str, None] = OrderedDict()
-    self._aborted_lock = threading.Lock()
-    # actor id -> (can run this transport, time.monotonic() of its last use)
-    self._actors_with_transport: OrderedDict[str, tuple[bool, float]] = OrderedDict()
-    self._actors_lock = threading.Lock()
+    self._aborted = AbortMarks()
+    self._actors = ActorCapabilities()
     self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
     self._stats_lock = threading.Lock()
     # Objects the backend exported that Ray has not freed yet (`counters`).
-    self._exported: set[str] = set()
-    self._exported_lock = threading.Lock()
+    self._exported = Exported()
 
   def receive_stats(self, reset: bool = False) -> dict[str, int]:
     """What this process's fetches asked the backend to move, since the last
@@ -233,27 +190,7 @@ class DlpackTransport(TensorTransportManager):
       with a `ValueError`; a two-sided backend's override instead raises an
       error naming the missing collective group.
     """
-    import ray
-
-    actor_id = _ray.state.actor_id(actor)
-    with self._actors_lock:
-      known = self._actors_with_transport.get(actor_id)
-    if known is None:
-      ref = _ray.state.call_on_system_group(actor, _actor_can_run, type(self))
-      known = (bool(ray.get(ref)), 0.0)
-    with self._actors_lock:
-      self._actors_with_transport[actor_id] = (known[0], time.monotonic())
-      self._actors_with_transport.move_to_end(actor_id)
-      self._forget_actors()
-    return known[0]
-
-  def _forget_actors(self) -> None:
-    """Drops cached answers beyond `MAX_ACTORS_KNOWN`, or unused for
-    `ACTOR_ANSWER_IDLE_S` (lock held): a gone actor's answer does not stay."""
-    expired = time.monotonic() - ACTOR_ANSWER_IDLE_S
-    answers = self._actors_with_transport
-    while answers and (len(answers) > MAX_ACTORS_KNOWN or next(iter(answers.values()))[1] < expired):
-      answers.popitem(last=False)
+    return self._actors.can_run(actor, type(self))
 
   def counters(self) -> dict[str, int]:
     """Everything this process holds for transfers, as counts (backends add
@@ -263,12 +200,7 @@ class DlpackTransport(TensorTransportManager):
     `actors_known` (cached `actor_has_tensor_transport` answers, bounded by
     `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
     process whose peers are gone or idle returns to its baseline."""
-    with self._actors_lock:
-      self._forget_actors()
-      actors = len(self._actors_with_transport)
-    with self._exported_lock:
-      exports = len(self._exported)
-    return {"exports": exports, "abort_marks": self.num_aborted(), "actors_known": actors}
+    return {"exports": len(self._exported), "abort_marks": self.num_aborted(), "actors_known": len(self._actors)}
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]
@@ -289,25 +221,7 @@ class DlpackTransport(TensorTransportManager):
       UnsupportedLeafError: for a leaf that cannot be sent (deleted, sub-byte
         dtype, unsupported device, ...), naming it by its pytree path.
     """
-    with _dlpack.gc_paused(len(rdt_object)):
-      described = _state.take_described(rdt_object)
-      device = self._common_device(described)
-      meta = self.metadata_class(
-          tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],
-          tensor_device=device,
-          leaves=[d.spec for d in described],
-          producer=_lifetime.producer_id(),
-      )
-      if described:
-        # Queued device work writing the leaves finishes before any read.
-        _dlpack.wait_for_producers(described)
-        if self.is_one_sided() and _inband.fits(device, meta):
-          _inband.pack(described, meta)
-        else:
-          self._export(obj_id, rdt_object, described, meta)
-          with self._exported_lock:
-            self._exported.add(obj_id)
-    return meta
+    return _extract.extract(self, obj_id, rdt_object)
 
   def _export(
       self,
@@ -317,30 +231,6 @@ class DlpackTransport(TensorTransportManager):
       meta: DlpackTransportMetadata,
   ) -> None:
     self.export_buffers(obj_id, leaves, meta)
-
-  def _common_device(self, described: list[_dlpack.DescribedLeaf]) -> str | None:
-    if not described:
-      return None
-    first = described[0]
-    for d in described:
-      if d.device not in self.devices:
-        raise _dlpack.UnsupportedLeafError(
-            d.spec.path,
-            f"(dtype {d.spec.dtype.name}) lives on a {d.device} device, which "
-            f"the {self.name} transport does not move (it moves "
-            f"{', '.join(self.devices)})",
-            "Use a transport for that device (jax_nixl moves cpu and cuda), "
-            "or move the array first.",
-        )
-      if d.device != first.device:
-        raise _dlpack.UnsupportedLeafError(
-            d.spec.path,
-            f"lives on {d.device} but leaf {first.spec.path} lives on "
-            f"{first.device}; one RDT object holds leaves of one device kind",
-            "Return the cpu and cuda leaves from separate RDT methods, or "
-            "move them to one device kind.",
-        )
-    return first.device
 
   def get_communicator_metadata(
       self,
@@ -389,47 +279,7 @@ class DlpackTransport(TensorTransportManager):
       ray.exceptions.RayDirectTransportError: if the backend failed to start,
         or the object's producer actor has died (`_lifetime`).
     """
-    self._raise_if_aborted(obj_id)
-    tensor_transport_metadata.validate(obj_id)  # MetadataError before any memory is taken
-    target = _targets.pop_target(obj_id)
-    if target is None and target_buffers:
-      target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
-    if _inband.carried(tensor_transport_metadata):
-      return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
-    meta = tensor_transport_metadata
-    try:
-      with _dlpack.gc_paused(len(meta.leaves)):
-        plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
-        self._prepare(plan, stage=not self.receives_synchronously(meta, plan.memory_kinds()))
-    except Exception:
-      if not self.is_one_sided():
-        # The producer is already sending: take its bytes so it does not block.
-        self._drain(obj_id, meta, communicator_metadata)
-      raise
-    request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
-    try:
-      with _dlpack.gc_paused(len(plan.plans)):
-        try:
-          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
-        except StageCallerMemory:  # nothing was written: plan again, caller memory staged
-          plan.return_regions()
-          plan = request.plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
-          plan.allocate(self.reads_parts, stage=True)
-          request.handle = self._start(obj_id, meta, communicator_metadata, plan)
-    except BaseException as e:
-      request.done = True  # the backend released (or parked) what it took
-      plan.quarantine()
-      if not isinstance(e, Exception):
-        raise
-      error = e
-    else:
-      request.producer = tensor_transport_metadata.producer
-      return request
-    try:
-      self._check_producer(obj_id, tensor_transport_metadata.producer, failed=True)  # before the backend's error
-      raise error
-    finally:
-      del error  # see wait_fetch_complete
+    return _fetch.start(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers)
 
   def receives_synchronously(self, meta: DlpackTransportMetadata, kinds: set[MemoryKind]) -> bool:
     """True if every write into this object's receive memory (of memory
@@ -447,22 +297,6 @@ class DlpackTransport(TensorTransportManager):
     """
     return not self.is_one_sided()
 
-  def _fetch_in_band(
-      self, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
-  ) -> DlpackFetchRequest:
-    """Receives an in-band object from its metadata; no backend hook runs."""
-    with _dlpack.gc_paused(len(meta.leaves)):
-      plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
-      plan.allocate(reads_parts=True)
-    self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
-    try:
-      _inband.copy_out(meta, plan.destinations)
-    except BaseException:
-      plan.quarantine()
-      raise
-    self._count(inline=1)
-    return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer)
-
   def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
     plan.allocate(self.reads_parts, stage)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
@@ -476,24 +310,9 @@ class DlpackTransport(TensorTransportManager):
   ) -> Any:
     if not plan.destinations:
       return None
-    return self._wrap_errors(
-        obj_id, self.start_receive, obj_id, meta, communicator_metadata, plan.destinations
+    return _fetch.wrap_errors(
+        self.name, obj_id, self.start_receive, obj_id, meta, communicator_metadata, plan.destinations
     )
-
-  def _drain(
-      self,
-      obj_id: str,
-      meta: DlpackTransportMetadata,
-      communicator_metadata: CommunicatorMetadata,
-  ) -> None:
-    """Receives an object this process cannot take into scratch buffers."""
-    scratch = ReceivePlan(meta.leaves, "numpy")
-    destinations = scratch.allocate()
-    if destinations:
-      handle = self.start_receive(obj_id, meta, communicator_metadata, destinations)
-      self.wait_receive(handle, obj_id, -1)
-      self.finish_receive(handle)
-    scratch.return_regions()
 
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1
@@ -512,67 +331,10 @@ class DlpackTransport(TensorTransportManager):
         object's producer actor has died (checked once the bytes are in
         place, and after any failure: `_lifetime`).
     """
-    try:
-      if fetch_request.inline:
-        leaves = _build(fetch_request)  # the bytes arrived with the metadata
-      else:
-        leaves = self._complete(fetch_request, timeout)
-    except Exception as e:
-      error = e
-    else:
-      self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=False)
-      return leaves
-    try:
-      self._check_producer(fetch_request.obj_id, fetch_request.producer, failed=True)  # before the backend's error
-      raise error
-    finally:
-      # A local naming the error it raises would keep this frame, the
-      # error and its traceback in a cycle, and with them every frame the
-      # error passes on its way up: the caller's `refs`, Ray's list of the
-      # object's refs. Ray would count them held (the producer keeps the
-      # object) until Python's cyclic collector ran, seconds or minutes later.
-      del error
-
-  def _check_producer(self, obj_id: str, producer: str | None, failed: bool) -> None:
-    """Raises the lifetime error if the producer of `obj_id` has died
-    (`_lifetime.check_producer`); `failed`: the backend's move failed.
-
-    One-sided: `RayDirectTransportError` wrapping `ProducerDiedError`.
-    Two-sided: a move fails when its producer died before sending; Ray then
-    kills both actors of the transfer (its rule for GLOO and NCCL), so the
-    consumer waits for that kill (`ActorDiedError`, as with Ray's own
-    transports) rather than race it with an error of its own. A move that
-    completed from a send the producer ran before dying is followed by no
-    kill: `ProducerActorDiedError`, an `ActorDiedError` as well.
-    """
-    if _faults.ON:
-      _faults.hit("lifetime.check")
-    if self.is_one_sided():
-      self._wrap_errors(obj_id, _lifetime.check_producer, obj_id, producer)
-      return
-    if producer is None:
-      return  # stored by the driver: no producer actor to outlive
-    message = self._wrap_errors(obj_id, _lifetime.died, obj_id, producer)
-    if message is not None:
-      if failed:
-        _lifetime.await_kill()
-      raise _lifetime.ProducerActorDiedError(message, producer)
+    return _fetch.finish(self, fetch_request, timeout)
 
   def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
-    if request.handle is not None:
-      try:
-        self._wrap_errors(request.obj_id, self.wait_receive, request.handle, request.obj_id, timeout)
-      except BaseException:
-        # Given up (timeout, abort, error): release now, not when collected.
-        request.done = True
-        self._abandon(request.handle)
-        if request.plan is not None:
-          request.plan.quarantine()
-        raise
-      request.done = True
-      self.finish_receive(request.handle)
-      request.handle = None  # what the backend held for the move is no longer needed
-    return _build(request)
+    return _fetch.complete(self, request, timeout)
 
   def _abandon(self, handle: Any) -> None:
     """A fetch request was dropped unfinished: release what it took."""
@@ -619,14 +381,7 @@ class DlpackTransport(TensorTransportManager):
     Raises:
       NotImplementedError: on a one-sided transport (Ray never calls it there).
     """
-    if self.is_one_sided():
-      raise NotImplementedError(
-          f"{self.name} is one-sided: Ray never calls send_multiple_tensors on it."
-      )
-    leaves = tensor_transport_metadata.leaves
-    described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
-    _dlpack.wait_for_producers(described)
-    self.send_buffers(described, tensor_transport_metadata, communicator_metadata)
+    _extract.send(self, tensors, tensor_transport_metadata, communicator_metadata)
 
   def garbage_collect(
       self,
@@ -639,8 +394,7 @@ class DlpackTransport(TensorTransportManager):
     (not one sent in band), calls the backend's `release`."""
     self.forget_abort(obj_id)
     if not _inband.carried(tensor_transport_meta):
-      with self._exported_lock:
-        self._exported.discard(obj_id)
+      self._exported.discard(obj_id)
       self.release(obj_id)
 
   def abort_transport(
@@ -651,55 +405,42 @@ class DlpackTransport(TensorTransportManager):
     `can_abort_transport()` is True): the consumer's wait stops early with a
     `RuntimeError` saying the transfer was aborted, and a later fetch of the
     object starts afresh."""
-    with self._aborted_lock:
-      self._aborted[obj_id] = None
-      while len(self._aborted) > MAX_ABORTED:
-        self._aborted.popitem(last=False)
+    self._aborted.mark(obj_id)
 
   def aborted(self, obj_id: str) -> bool:
     """True (once) if Ray aborted the transfer of `obj_id` here."""
-    with self._aborted_lock:
-      return self._aborted.pop(obj_id, False) is None
+    return self._aborted.take(obj_id)
 
   def forget_abort(self, obj_id: str) -> None:
     """Drops the abort mark of `obj_id` (called when Ray frees the object)."""
-    with self._aborted_lock:
-      self._aborted.pop(obj_id, None)
+    self._aborted.forget(obj_id)
 
   def num_aborted(self) -> int:
     """Abort marks this process holds (bounded by `MAX_ABORTED`)."""
-    with self._aborted_lock:
-      return len(self._aborted)
+    return len(self._aborted)
 
-  def _raise_if_aborted(self, obj_id: str) -> None:
-    if self.aborted(obj_id):
-      raise RuntimeError(f"{self.name} transfer of object {obj_id} was aborted.")
+  # ---- The backend's half. A hook marked `abstract_hook` is required of the
+  # kinds `_required_hooks` names; a subclass that misses one is refused.
 
-  def _wrap_errors(self, obj_id: str, fn: Any, *args: Any) -> Any:
-    """Runs a backend hook; failures become RayDirectTransportError."""
-    from ray.exceptions import RayDirectTransportError
+  #: The hooks each kind implements, one-sided (True) or two-sided (False):
+  #: checked when a subclass is defined (`rdt_jax.transports._required`).
+  _required_hooks: ClassVar[dict[bool, tuple[str, ...]]] = {
+      True: ("export_buffers", "start_receive", "release"),
+      False: ("send_buffers", "start_receive"),
+  }
 
-    try:
-      return fn(*args)
-    except (TimeoutError, _dlpack.UnsupportedLeafError, ImportError, ValueError, StageCallerMemory):
-      raise
-    except Exception:
-      raise RayDirectTransportError(
-          f"The {self.name} transfer of object {obj_id} failed. The source "
-          "actor may have died during the transfer. The backend raised:\n"
-          f"{traceback.format_exc()}"
-      ) from None
-
-  # ---- The backend's half.
-
+  @abstract_hook
   def export_buffers(
       self,
       obj_id: str,
       leaves: list[_dlpack.DescribedLeaf],
       meta: DlpackTransportMetadata,
   ) -> None:
-    """Producer: make the leaves' buffers reachable; extend `meta` in place."""
+    """Producer: make the leaves' buffers reachable; extend `meta` in place.
+    Required of one-sided transports; optional for two-sided ones, whose
+    `send_buffers` pushes the bytes (the default exports nothing)."""
 
+  @abstract_hook
   def send_buffers(
       self,
       leaves: list[_dlpack.DescribedLeaf],
@@ -707,9 +448,11 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
   ) -> None:
     """Producer of a two-sided backend: push every non-empty chunk, in leaf
-    order, to the consumer named by `communicator_metadata`."""
+    order, to the consumer named by `communicator_metadata`. Required of
+    two-sided transports (Ray never calls it on one-sided ones)."""
     raise NotImplementedError(f"{self.name} is two-sided but has no send_buffers.")
 
+  @abstract_hook
   def start_receive(
       self,
       obj_id: str,
@@ -717,132 +460,32 @@ class DlpackTransport(TensorTransportManager):
       communicator_metadata: CommunicatorMetadata,
       destinations: list[Destination],
   ) -> Any:
-    """Consumer: start moving every chunk into `destinations`; return a handle."""
+    """Consumer: start moving every chunk into `destinations`; return a
+    handle, or None once the bytes are in place. Required."""
     raise NotImplementedError
 
   def wait_receive(self, handle: Any, obj_id: str, timeout: float) -> None:
-    """Consumer: block until the move started by `start_receive` is done.
+    """Optional: on the consumer, block until the move started by
+    `start_receive` is done (the default returns at once: for a
+    `start_receive` that moves the bytes itself).
 
     Raises:
       TimeoutError: after `timeout` seconds (-1: no limit).
     """
 
   def finish_receive(self, handle: Any) -> None:
-    """Consumer: release what `start_receive` took, after success."""
+    """Optional: on the consumer, release what `start_receive` took, after
+    success (the default holds nothing)."""
 
   def cancel_receive(self, handle: Any) -> None:
-    """Consumer: release what `start_receive` took, after failure or if the
-    request was dropped unfinished."""
+    """Optional: on the consumer, release what `start_receive` took, after
+    failure or if the request was dropped unfinished (the default holds
+    nothing)."""
 
+  @abstract_hook
   def release(self, obj_id: str) -> None:
-    """Producer: undo `export_buffers` for `obj_id`."""
-
-
-class WholeArrayTransport(DlpackTransport):
-  """Base of backends that move whole jax arrays instead of bytes.
-
-  Such a backend (`jax_transfer`) allocates its own arrays on the consumer,
-  so the base takes no receive memory. It implements, on the producer,
-  `export_arrays(obj_id, arrays, leaves, meta)` (offer the arrays) and
-  `release(obj_id)`; on the consumer `start_pull(obj_id, meta,
-  communicator_metadata, placements)` (start moving one array per leaf onto
-  its `Placement`; return a handle) and `wait_pull(handle, obj_id, timeout)`
-  (return one array per leaf). The base converts the arrays to the type each
-  leaf should arrive as, or copies them into numpy/torch targets.
-  """
-
-  def _export(
-      self,
-      obj_id: str,
-      arrays: list[Any],
-      leaves: list[_dlpack.DescribedLeaf],
-      meta: DlpackTransportMetadata,
-  ) -> None:
-    self.export_arrays(obj_id, arrays, leaves, meta)
-
-  def _prepare(self, plan: ReceivePlan, stage: bool = False) -> None:
-    pass  # the backend allocates the arrays it pulls, copied into targets after success
-
-  def _start(
-      self,
-      obj_id: str,
-      meta: DlpackTransportMetadata,
-      communicator_metadata: CommunicatorMetadata,
-      plan: ReceivePlan,
-  ) -> Any:
-    placements = plan.placements()
-    if not placements:
-      return None
-    pulled = [
-        spec.nbytes if p.layout is None
-        else sum(math.prod(_dlpack.box_shape(b)) for b in p.layout.pieces) * spec.dtype.itemsize
-        for spec, p in zip(meta.leaves, placements)
-    ]
-    self._count(fetches=1, bytes=sum(pulled), destinations=len(placements))
-    return self._wrap_errors(
-        obj_id, self.start_pull, obj_id, meta, communicator_metadata, placements
-    )
-
-  def _complete(self, request: DlpackFetchRequest, timeout: float) -> list[Any]:
-    arrays: list[Any] = []
-    if request.handle is not None:
-      arrays = self._wrap_errors(
-          request.obj_id, self.wait_pull, request.handle, request.obj_id, timeout
-      )
-    request.done = True
-    assert request.plan is not None
-    with _dlpack.gc_paused(len(request.plan.plans)):
-      return request.plan.adopt(arrays)
-
-  def _abandon(self, handle: Any) -> None:
-    self.cancel_pull(handle)
-
-  # ---- The backend's half.
-
-  def export_arrays(
-      self,
-      obj_id: str,
-      arrays: list[Any],
-      leaves: list[_dlpack.DescribedLeaf],
-      meta: DlpackTransportMetadata,
-  ) -> None:
-    """Producer: offer `arrays` (one per leaf, any framework); extend `meta`."""
-    raise NotImplementedError
-
-  def start_pull(
-      self,
-      obj_id: str,
-      meta: DlpackTransportMetadata,
-      communicator_metadata: CommunicatorMetadata,
-      placements: list[Placement],
-  ) -> Any:
-    """Consumer: start moving one array per leaf onto its placement."""
-    raise NotImplementedError
-
-  def wait_pull(self, handle: Any, obj_id: str, timeout: float) -> list[Any]:
-    """Consumer: the arrays `start_pull` moved, one per leaf, once ready.
-
-    Raises:
-      TimeoutError: after `timeout` seconds (-1: no limit).
-    """
-    raise NotImplementedError
-
-  def cancel_pull(self, handle: Any) -> None:
-    """Consumer: release what `start_pull` took if the fetch was dropped."""
-
-
-def _build(request: DlpackFetchRequest) -> list[Any]:
-  """The leaves of a fetch whose bytes are all in its plan's memory."""
-  request.done = True
-  assert request.plan is not None
-  with _dlpack.gc_paused(len(request.plan.plans)):
-    return request.plan.build()
-
-
-def _actor_can_run(self: Any, cls: type[DlpackTransport]) -> bool:
-  """Runs on an actor: whether it can run transport `cls`."""
-  _ray.install()
-  return cls.available_in_process()
+    """Producer: undo `export_buffers` for `obj_id`. Required of one-sided
+    transports; optional for two-sided ones (the default releases nothing)."""
 
 
 # A worker that unpickles an rdt_jax transport class (Ray ships them to every

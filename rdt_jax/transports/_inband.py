@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from rdt_jax import _dlpack, _settings
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports._plan import Destination, memory_kind
+from rdt_jax.transports._destinations import Destination, memory_kind
 
 __all__ = ["carried", "copy_out", "fits", "inline_max_bytes", "pack"]
 

@@ -9,7 +9,7 @@ pooled region per device (`_dlpack.device_pool`, registered once while the
 pool keeps it, released for reuse only after the bytes landed and the leaves
 were built); leaves with a numpy/torch target are received straight into the
 target's memory, or staged (below). Backends see only the resulting
-`Destination`s.
+`Destination`s (`rdt_jax.transports._destinations`, with `Placement`).
 
 Caller memory (a numpy/torch target, an `rdt_jax.Slice(into=...)` buffer) is
 never written after its fetch returned or failed. A backend whose every write
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -42,91 +42,7 @@ from rdt_jax import _dlpack
 from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._metadata import MetadataError
 from rdt_jax._targets import Target, align_targets, leaf_layout
-
-#: What memory a buffer is: host memory (any cpu device: one address space)
-#: or the memory of one accelerator device.
-MemoryKind = Literal["host", "device"]
-
-
-def memory_kind(device: Device) -> MemoryKind:
-  """The memory kind of buffers on `device`: "host" for a cpu device, whatever
-  its index, "device" for any other. Every host-or-device decision about
-  receive memory, here and in the backends, goes through this function."""
-  return "host" if device.kind == "cpu" else "device"
-
-
-@dataclass
-class Destination:
-  """Where one chunk lands on the consumer.
-
-  Attributes:
-    pointer: address of the chunk's first byte.
-    nbytes: the chunk's size.
-    device: the device the memory is on.
-    keepalive: the framework object owning the memory (a uint8 numpy view,
-      a torch tensor or a jax array). Holding it keeps the memory from being
-      freed or reused: a backend whose transfer may still write after the
-      fetch gave up keeps this reference until the transfer ended. Also
-      readable as `array` (the former name).
-    region: `(pointer, nbytes)` of the whole allocation the chunk lies in
-      (chunks of one object share a host buffer): what a backend registers.
-    pooled: True if `region` belongs to the process's host buffer pool and
-      outlives this transfer (a backend may keep it registered until the
-      pool evicts it; see `rdt_jax._dlpack.HostBufferPool`).
-    source: the index of the source chunk this destination's bytes come
-      from, counting every chunk of every leaf of the object in leaf order.
-    source_offset: where in that source chunk the bytes start.
-    part: True if this is a byte run of a resharded leaf (a part of a chunk,
-      or a chunk going to a buffer laid out differently): only backends that
-      read parts (`DlpackTransport.reads_parts`) are given such destinations,
-      and the bytes after `nbytes` are not padding (never read past them).
-    caller: True if the memory is the caller's (a numpy/torch target or a
-      `Slice(into=...)` buffer): a backend may write it only while its
-      receive hooks run (see the module docstring), and must raise
-      `StageCallerMemory` from `start_receive`, before writing anything, if
-      it cannot.
-  """
-
-  pointer: int
-  nbytes: int
-  device: Device
-  keepalive: Any
-  region: tuple[int, int]
-  pooled: bool = False
-  source: int = -1
-  source_offset: int = 0
-  part: bool = False
-  caller: bool = False
-
-  @property
-  def array(self) -> Any:
-    """Deprecated, read-only alias of `keepalive` (kept for custom transports)."""
-    return self.keepalive
-
-
-class StageCallerMemory(Exception):
-  """Raised by a backend's `start_receive`, before it wrote anything, when it
-  cannot finish every write into a `Destination.caller` destination before its
-  receive hooks return: the fetch is planned again with caller memory staged."""
-
-
-@dataclass(frozen=True)
-class Placement:
-  """Where one whole leaf should arrive, for backends that move arrays.
-
-  Attributes:
-    device: the leaf's receive device.
-    template: a jax target array whose sharding the leaf should get, or None
-      (its sharding has the producer's layout, or one device).
-    layout: for a leaf resharded on receive, what the consumer asks for (a
-      box of the leaf, split into pieces over `layout.devices`); the backend
-      must deliver exactly that, with `layout.sharding` (or on `device` when
-      it is None). None otherwise.
-  """
-
-  device: Device
-  template: Any = None
-  layout: _dlpack.TargetLayout | None = None
+from rdt_jax.transports._destinations import Destination, MemoryKind, Placement, memory_kind
 
 
 @dataclass(frozen=True)

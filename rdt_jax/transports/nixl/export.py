@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from rdt_jax import _dlpack, _faults, _process
-from rdt_jax.transports._plan import memory_kind
+from rdt_jax.transports._destinations import memory_kind
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from rdt_jax import _dlpack, _faults
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
-from rdt_jax.transports._plan import Destination, MemoryKind, StageCallerMemory, memory_kind
+from rdt_jax.transports._destinations import Destination, MemoryKind, StageCallerMemory, memory_kind
 from rdt_jax.transports.nixl.agent import READ_NOTIF
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata

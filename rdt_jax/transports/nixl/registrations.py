@@ -38,7 +38,7 @@ from typing import Any, Final
 
 from rdt_jax import _dlpack, _faults
 from rdt_jax._error_base import RdtJaxError
-from rdt_jax.transports._plan import memory_kind
+from rdt_jax.transports._destinations import memory_kind
 
 __all__ = ["Key", "NixlError", "Registrations", "nixl_error", "nixl_memory"]
 
@@ -94,7 +94,7 @@ REGISTER_FIX: Final = (
 def nixl_memory(device: _dlpack.Device) -> tuple[str, _dlpack.Device]:
   """NIXL's memory type and device for buffers on `device`: host memory is
   one DRAM region space (device index 0), device memory is VRAM of its own
-  device. The host-or-device decision is `_plan.memory_kind`'s."""
+  device. The host-or-device decision is `_destinations.memory_kind`'s."""
   if memory_kind(device) == "host":
     return "DRAM", _HOST
   return "VRAM", device

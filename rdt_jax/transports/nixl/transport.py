@@ -33,7 +33,7 @@ from typing import Any, Final
 
 from rdt_jax import _compat, _dlpack
 from rdt_jax.transports._base import Destination, DlpackTransport
-from rdt_jax.transports._plan import MemoryKind, memory_kind
+from rdt_jax.transports._destinations import MemoryKind, memory_kind
 from rdt_jax.transports.nixl import agent as _agent
 from rdt_jax.transports.nixl.export import Exports
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from rdt_jax import _dlpack
-from rdt_jax.transports._base import Placement
+from rdt_jax.transports._destinations import Placement
 from rdt_jax.transports.transfer import boxes
 
 #: Threads making offer requests (each waits for a producer's answer).

@@ -52,7 +52,8 @@ import time
 from typing import Any
 
 from rdt_jax import _compat, _dlpack
-from rdt_jax.transports._base import Placement, WholeArrayTransport
+from rdt_jax.transports._destinations import Placement
+from rdt_jax.transports._whole_array import WholeArrayTransport
 from rdt_jax.transports.transfer import protocol, pull
 from rdt_jax.transports.transfer.metadata import TransferTransportMetadata
 from rdt_jax.transports.transfer.offers import Offers
