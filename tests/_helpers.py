@@ -203,7 +203,7 @@ def transport_manager(name: str):
 def nixl_counts() -> tuple[int, int]:
   """(registered memory regions, objects held) of this process's jax_nixl."""
   t = transport_manager("jax_nixl")
-  return t.num_registrations(), t.num_objects()
+  return t.counters()["registrations"], t.counters()["objects"]
 
 
 def process_rss() -> int:

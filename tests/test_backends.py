@@ -115,7 +115,7 @@ class Producer:
     return build(*args)
 
   def num_exported(self, transport: str) -> int:
-    return transport_manager(transport).num_offers()
+    return transport_manager(transport).counters()["offers"]
 
 
 @ray.remote(enable_tensor_transport=True)

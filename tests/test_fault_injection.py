@@ -50,11 +50,11 @@ def counters() -> dict:
   import gc
 
   gc.collect()  # delivered values can sit in reference cycles until the next collection
-  t = transport()
+  c = transport().counters()
   return {
-      "registrations": t.num_registrations(),
-      "inflight": t.num_inflight(),
-      "parked": t.num_parked(),
+      "registrations": c["registrations"],
+      "inflight": c["inflight"],
+      "parked": c["parked"],
       "pool_in_use": _dlpack.host_pool.bytes_in_use(),
   }
 
@@ -73,7 +73,7 @@ class Producer:
     return [jnp.asarray(payload(nbytes, seed)), jnp.asarray(payload(nbytes, seed + 1))]
 
   def counters(self) -> dict:
-    return {**counters(), "objects": transport().num_objects()}
+    return {**counters(), "objects": transport().counters()["objects"]}
 
   def ready(self) -> bool:
     return True
@@ -88,7 +88,7 @@ class Consumer:
     return sha(ray.get(refs[0], timeout=timeout)["x"])
 
   def counters(self) -> dict:
-    return {**counters(), "parked_total": transport().parked_total}
+    return {**counters(), "parked_total": transport().counters()["parked_total"]}
 
   def ready(self) -> bool:
     return True
@@ -333,12 +333,12 @@ def test_abort_marks_are_bounded_and_forgotten_on_free():
   t = NixlTransport()
   for i in range(_aborts.MAX_ABORTED + 10):
     t.abort_transport(f"obj{i}", None)
-  assert t.num_aborted() == _aborts.MAX_ABORTED
+  assert t.counters()["abort_marks"] == _aborts.MAX_ABORTED
   assert not t.aborted("obj0")  # the oldest were forgotten
   last = f"obj{_aborts.MAX_ABORTED + 9}"
   t.garbage_collect(last, None, [])
   assert not t.aborted(last)
-  assert t.num_aborted() == _aborts.MAX_ABORTED - 1
+  assert t.counters()["abort_marks"] == _aborts.MAX_ABORTED - 1
 
 
 def test_unused_targets_are_dropped_once_their_object_is_freed(producer):

@@ -131,7 +131,7 @@ class Consumer:
     except Exception as e:
       outcome = f"{type(e).__name__}: {e}"
     del request
-    return outcome, transport.num_registrations()
+    return outcome, transport.counters()["registrations"]
 
 
 # One local Ray session for the module (conftest.ray_session): faults of

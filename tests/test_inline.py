@@ -85,12 +85,12 @@ def test_small_mixed_tree_moves_in_band_exactly(agents):
       jnp.zeros((0, 4), jnp.float32),
       jnp.asarray(sample((), "uint8", 4)),
   ]
-  before = prod.num_registrations()
+  before = prod.counters()["registrations"]
   cons.receive_stats(reset=True)
   meta = _export(prod, "inline-mixed", leaves)
   assert isinstance(meta.inline, bytes)
   assert len(meta.inline) == meta.nbytes == sum(_dlpack.describe(x, "x").spec.nbytes for x in leaves)
-  assert meta.agent_name is None and prod.num_registrations() == before  # nothing exported
+  assert meta.agent_name is None and prod.counters()["registrations"] == before  # nothing exported
   got = _fetch(cons, "inline-mixed", meta)
   stats = cons.receive_stats(reset=True)
   assert stats["inline"] == 1 and stats["descriptors"] == 0

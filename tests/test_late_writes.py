@@ -139,7 +139,7 @@ class Consumer:
       for b in bufs.values():
         b.fill(0xB2)
     t = transport()
-    wait_for(lambda: t.num_inflight() == 0 and t.num_parked() == 0, timeout=60)
+    wait_for(lambda: t.counters()["inflight"] == 0 and t.counters()["parked"] == 0, timeout=60)
     # Not a synchronization: a grace second in which a late write (one the
     # counters above no longer see) would land in the sentinel-filled buffers.
     time.sleep(1.0)
@@ -148,8 +148,8 @@ class Consumer:
         "arrived": arrived,
         "touched": touched,
         "late_write": {kind: any(bool((b[kind] != 0xB2).any()) for b in buffers) for kind in KINDS},
-        "parked_total": t.parked_total,
-        "inflight": t.num_inflight(),
+        "parked_total": t.counters()["parked_total"],
+        "inflight": t.counters()["inflight"],
     }
 
   def _fetch_aborted(self, ref):
@@ -309,8 +309,8 @@ def test_consumer_dies_mid_read_with_a_target():
   del ref
 
   def freed() -> bool:
-    t = ray.get(producer.__ray_call__.remote(lambda self: (transport().num_objects(), transport().num_registrations())))
-    return t == (0, 0)
+    c = ray.get(producer.__ray_call__.remote(lambda self: transport().counters()))
+    return (c["objects"], c["registrations"]) == (0, 0)
 
   assert wait_for(freed, timeout=ERROR_BOUND_S)
   ray.kill(producer)

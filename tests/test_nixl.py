@@ -92,7 +92,7 @@ class Consumer:
   def pooled(self):
     from rdt_jax import _dlpack
 
-    pooled_regs = transport_manager("jax_nixl").num_pooled_registrations()
+    pooled_regs = transport_manager("jax_nixl").counters()["pooled_registrations"]
     return pooled_regs, _dlpack.host_pool.pooled_bytes()
 
   def rss(self):

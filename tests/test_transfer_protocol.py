@@ -72,8 +72,8 @@ def test_pull_ends_with_no_pending_offer_and_pools_its_connection(pair):
     got = _fetch(cons, obj_id, meta)
     for g, x in zip(got, tree):
       np.testing.assert_array_equal(g, x)
-  assert wait_for(lambda: prod.num_pending_offers() == 0)
-  assert cons.num_peers() == 2  # one pooled offer connection, one transfer connection
+  assert wait_for(lambda: prod.counters()["pending_offers"] == 0)
+  assert cons.counters()["peers"] == 2  # one pooled offer connection, one transfer connection
   prod.garbage_collect(obj_id, meta, tree)
 
 
@@ -87,10 +87,10 @@ def test_offer_of_a_consumer_that_left_is_withdrawn(pair):
   base = sys.getrefcount(offered)
   address = (meta.offer_address[0], meta.offer_address[1])
   sock, _ = cons._request_offer(meta, obj_id, 12345, [None], threading.Event())
-  assert prod.num_pending_offers() == 1
+  assert prod.counters()["pending_offers"] == 1
   assert sys.getrefcount(offered) > base  # held by the offer
   sock.close()
-  assert wait_for(lambda: prod.num_pending_offers() == 0)
+  assert wait_for(lambda: prod.counters()["pending_offers"] == 0)
   assert wait_for(lambda: sys.getrefcount(offered) == base)
   prod.garbage_collect(obj_id, meta, [x])
   cons._peers.pool.forget(address)
@@ -180,7 +180,7 @@ def test_connections_to_gone_or_idle_producers_are_forgotten(pair, monkeypatch):
   prod, cons = pair
   obj_id, meta = _export(prod, _tree())
   _fetch(cons, obj_id, meta)
-  assert cons.num_peers() >= 1
+  assert cons.counters()["peers"] >= 1
   # A producer that is gone: nothing listens at its address any more.
   gone = socket.create_server(("127.0.0.1", 0))
   dead_address = gone.getsockname()[:2]
@@ -193,7 +193,7 @@ def test_connections_to_gone_or_idle_producers_are_forgotten(pair, monkeypatch):
   # Idle connections go after IDLE_S.
   monkeypatch.setattr(peers, "IDLE_S", 0.0)
   cons.prune()
-  assert cons.num_peers() == 0
+  assert cons.counters()["peers"] == 0
   prod.garbage_collect(obj_id, meta, _tree())
 
 
@@ -210,7 +210,7 @@ def test_metadata_without_a_producer_to_pull_from_is_refused(pair, field, value)
   setattr(bad, field, value)
   with pytest.raises(MetadataError, match=f"field {field}"):
     _fetch(cons, obj_id, bad)
-  assert wait_for(lambda: prod.num_pending_offers() == 0)
+  assert wait_for(lambda: prod.counters()["pending_offers"] == 0)
   prod.garbage_collect(obj_id, meta, _tree())
 
 

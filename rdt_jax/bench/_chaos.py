@@ -110,7 +110,6 @@ def _counters() -> dict:
       **t.counters(),
       "pool_in_use": _dlpack.host_pool.bytes_in_use(),
       "faults": sum(_faults.injected().values()),
-      "parked_total": t.parked_total,
   }
 
 

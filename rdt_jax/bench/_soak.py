@@ -92,8 +92,8 @@ class _Trainer:
   def report(self) -> dict:
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
-    t = get_tensor_transport_manager(self.transport.upper())
-    regs = t.num_registrations() if hasattr(t, "num_registrations") else None
+    t: Any = get_tensor_transport_manager(self.transport.upper())
+    regs = t.counters().get("registrations")
     return {"rss_peak": max(self.peak, _rss()), "registrations": regs}
 
 

@@ -43,7 +43,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _ray
+from rdt_jax import _dlpack, _ray, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _extract, _fetch, _inband, _required
 from rdt_jax.transports._aborts import AbortMarks
@@ -198,9 +198,14 @@ class DlpackTransport(TensorTransportManager):
     `export_buffers` or `export_arrays`, that Ray has not freed: `release`
     has not run for them), `abort_marks` (bounded by `MAX_ABORTED`) and
     `actors_known` (cached `actor_has_tensor_transport` answers, bounded by
-    `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused). A
-    process whose peers are gone or idle returns to its baseline."""
-    return {"exports": len(self._exported), "abort_marks": self.num_aborted(), "actors_known": len(self._actors)}
+    `MAX_ACTORS_KNOWN` and dropped after `ACTOR_ANSWER_IDLE_S` unused),
+    and two of the process, whichever transport is asked: receive `targets`
+    set and not yet used or dropped, and serializer `handoffs` waiting for
+    their extract. A process whose peers are gone or idle returns to its baseline."""
+    return {
+        "exports": len(self._exported), "abort_marks": self.num_aborted(), "actors_known": len(self._actors),
+        "targets": _targets.num_targets(), "handoffs": _state.pending_handoffs(),
+    }
 
   def extract_tensor_transport_metadata(
       self, obj_id: str, rdt_object: list[Any]

@@ -252,7 +252,7 @@ class GpuActor:
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
     t = get_tensor_transport_manager("JAX_NIXL")
-    return t.num_pooled_registrations(), _dlpack.device_pool.pooled_bytes()
+    return t.counters()["pooled_registrations"], _dlpack.device_pool.pooled_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -93,10 +93,12 @@ class InFlight:
     self._views = views
     self._changed = changed
     self._parked: list[PostedRead] = []
-    self.parked_total = 0  # READs ever parked (for tests and the soak report)
+    self.parked_total = 0  # READs ever parked (counters()["parked_total"])
 
-  def __len__(self) -> int:
-    """READs parked now."""
+  def parked(self) -> int:
+    """READs parked now (given up while in flight, their memory kept until
+    NIXL ends them); the posted READs not yet retired are
+    `RemoteViews.inflight()`."""
     return len(self._parked)
 
   def wait(self, read: PostedRead, obj_id: str, timeout: float, aborted: Callable[[str], bool]) -> None:

@@ -148,33 +148,12 @@ class NixlTransport(DlpackTransport):
     with self._poll_lock:
       if self._poller is not None:
         self._polling = bool(
-            len(self._exports) or len(self._inflight) or self._registrations.has_stuck() or self._views
+            len(self._exports) or self._inflight.parked() or self._registrations.has_stuck() or self._views
             or len(self._freed)
         )
         self._poller.set_active(self._polling)
 
   # ---- counters (tests, soak and chaos reports)
-
-  def num_registrations(self) -> int:
-    """Registered regions outside the pools (0 when idle), including those
-    whose deregistration failed and waits for a retry."""
-    return self._registrations.count()
-
-  def num_pooled_registrations(self) -> int:
-    """Registered pooled buffers, kept for reuse (bounded by the pools)."""
-    return self._registrations.count_pooled()
-
-  def num_objects(self) -> int:
-    """How many RDT objects this process currently exports."""
-    return len(self._exports)
-
-  def num_inflight(self) -> int:
-    """READs this process posted that are not yet retired (parked included)."""
-    return self._views.inflight()
-
-  def num_parked(self) -> int:
-    """READs given up while in flight, whose memory waits for NIXL to end them."""
-    return len(self._inflight)
 
   def counters(self) -> dict[str, int]:
     """Everything this process holds for transfers, as counts: what a
@@ -183,10 +162,11 @@ class NixlTransport(DlpackTransport):
     `registrations` outside the pools, `pooled_registrations`, `stuck`
     deregistrations to retry, READs `inflight` and `parked`, `views` (remote
     agents loaded), `producers` tracked for staleness, and `polling`: 1 while
-    the progress poll runs). One entry is a running total instead, which
-    never returns to a baseline: `view_rebuilds`, the views of producers
+    the progress poll runs). Two entries are running totals instead, which
+    never return to a baseline: `view_rebuilds`, the views of producers
     this process rebuilt (each one a reconnect before a READ) since it
-    started; the steady state of repeated transfers adds none. Each room
+    started, which the steady state of repeated transfers leaves alone; and
+    `parked_total`, the READs ever parked. Each room
     is read under its own lock, so counts taken while transfers run may
     come from slightly different moments."""
     return {
@@ -196,17 +176,13 @@ class NixlTransport(DlpackTransport):
         "pooled_registrations": self._registrations.count_pooled(),
         "stuck": int(self._registrations.has_stuck()),
         "inflight": self._views.inflight(),
-        "parked": len(self._inflight),
+        "parked": self._inflight.parked(),
         "views": len(self._views),
         "producers": len(self._freed),
         "polling": int(self._polling),
         "view_rebuilds": self._views.rebuilds,
+        "parked_total": self._inflight.parked_total,
     }
-
-  @property
-  def parked_total(self) -> int:
-    """READs ever parked in this process."""
-    return self._inflight.parked_total
 
   # ---- producer
 

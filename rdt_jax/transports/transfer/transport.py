@@ -89,18 +89,18 @@ class TransferTransport(WholeArrayTransport):
   def available_in_process(cls) -> bool:
     return _compat.has_jax_transfer()
 
-  def num_offers(self) -> int:
-    """How many RDT objects this process offers now."""
-    return self._offers.num_offers()
-
-  def num_pending_offers(self) -> int:
-    """Offers made to consumers and not pulled yet (each holds its arrays)."""
-    return self._offers.num_pending()
-
-  def num_peers(self) -> int:
-    """Producers this consumer keeps connections to (pooled offer
-    connections and transfer connections); idle ones go after `peers.IDLE_S`."""
-    return len(self._peers)
+  def counters(self) -> dict[str, int]:
+    """`DlpackTransport.counters`, plus the producer's `offers` (objects
+    offered now), `pending_offers` (offers made to consumers and not pulled
+    yet, each holding its arrays) and the consumer's `peers` (producers it
+    keeps connections to, pooled offer and transfer connections; idle ones
+    go after `peers.IDLE_S`)."""
+    return {
+        **super().counters(),
+        "offers": self._offers.num_offers(),
+        "pending_offers": self._offers.num_pending(),
+        "peers": len(self._peers),
+    }
 
   # ---- producer
 
