@@ -13,6 +13,7 @@ its private modules directly. `README.md` beside this file lists the modules
 and the design rules.
 """
 
+from rdt_jax._dlpack._bytes import host_bytes as host_bytes
 from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
 from rdt_jax._dlpack._cuda import copy_from_host as copy_from_host
 from rdt_jax._dlpack._cuda import cuda_available as cuda_available
@@ -58,7 +59,6 @@ from rdt_jax._dlpack._lazy import importable as importable
 from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
 from rdt_jax._dlpack._memory import aligned as aligned
-from rdt_jax._dlpack._memory import host_bytes as host_bytes
 from rdt_jax._dlpack._memory import host_chunk as host_chunk
 from rdt_jax._dlpack._memory import host_layout as host_layout
 from rdt_jax._dlpack._memory import host_pointer as host_pointer

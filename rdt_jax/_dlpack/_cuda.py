@@ -41,9 +41,9 @@ from typing import Final
 import numpy as np
 
 from rdt_jax._dlpack import _torch
+from rdt_jax._dlpack._bytes import CudaBytes, host_bytes
 from rdt_jax._dlpack._devices import Device
 from rdt_jax._dlpack._lazy import importable, loaded_type
-from rdt_jax._dlpack._memory import CudaBytes, host_bytes
 from rdt_jax._dlpack._specs import DescribedLeaf
 
 

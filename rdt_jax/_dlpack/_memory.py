@@ -1,4 +1,4 @@
-"""Memory: host receive and staging buffers, their layout, and raw byte views.
+"""Memory: host receive and staging buffers and their layout.
 
 Host buffers come from one process-wide pool (`host_pool`) of 64-byte aligned,
 already faulted-in buffers; device regions from `_pool.device_pool`. A
@@ -17,6 +17,7 @@ from typing import Final
 import numpy as np
 
 from rdt_jax import _settings
+from rdt_jax._dlpack._bytes import host_bytes
 from rdt_jax._dlpack._gc import release_deferred
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 
@@ -231,35 +232,6 @@ def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
 def host_chunk(buffer: np.ndarray, offset: int, dtype: np.dtype, chunk: ChunkSpec) -> np.ndarray:
   """A zero-copy typed view of one chunk inside a host receive buffer."""
   return buffer[offset : offset + chunk.nbytes].view(dtype).reshape(chunk.shape)
-
-
-class _HostBytes:
-  """`nbytes` of host memory at `pointer`, as numpy's array interface."""
-
-  def __init__(self, pointer: int, nbytes: int):
-    self.__array_interface__ = {
-        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
-    }
-
-
-class CudaBytes:
-  """`nbytes` of cuda memory at `pointer`, as the CUDA Array Interface."""
-
-  def __init__(self, pointer: int, nbytes: int):
-    self.__cuda_array_interface__ = {
-        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
-        "strides": None,
-    }
-
-
-def host_bytes(pointer: int, nbytes: int) -> np.ndarray:
-  """A writable 1-D uint8 numpy view of `nbytes` of host memory at `pointer`.
-
-  Zero-copy and framework-neutral: the memory may belong to any framework's
-  array. The view does not own it; the caller keeps the owner alive while the
-  view is in use.
-  """
-  return np.asarray(_HostBytes(pointer, nbytes))
 
 
 def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
