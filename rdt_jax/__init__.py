@@ -28,12 +28,12 @@ if TYPE_CHECKING:
   from rdt_jax._convert import to_torch as to_torch
   from rdt_jax._dlpack import DescribedLeaf as DescribedLeaf
   from rdt_jax._dlpack import LeafSpec as LeafSpec
-  from rdt_jax._dlpack import Slice as Slice
   from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
   from rdt_jax._error_base import RdtJaxError as RdtJaxError
   from rdt_jax._errors import TransportNotRegisteredError as TransportNotRegisteredError
   from rdt_jax._errors import UnknownObjectError as UnknownObjectError
   from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
+  from rdt_jax._layout import Slice as Slice
   from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
   from rdt_jax._metadata import MetadataError as MetadataError
   from rdt_jax._registry import receive_as as receive_as
@@ -75,7 +75,7 @@ _EXPORTS: dict[str, str] = {
     "RdtJaxError": "rdt_jax._error_base",
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
-    "Slice": "rdt_jax._dlpack",
+    "Slice": "rdt_jax._layout",
     "StaleWeightsError": "rdt_jax.weights",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _helpers import sample
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, UnsupportedLeafError, _cupy, _dtypes, _interop, _jax, _torch
 from rdt_jax._dlpack._pool import RegionPool
 
@@ -274,9 +274,9 @@ def test_pack_layout():
       LeafSpec("b", (0,), np.dtype(np.float32), "jax", "cuda", (ChunkSpec((0,), 0),)),
       LeafSpec("c", (300,), np.dtype(np.uint8), "torch", "cuda", (ChunkSpec((300,), 300),)),
   ]
-  offsets, total = _dlpack.pack_layout(specs)
+  offsets, total = _layout.pack_layout(specs)
   assert offsets == [[0], [256], [256]] and total == 768
-  assert _dlpack.pack_layout([specs[1]]) == ([[0]], 1)  # empty objects still have an address
+  assert _layout.pack_layout([specs[1]]) == ([[0]], 1)  # empty objects still have an address
 
 
 def test_region_source_follows_the_consumer_framework():

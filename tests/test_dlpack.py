@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import rdt_jax
 from _helpers import sample, wait_for
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 from rdt_jax._dlpack import ChunkSpec, _dtypes, _memory
 
 ALL_DTYPES = sorted(d.name for d in _dtypes.SUPPORTED_DTYPES)
@@ -29,7 +29,7 @@ def host_copy(dtype: np.dtype, x: np.ndarray):
   """x's bytes in a fresh aligned receive buffer, as the transport leaves them."""
   buf = _memory.aligned_host_buffer(x.nbytes)
   buf[:] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-  return buf, _dlpack.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
+  return buf, _layout.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
 
 
 def test_import_imports_no_framework():
@@ -117,7 +117,7 @@ def test_zero_d_and_empty(shape):
 
 def test_host_layout_aligns_every_chunk():
   specs = [_dlpack.describe(np.zeros(n, np.uint8)).spec for n in (1, 100, 0, 64, 65)]
-  offsets, total = _dlpack.host_layout(specs)
+  offsets, total = _layout.host_layout(specs)
   flat = [o for leaf in offsets for o in leaf]
   assert all(o % _memory.ALIGNMENT == 0 for o in flat)
   assert total >= sum(s.nbytes for s in specs)

@@ -40,7 +40,7 @@ def test_ray_is_blocked_in_the_child(tmp_path):
 
 def test_dlpack_layer_imports_without_ray(tmp_path):
   code = (
-      "import sys, rdt_jax, rdt_jax._dlpack; "
+      "import sys, rdt_jax, rdt_jax._dlpack, rdt_jax._layout; "
       "print(sorted(m for m in ('ray', 'jax', 'torch', 'nixl_cu12') if m in sys.modules))"
   )
   out = _run_without_ray(tmp_path, "-c", code)

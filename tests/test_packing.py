@@ -1,4 +1,4 @@
-"""The packing of many host leaves into one buffer (`rdt_jax._dlpack._packing`)
+"""The packing of many host leaves into one buffer (`rdt_jax._layout._packing`)
 and the weight stream's pieces that need no Ray actor: the kept-versions
 table read node-locally, the packed source's digest, a subscriber's plan."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rdt_jax import _dlpack, _process
-from rdt_jax._dlpack import _packing
+from rdt_jax._layout import _packing
 from rdt_jax.weights import _packed as _weights_packed
 
 torch = pytest.importorskip("torch")
@@ -53,7 +53,7 @@ SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rdt_jax import _dlpack
-from rdt_jax._dlpack import _packing
+from rdt_jax._layout import _packing
 mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
 x = jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, PartitionSpec("x")))
 layout = _packing.PackedLayout.of([64])

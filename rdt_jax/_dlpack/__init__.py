@@ -59,36 +59,19 @@ from rdt_jax._dlpack._lazy import importable as importable
 from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
 from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
 from rdt_jax._dlpack._memory import aligned as aligned
-from rdt_jax._dlpack._memory import host_chunk as host_chunk
-from rdt_jax._dlpack._memory import host_layout as host_layout
 from rdt_jax._dlpack._memory import host_pointer as host_pointer
 from rdt_jax._dlpack._memory import host_pool as host_pool
-from rdt_jax._dlpack._memory import pack_host_chunks as pack_host_chunks
-from rdt_jax._dlpack._packing import NotHostMemory as NotHostMemory
-from rdt_jax._dlpack._packing import PackedLayout as PackedLayout
-from rdt_jax._dlpack._packing import Packer as Packer
-from rdt_jax._dlpack._packing import is_cpu_sharding as is_cpu_sharding
-from rdt_jax._dlpack._packing import jax_placement as jax_placement
-from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
 from rdt_jax._dlpack._pool import Region as Region
 from rdt_jax._dlpack._pool import device_pool as device_pool
-from rdt_jax._dlpack._pool import pack_layout as pack_layout
 from rdt_jax._dlpack._pool import region_source as region_source
 from rdt_jax._dlpack._sharding import Box as Box
-from rdt_jax._dlpack._sharding import Slice as Slice
-from rdt_jax._dlpack._sharding import TargetLayout as TargetLayout
 from rdt_jax._dlpack._sharding import box_shape as box_shape
-from rdt_jax._dlpack._sharding import build_sharded as build_sharded
-from rdt_jax._dlpack._sharding import copy_runs as copy_runs
-from rdt_jax._dlpack._sharding import cut as cut
 from rdt_jax._dlpack._sharding import full_box as full_box
 from rdt_jax._dlpack._sharding import intersect as intersect
 from rdt_jax._dlpack._sharding import is_sharding as is_sharding
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
-from rdt_jax._dlpack._sharding import sharded_builder as sharded_builder
 from rdt_jax._dlpack._sharding import source_boxes as source_boxes
 from rdt_jax._dlpack._sharding import spec_problem as spec_problem
-from rdt_jax._dlpack._sharding import target_layout as target_layout
 from rdt_jax._dlpack._specs import RECEIVE_MODES as RECEIVE_MODES
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
 from rdt_jax._dlpack._specs import DescribedLeaf as DescribedLeaf
@@ -138,48 +121,30 @@ __all__ = [  # noqa: RUF022
     "prng_key_parts",
     "wrap_prng_key",
     # Rebuilding received leaves from host views or device byte views.
-    "build_sharded",
-    "sharded_builder",
     "host_to_jax_many",
     "rebuild_device",
     "rebuild_host",
     "rebuild_view",
     "receive_sharding",
-    # Host memory: the buffer pool, one object's packed layout, raw byte views.
-    "ALIGNMENT",
-    "HostBufferPool",
-    "aligned",
-    "host_bytes",
-    "host_chunk",
-    "host_layout",
-    "host_pointer",
-    "host_pool",
-    "pack_host_chunks",
-    # Device memory: the region pool and one object's packed region layout.
-    "DEVICE_ALIGNMENT",
-    "Region",
-    "device_pool",
-    "pack_layout",
-    "region_source",
-    # Packing many host leaves into one buffer (weight streams).
-    "NotHostMemory",
-    "PackedLayout",
-    "Packer",
-    "is_cpu_sharding",
-    "jax_placement",
-    # Resharding on receive: slices, target layouts, byte runs between boxes.
+    # Sharded leaves: the box each chunk covers, checks of a spec from another process.
     "Box",
-    "Slice",
-    "TargetLayout",
     "box_shape",
-    "copy_runs",
-    "cut",
     "full_box",
     "intersect",
     "is_sharding",
     "source_boxes",
     "spec_problem",
-    "target_layout",
+    # Host memory: the buffer pool, raw byte views.
+    "ALIGNMENT",
+    "HostBufferPool",
+    "aligned",
+    "host_bytes",
+    "host_pointer",
+    "host_pool",
+    # Device memory: the region pool.
+    "Region",
+    "device_pool",
+    "region_source",
     # CUDA: stream ordering, copies on a device, torch tensors over raw memory.
     "copy_bytes",
     "copy_from_host",

@@ -1,4 +1,4 @@
-"""Memory: host receive and staging buffers and their layout.
+"""Memory: host receive and staging buffers.
 
 Host buffers come from one process-wide pool (`host_pool`) of 64-byte aligned,
 already faulted-in buffers; device regions from `_pool.device_pool`. A
@@ -17,9 +17,7 @@ from typing import Final
 import numpy as np
 
 from rdt_jax import _settings
-from rdt_jax._dlpack._bytes import host_bytes
 from rdt_jax._dlpack._gc import release_deferred
-from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 
 logger = logging.getLogger(__name__)
 
@@ -209,37 +207,3 @@ class HostBufferPool:
 
 #: The process's host buffer pool (receive buffers and send staging buffers).
 host_pool = HostBufferPool()
-
-
-def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
-  """Packs every chunk of `specs` into one host buffer.
-
-  Returns:
-    per leaf, the byte offset of each chunk; and the total buffer size. Every
-    chunk starts on an `ALIGNMENT` boundary so jax can alias it.
-  """
-  offsets: list[list[int]] = []
-  total = 0
-  for spec in specs:
-    leaf_offsets = []
-    for chunk in spec.chunks:
-      leaf_offsets.append(total)
-      total += aligned(chunk.nbytes)
-    offsets.append(leaf_offsets)
-  return offsets, total
-
-
-def host_chunk(buffer: np.ndarray, offset: int, dtype: np.dtype, chunk: ChunkSpec) -> np.ndarray:
-  """A zero-copy typed view of one chunk inside a host receive buffer."""
-  return buffer[offset : offset + chunk.nbytes].view(dtype).reshape(chunk.shape)
-
-
-def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
-  """Every byte of host `leaves`, chunk after chunk in leaf order, as one
-  `bytes` object (one copy): what a transport sends in band."""
-  return b"".join([
-      host_bytes(pointer, chunk.nbytes).data
-      for leaf in leaves
-      for pointer, chunk in zip(leaf.pointers, leaf.spec.chunks)
-      if chunk.nbytes
-  ])

@@ -25,7 +25,7 @@ never reach a consumer (docs/concepts.md).
 
 from __future__ import annotations
 
-from rdt_jax import _dlpack, _settings
+from rdt_jax import _dlpack, _layout, _settings
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._plan import Destination, memory_kind
 
@@ -62,7 +62,7 @@ def carried(meta: DlpackTransportMetadata | None) -> bool:
 
 def pack(leaves: list[_dlpack.DescribedLeaf], meta: DlpackTransportMetadata) -> None:
   """Producer: copies every chunk of `leaves` into `meta.inline`."""
-  meta.inline = _dlpack.pack_host_chunks(leaves)
+  meta.inline = _layout.pack_host_chunks(leaves)
 
 
 def copy_out(meta: DlpackTransportMetadata, destinations: list[Destination]) -> None:

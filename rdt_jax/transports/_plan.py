@@ -23,7 +23,7 @@ succeeded.
 
 A leaf the consumer asks to reshard (a target sharding, or an
 `rdt_jax.Slice`) is planned as copies from each source chunk's part to each
-target piece (`rdt_jax._dlpack.target_layout`): for a backend that reads
+target piece (`rdt_jax._layout.target_layout`): for a backend that reads
 parts (`reads_parts`: one-sided, byte-addressed), one `Destination` per
 contiguous byte run of each (source chunk, target piece) intersection, so only
 the bytes a piece needs cross; for any other backend, the leaf's whole chunks
@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._metadata import MetadataError
 from rdt_jax._targets import Target, align_targets, leaf_layout
@@ -126,7 +126,7 @@ class Placement:
 
   device: Device
   template: Any = None
-  layout: _dlpack.TargetLayout | None = None
+  layout: _layout.TargetLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class _LeafPlan:
   host_offsets: list[int] = field(default_factory=list)
   region: _dlpack.Region | None = None  # the device region its chunks lie in
   device_offsets: list[int] = field(default_factory=list)
-  layout: _dlpack.TargetLayout | None = None  # set when resharded on receive
+  layout: _layout.TargetLayout | None = None  # set when resharded on receive
   into: Any = None  # a numpy/torch array a resharded leaf lands in
   piece_offsets: list[int] = field(default_factory=list)
   staged: bool = False  # caller memory received into rdt_jax's memory, copied after success
@@ -229,7 +229,7 @@ class ReceivePlan:
   def _plan_leaf(spec: LeafSpec, mode: str, target: Any, device: Device | None) -> _LeafPlan:
     layout = None if target is None else leaf_layout(spec, target)
     if layout is not None:
-      into = target.into if isinstance(target, _dlpack.Slice) else None
+      into = target.into if isinstance(target, _layout.Slice) else None
       into_fw = _dlpack.framework_of(into)
       if layout.sharding is not None or _dlpack.is_sharding(target) or into_fw == "jax":
         framework: Framework = "jax"
@@ -274,7 +274,7 @@ class ReceivePlan:
         p for p in self.plans
         if memory_kind(p.device) == "host" and not p.in_place and (p.layout is None or not reads_parts)
     ]
-    offsets, total = _dlpack.host_layout([p.spec for p in host_plans])
+    offsets, total = _layout.host_layout([p.spec for p in host_plans])
     for plan, leaf_offsets in zip(host_plans, offsets):
       plan.host_offsets = leaf_offsets
     self._allocate_regions()
@@ -317,7 +317,7 @@ class ReceivePlan:
       if memory_kind(p.device) == "device" and not p.in_place:
         by_device.setdefault(p.device, []).append(p)
     for device, plans in by_device.items():
-      offsets, total = _dlpack.pack_layout([p.spec for p in plans])
+      offsets, total = _layout.pack_layout([p.spec for p in plans])
       source = _dlpack.region_source({p.framework for p in plans})
       region = _dlpack.device_pool.acquire(total, device, source)
       self.regions.append(region)
@@ -361,7 +361,7 @@ class ReceivePlan:
         if part is None:
           continue
         piece_nbytes = _piece_nbytes(piece, plan.spec)
-        for src_off, dst_off, n in _dlpack.copy_runs(box, piece, part, itemsize):
+        for src_off, dst_off, n in _layout.copy_runs(box, piece, part, itemsize):
           self._check_fits(plan.spec, c, src_off + n, plan.spec.chunks[c].nbytes, "its source chunk")
           self._check_fits(plan.spec, c, dst_off + n, piece_nbytes, f"piece {p}")
           out.append(Destination(
@@ -514,16 +514,16 @@ class ReceivePlan:
       assert self.host is not None
       boxes = _dlpack.source_boxes(spec)
       for off, chunk, box in zip(plan.host_offsets, spec.chunks, boxes):
-        chunk_view = _dlpack.host_chunk(self.host, off, spec.dtype, chunk)
+        chunk_view = _layout.host_chunk(self.host, off, spec.dtype, chunk)
         for view, piece in zip(views, layout.pieces):
-          _dlpack.cut(view, piece, chunk_view, box)
+          _layout.cut(view, piece, chunk_view, box)
     if plan.into is not None:
       if plan.staged:
         _copy_to_caller(plan.into, self._piece_memory(plan, 0)[3])
       _dlpack.mark_written(plan.into)  # raw writes: torch's autograd must see them
       return plan.into
     if layout.sharding is not None:
-      return _dlpack.build_sharded(views, layout, spec.path)
+      return _layout.build_sharded(views, layout, spec.path)
     return _dlpack.rebuild_view(views[0], plan.framework, plan.device, spec.path)
 
   def _build_leaf(self, plan: _LeafPlan) -> Any:
@@ -550,7 +550,7 @@ class ReceivePlan:
       return _dlpack.rebuild_device(views, spec, plan.framework)
     assert self.host is not None
     views = [
-        _dlpack.host_chunk(self.host, off, spec.dtype, chunk)
+        _layout.host_chunk(self.host, off, spec.dtype, chunk)
         for off, chunk in zip(plan.host_offsets, spec.chunks)
     ]
     if plan.staged:  # one chunk: a target is never sharded

@@ -6,7 +6,7 @@ every leaf, metadata listing every leaf, rebuilding every leaf. A packed
 version pays per leaf only a pointer lookup and a copy on each side:
 
 * the publisher copies every array leaf of a host-resident version into one
-  pooled host buffer (`rdt_jax._dlpack.Packer`; leaf offsets fixed per
+  pooled host buffer (`rdt_jax._layout.Packer`; leaf offsets fixed per
   structure); that buffer becomes RDT objects (one per bucket) only if a
   subscriber on another host asks for them;
 * a subscriber learns the structure's layout at its first pull (from the
@@ -55,7 +55,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _process, _state
+from rdt_jax import _dlpack, _layout, _process, _state
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 
@@ -100,7 +100,7 @@ class PackedLayoutInfo:
     shapes: each array leaf's packed shape (a typed key's: its key data's).
   """
 
-  layout: _dlpack.PackedLayout
+  layout: _layout.PackedLayout
   treedef: Any
   array_positions: tuple[int, ...]
   shapes: tuple[tuple[int, ...], ...]
@@ -199,7 +199,7 @@ class PublishedStructure:
   """What a publisher knows of one structure it publishes packed."""
 
   info: PackedLayoutInfo
-  packer: _dlpack.Packer
+  packer: _layout.Packer
   key_positions: frozenset[int]  # array positions (indices into the array leaves) holding typed PRNG keys
 
 
@@ -284,11 +284,11 @@ class Stream:
         return None
       sizes.append(leaf.spec.nbytes)
       shapes.append(leaf.spec.shape)
-    layout = _dlpack.PackedLayout.of(sizes)
+    layout = _layout.PackedLayout.of(sizes)
     if not layout.total:
       return None
     info = PackedLayoutInfo(layout, treedef, tuple(positions), tuple(shapes))
-    return PublishedStructure(info, _dlpack.Packer(layout, paths), keys)
+    return PublishedStructure(info, _layout.Packer(layout, paths), keys)
 
   def source(self, version: int, buffer: np.ndarray, rest: tuple[Any, ...]) -> PackedSource:
     """The `PackedSource` of a version packed into `buffer`."""
@@ -386,10 +386,10 @@ class PackedPlan:
             offset: int, size: int) -> _Leaf:
     if kind == "key":
       return _Leaf(i, path, "new", [(0, offset, size)] if size else [], shape=self.info.shapes[i],
-                   dtype=np.dtype(np.uint32), place=_dlpack.jax_placement(target), impl=what)
+                   dtype=np.dtype(np.uint32), place=_layout.jax_placement(target), impl=what)
     dtype = _dlpack.np_dtype_from_name(what)
     into, box = target, _dlpack.full_box(tuple(shape))
-    if isinstance(target, _dlpack.Slice):
+    if isinstance(target, _layout.Slice):
       box = target.box(tuple(shape), path)
       into = target.into
     full = _dlpack.full_box(tuple(shape))
@@ -400,12 +400,12 @@ class PackedPlan:
       key = (full, box, dtype.itemsize)
       rel = self._runs.get(key)
       if rel is None:
-        rel = self._runs[key] = [(d, s, n) for s, d, n in _dlpack.copy_runs(full, box, box, dtype.itemsize)]
+        rel = self._runs[key] = [(d, s, n) for s, d, n in _layout.copy_runs(full, box, box, dtype.itemsize)]
       return [(d, offset + s, n) for d, s, n in rel]
 
     out_shape = _dlpack.box_shape(box)
     fw = _dlpack.framework_of(into)
-    returned = target.into if isinstance(target, _dlpack.Slice) else target
+    returned = target.into if isinstance(target, _layout.Slice) else target
     if fw is not None and fw != "jax":
       if tuple(into.shape) != out_shape or _dlpack.dtype_of(into) != dtype:
         raise _dlpack.UnsupportedLeafError(
@@ -423,29 +423,29 @@ class PackedPlan:
       return _Leaf(i, path, "new", runs(), array=into, returned=returned, shape=out_shape, dtype=dtype,
                    framework="copy")
     framework = "jax"
-    if isinstance(target, _dlpack.Slice) and into is None:
+    if isinstance(target, _layout.Slice) and into is None:
       mode = _state.receive_mode()
       framework = "jax" if mode == "source" else mode
     if framework == "jax":
       _dlpack.check_x64(dtype, path)
-    place = _dlpack.jax_placement(into)
-    if framework != "jax" or place is None or not size or not _dlpack.is_cpu_sharding(place):
+    place = _layout.jax_placement(into)
+    if framework != "jax" or place is None or not size or not _layout.is_cpu_sharding(place):
       return _Leaf(i, path, "new", runs(), shape=out_shape, dtype=dtype, place=place, framework=framework)
     # Placed with a sharding: each distinct shard is staged on its own, so
     # every device's array is made from its own host view without a copy.
     key = (box, dtype.str, place)
     known = self._sharded.get(key)
     if known is None:
-      layout = _dlpack.target_layout(box, place, path)
+      layout = _layout.target_layout(box, place, path)
       rel: list[tuple[int, int, int]] = []
       pieces: list[tuple[int, tuple[int, ...]]] = []
       at = 0
       for piece in layout.pieces:
         piece_shape = _dlpack.box_shape(piece)
         pieces.append((at, piece_shape))
-        rel += [(at + d, s, n) for s, d, n in _dlpack.copy_runs(full, piece, piece, dtype.itemsize)]
+        rel += [(at + d, s, n) for s, d, n in _layout.copy_runs(full, piece, piece, dtype.itemsize)]
         at += _dlpack.aligned(math.prod(piece_shape) * dtype.itemsize)
-      known = self._sharded[key] = (layout, pieces, rel, _dlpack.sharded_builder(layout, dtype, path))
+      known = self._sharded[key] = (layout, pieces, rel, _layout.sharded_builder(layout, dtype, path))
     layout, pieces, rel, build = known
     return _Leaf(i, path, "new", [(d, offset + s, n) for d, s, n in rel], shape=out_shape, dtype=dtype,
                  place=place, framework=framework, layout=layout, pieces=pieces, build=build)
@@ -602,7 +602,7 @@ def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
   Raises:
     MetadataError: naming the field and leaf that do not hold together.
   """
-  if not isinstance(info, PackedLayoutInfo) or not isinstance(info.layout, _dlpack.PackedLayout):
+  if not isinstance(info, PackedLayoutInfo) or not isinstance(info.layout, _layout.PackedLayout):
     raise MetadataError(label, "packed layout", "is not a packed layout")
   layout = info.layout
   n = len(entries)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _seam, _settings
+from rdt_jax import _dlpack, _layout, _seam, _settings
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, Stream
@@ -203,7 +203,7 @@ class WeightPublisher:
         buffer = _dlpack.host_pool.acquire(info.info.layout.total)
         try:
           info.packer.pack(arrays, _dlpack.host_pointer(buffer))
-        except _dlpack.NotHostMemory:
+        except _layout.NotHostMemory:
           buffer = None  # a leaf moved to device memory since: send this version as a pytree
         else:
           packed = self._stream.source(version, buffer, rest)

@@ -31,7 +31,7 @@ from typing import Any, Final
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _seam, _targets
+from rdt_jax import _dlpack, _faults, _layout, _seam, _targets
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _lifetime
@@ -437,7 +437,7 @@ def _local_leaf(path: str, x: Any, want: Any, copies: list[tuple[Any, Any]]) -> 
   """One leaf of `local_copy`: what the pulled tree holds for kept array
   `x` at `path`, given the template leaf `want`; copies into caller arrays
   are appended to `copies` (made together, one wait per device)."""
-  if isinstance(want, _dlpack.Slice):
+  if isinstance(want, _layout.Slice):
     box = want.box(tuple(int(n) for n in x.shape), path)
     x = x[tuple(slice(a, b) for a, b in box)]
     want = want.into

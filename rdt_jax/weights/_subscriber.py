@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _targets
+from rdt_jax import _dlpack, _layout, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
 from rdt_jax.weights._packed import PackedPlan, check_layout, check_source, unflatten
@@ -60,7 +60,7 @@ def _staged(leaf: Any) -> Any:
   """The staging counterpart of one template leaf: in-place leaves (numpy,
   torch, cupy, a Slice's `into` array) get a new array; templates of new
   arrays (jax, shardings, a Slice without `into`) are their own."""
-  if isinstance(leaf, _dlpack.Slice):
+  if isinstance(leaf, _layout.Slice):
     return leaf if leaf.into is None or _dlpack.framework_of(leaf.into) in (None, "jax") else (
         dataclasses.replace(leaf, into=_empty_like(leaf.into)))
   fw = _dlpack.framework_of(leaf)
@@ -69,7 +69,7 @@ def _staged(leaf: Any) -> Any:
 
 def _in_place(leaf: Any) -> Any:
   """The array a template leaf is written into in place, or None."""
-  if isinstance(leaf, _dlpack.Slice):
+  if isinstance(leaf, _layout.Slice):
     leaf = leaf.into
   fw = _dlpack.framework_of(leaf)
   return None if fw in (None, "jax") else leaf

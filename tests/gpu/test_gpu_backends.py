@@ -22,7 +22,7 @@ import pytest
 import ray
 
 import rdt_jax
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 
 #: Registered before the actor classes: `ray.method` checks transport names.
 REGISTERED = rdt_jax.register()
@@ -514,7 +514,7 @@ def test_slice_into_device_memory_is_refused_by_name(kind):
     into = cupy.zeros((2, 2), dtype=cupy.float32)
   leaf = _dlpack.describe(np.zeros((4, 2), np.float32), "['a']").spec
   with pytest.raises(_dlpack.UnsupportedLeafError, match=r"\['a'\] has a Slice.into array in cuda:0 memory"):
-    _targets.leaf_layout(leaf, _dlpack.Slice((slice(0, 2),), into=into))
+    _targets.leaf_layout(leaf, _layout.Slice((slice(0, 2),), into=into))
 
 
 def test_a_copy_from_host_to_a_gpu_has_finished_when_it_returns():
