@@ -5,8 +5,9 @@ Call :func:`register` in the driver before creating actors, then return
 methods decorated with `@ray.method(tensor_transport="jax_nixl")`.
 
 The public names are loaded on first use: `import rdt_jax` imports neither
-Ray nor any array framework, so the DLPack layer (`rdt_jax._dlpack`) can be
-used, and tested, where Ray is not installed.
+Ray nor any array framework, so the array layer (`rdt_jax._dlpack`,
+`rdt_jax._memory`, `rdt_jax._layout`) can be used, and tested, where Ray is
+not installed.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from rdt_jax import _dlpack, _layout
+from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec
-from rdt_jax._dlpack._pool import RegionPool
+from rdt_jax._memory._regions import RegionPool
 from rdt_jax.transports._plan import ReceivePlan
 
 
@@ -50,7 +50,7 @@ class HostStandIn:
 def pool(monkeypatch):
   allocator = HostStandIn()
   p = RegionPool(allocator, max_bytes=1 << 20)
-  monkeypatch.setattr(_dlpack, "device_pool", p)
+  monkeypatch.setattr(_memory, "device_pool", p)
   # This host has no cuda device; the plan is told it has two.
   monkeypatch.setattr(_dlpack, "check_device", lambda d, path="": d)
   p.stand_in = allocator

@@ -14,8 +14,8 @@ from typing import Final
 import numpy as np
 
 from rdt_jax._dlpack._bytes import host_bytes
-from rdt_jax._dlpack._memory import aligned
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
+from rdt_jax._memory._host import aligned
 
 #: Device chunks start on this boundary (cudaMalloc's alignment; jax and torch
 #: alias DLPack buffers aligned this way without copying).

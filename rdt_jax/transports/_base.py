@@ -51,7 +51,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _faults, _seam, _state, _targets
+from rdt_jax import _dlpack, _faults, _memory, _seam, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 from rdt_jax.transports._plan import Destination, MemoryKind, Placement, ReceivePlan, StageCallerMemory
@@ -289,7 +289,7 @@ class DlpackTransport(TensorTransportManager):
       UnsupportedLeafError: for a leaf that cannot be sent (deleted, sub-byte
         dtype, unsupported device, ...), naming it by its pytree path.
     """
-    with _dlpack.gc_paused(len(rdt_object)):
+    with _memory.gc_paused(len(rdt_object)):
       described = _state.take_described(rdt_object)
       device = self._common_device(described)
       meta = self.metadata_class(
@@ -300,7 +300,7 @@ class DlpackTransport(TensorTransportManager):
       )
       if described:
         # Queued device work writing the leaves finishes before any read.
-        _dlpack.wait_for_producers(described)
+        _memory.wait_for_producers(described)
         if self.is_one_sided() and _inband.fits(device, meta):
           _inband.pack(described, meta)
         else:
@@ -398,7 +398,7 @@ class DlpackTransport(TensorTransportManager):
       return self._fetch_in_band(obj_id, tensor_transport_metadata, target)
     meta = tensor_transport_metadata
     try:
-      with _dlpack.gc_paused(len(meta.leaves)):
+      with _memory.gc_paused(len(meta.leaves)):
         plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
         self._prepare(plan, stage=not self.receives_synchronously(meta, plan.memory_kinds()))
     except Exception:
@@ -408,7 +408,7 @@ class DlpackTransport(TensorTransportManager):
       raise
     request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=self)
     try:
-      with _dlpack.gc_paused(len(plan.plans)):
+      with _memory.gc_paused(len(plan.plans)):
         try:
           request.handle = self._start(obj_id, meta, communicator_metadata, plan)
         except StageCallerMemory:  # nothing was written: plan again, caller memory staged
@@ -451,7 +451,7 @@ class DlpackTransport(TensorTransportManager):
       self, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
   ) -> DlpackFetchRequest:
     """Receives an in-band object from its metadata; no backend hook runs."""
-    with _dlpack.gc_paused(len(meta.leaves)):
+    with _memory.gc_paused(len(meta.leaves)):
       plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
       plan.allocate(reads_parts=True)
     self._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
@@ -625,7 +625,7 @@ class DlpackTransport(TensorTransportManager):
       )
     leaves = tensor_transport_metadata.leaves
     described = [_dlpack.describe(t, spec.path) for t, spec in zip(tensors, leaves)]
-    _dlpack.wait_for_producers(described)
+    _memory.wait_for_producers(described)
     self.send_buffers(described, tensor_transport_metadata, communicator_metadata)
 
   def garbage_collect(
@@ -791,7 +791,7 @@ class WholeArrayTransport(DlpackTransport):
       )
     request.done = True
     assert request.plan is not None
-    with _dlpack.gc_paused(len(request.plan.plans)):
+    with _memory.gc_paused(len(request.plan.plans)):
       return request.plan.adopt(arrays)
 
   def _abandon(self, handle: Any) -> None:
@@ -835,7 +835,7 @@ def _build(request: DlpackFetchRequest) -> list[Any]:
   """The leaves of a fetch whose bytes are all in its plan's memory."""
   request.done = True
   assert request.plan is not None
-  with _dlpack.gc_paused(len(request.plan.plans)):
+  with _memory.gc_paused(len(request.plan.plans)):
     return request.plan.build()
 
 

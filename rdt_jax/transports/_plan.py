@@ -5,7 +5,7 @@ A `ReceivePlan` decides, per leaf, the array type it arrives as (receive mode
 or target), its device, and its memory: host chunks share one pooled, 64-byte
 aligned buffer (one allocation and one registration for an object of many
 small leaves, every leaf a zero-copy view into it); device chunks share one
-pooled region per device (`_dlpack.device_pool`, registered once while the
+pooled region per device (`_memory.device_pool`, registered once while the
 pool keeps it, released for reuse only after the bytes landed and the leaves
 were built); leaves with a numpy/torch target are received straight into the
 target's memory, or staged (below). Backends see only the resulting
@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout
+from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._metadata import MetadataError
 from rdt_jax._targets import Target, align_targets, leaf_layout
@@ -72,7 +72,7 @@ class Destination:
       (chunks of one object share a host buffer): what a backend registers.
     pooled: True if `region` belongs to the process's host buffer pool and
       outlives this transfer (a backend may keep it registered until the
-      pool evicts it; see `rdt_jax._dlpack.HostBufferPool`).
+      pool evicts it; see `rdt_jax._memory.HostBufferPool`).
     source: the index of the source chunk this destination's bytes come
       from, counting every chunk of every leaf of the object in leaf order.
     source_offset: where in that source chunk the bytes start.
@@ -144,7 +144,7 @@ class _LeafPlan:
   device: Device
   target: Any = None  # a numpy/torch array received in place, or a jax template
   host_offsets: list[int] = field(default_factory=list)
-  region: _dlpack.Region | None = None  # the device region its chunks lie in
+  region: _memory.Region | None = None  # the device region its chunks lie in
   device_offsets: list[int] = field(default_factory=list)
   layout: _layout.TargetLayout | None = None  # set when resharded on receive
   into: Any = None  # a numpy/torch array a resharded leaf lands in
@@ -205,7 +205,7 @@ class ReceivePlan:
     self.host: np.ndarray | None = None
     self._host_region: tuple[int, int] | None = None
     self._host_base = 0
-    self.regions: list[_dlpack.Region] = []
+    self.regions: list[_memory.Region] = []
     self.destinations: list[Destination] = []
     self.reads_parts = True
 
@@ -282,11 +282,11 @@ class ReceivePlan:
       if plan.layout is not None and not plan.into_direct:
         for piece in plan.layout.pieces:
           plan.piece_offsets.append(total)
-          total += _dlpack.aligned(_piece_nbytes(piece, plan.spec))
+          total += _memory.aligned(_piece_nbytes(piece, plan.spec))
     if total or host_plans:
-      self.host = _dlpack.host_pool.acquire(total)
-      self._host_region = _dlpack.host_pool.region_of(self.host)
-      self._host_base = _dlpack.host_pointer(self.host)
+      self.host = _memory.host_pool.acquire(total)
+      self._host_region = _memory.host_pool.region_of(self.host)
+      self._host_base = _memory.host_pointer(self.host)
     source = 0
     out = self.destinations
     host, base, region = self.host, self._host_base, self._host_region
@@ -307,7 +307,7 @@ class ReceivePlan:
           d.source = source + i
           self.destinations.append(d)
       source += len(plan.spec.chunks)
-    _dlpack.settle_targets(p.device for p in self.plans if p.in_place or p.into is not None)
+    _memory.settle_targets(p.device for p in self.plans if p.in_place or p.into is not None)
     return self.destinations
 
   def _allocate_regions(self) -> None:
@@ -318,8 +318,8 @@ class ReceivePlan:
         by_device.setdefault(p.device, []).append(p)
     for device, plans in by_device.items():
       offsets, total = _layout.pack_layout([p.spec for p in plans])
-      source = _dlpack.region_source({p.framework for p in plans})
-      region = _dlpack.device_pool.acquire(total, device, source)
+      source = _memory.region_source({p.framework for p in plans})
+      region = _memory.device_pool.acquire(total, device, source)
       self.regions.append(region)
       for p, leaf_offsets in zip(plans, offsets):
         p.region, p.device_offsets = region, leaf_offsets
@@ -341,7 +341,7 @@ class ReceivePlan:
       return pointer, (pointer, nbytes), False, _dlpack.host_bytes(pointer, nbytes)
     assert self.host is not None
     offset = plan.piece_offsets[p]
-    base = _dlpack.host_pointer(self.host)
+    base = _memory.host_pointer(self.host)
     view = self.host[offset : offset + nbytes]
     if self._host_region is not None:
       return base + offset, self._host_region, True, view
@@ -457,7 +457,7 @@ class ReceivePlan:
     # Caller memory received into this plan's own device memory (staged) is
     # copied in by `_build_leaf` on torch's current stream: work queued
     # against those targets on any other stream runs first.
-    _dlpack.settle_targets(p.device for p in self.plans if p.staged and memory_kind(p.device) == "device")
+    _memory.settle_targets(p.device for p in self.plans if p.staged and memory_kind(p.device) == "device")
     # Host leaves arriving as jax are made in one call per device: jax's
     # per-array overhead dominates objects of many small leaves.
     leaves: list[Any] = []
@@ -487,7 +487,7 @@ class ReceivePlan:
   def adopt(self, received: list[Any]) -> list[Any]:
     """The leaves from whole arrays a backend received (one per leaf, any
     framework): converted to each plan's framework, or copied into
-    numpy/torch/cupy targets (`_dlpack.copy_into_many`: a CUDA target is
+    numpy/torch/cupy targets (`_memory.copy_into_many`: a CUDA target is
     written after the work queued against it on any stream, and the copies
     have ended before the received arrays can be dropped)."""
     out: list[Any] = []
@@ -500,7 +500,7 @@ class ReceivePlan:
         out.append(caller)
       else:
         out.append(_dlpack.convert_leaf(leaf, plan.framework, plan.spec.path))
-    _dlpack.copy_into_many(copies)
+    _memory.copy_into_many(copies)
     return out
 
   def _build_resharded(self, plan: _LeafPlan) -> Any:
@@ -538,10 +538,10 @@ class ReceivePlan:
       assert region is not None
       if plan.staged:  # one chunk: a target is never sharded
         nbytes = spec.chunks[0].nbytes
-        _dlpack.copy_bytes(
+        _memory.copy_bytes(
             _dlpack.buffer_pointer(plan.target), region.pointer + plan.device_offsets[0], nbytes, plan.device
         )
-        _dlpack.wait_for_copies(plan.device)  # the region is reused once build returns
+        _memory.wait_for_copies(plan.device)  # the region is reused once build returns
         _dlpack.mark_written(plan.target)
         return plan.target
       views = [
@@ -563,7 +563,7 @@ class ReceivePlan:
     leaf = _dlpack.rebuild_host(views, spec, plan.framework, plan.device)
     if plan.target is not None and plan.framework != "jax":
       # A sharded leaf received for a numpy/torch target: one copy into it.
-      _dlpack.copy_into(plan.target, leaf)
+      _memory.copy_into(plan.target, leaf)
       return plan.target
     return leaf
 

@@ -55,7 +55,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout, _process, _state
+from rdt_jax import _dlpack, _layout, _memory, _process, _state
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 
@@ -170,7 +170,7 @@ class KeptTable:
     self._words = np.full(slots + self.HEADER, EMPTY, np.int64)
     self._words[: self.HEADER] = table_token(publisher)
     self._slots = self._words[self.HEADER :]
-    self.address = _dlpack.host_pointer(self._words)
+    self.address = _memory.host_pointer(self._words)
     self.slots = slots
 
   def add(self, version: int) -> None:
@@ -292,7 +292,7 @@ class Stream:
 
   def source(self, version: int, buffer: np.ndarray, rest: tuple[Any, ...]) -> PackedSource:
     """The `PackedSource` of a version packed into `buffer`."""
-    src = PackedSource(_process.identity(), _dlpack.host_pointer(buffer), int(buffer.nbytes),
+    src = PackedSource(_process.identity(), _memory.host_pointer(buffer), int(buffer.nbytes),
                        self.table.address, self.table.slots, rest)
     return dataclasses.replace(src, digest=src.expected_digest(version))
 
@@ -329,8 +329,8 @@ class _Leaf:
     """Bytes this leaf takes in the pool buffer."""
     if self.pieces is not None and self.dtype is not None:
       itemsize = self.dtype.itemsize
-      return sum(_dlpack.aligned(math.prod(shape) * itemsize) for _, shape in self.pieces)
-    return _dlpack.aligned(sum(n for _, _, n in self.runs))
+      return sum(_memory.aligned(math.prod(shape) * itemsize) for _, shape in self.pieces)
+    return _memory.aligned(sum(n for _, _, n in self.runs))
 
 
 class PackedPlan:
@@ -444,7 +444,7 @@ class PackedPlan:
         piece_shape = _dlpack.box_shape(piece)
         pieces.append((at, piece_shape))
         rel += [(at + d, s, n) for s, d, n in _layout.copy_runs(full, piece, piece, dtype.itemsize)]
-        at += _dlpack.aligned(math.prod(piece_shape) * dtype.itemsize)
+        at += _memory.aligned(math.prod(piece_shape) * dtype.itemsize)
       known = self._sharded[key] = (layout, pieces, rel, _layout.sharded_builder(layout, dtype, path))
     layout, pieces, rel, build = known
     return _Leaf(i, path, "new", [(d, offset + s, n) for d, s, n in rel], shape=out_shape, dtype=dtype,
@@ -500,7 +500,7 @@ class PackedPlan:
     if self._in_place:
       if self.atomic:
         assert buffer is not None
-        staging = _dlpack.host_pointer(buffer)
+        staging = _memory.host_pointer(buffer)
         for leaf in self._in_place:
           for d, _, n in leaf.runs:
             ctypes.memmove(leaf.pointer + d, staging + leaf.staged + d, n)
@@ -524,7 +524,7 @@ class PackedPlan:
       else:
         out[leaf.index] = _finish_jax(_put(view, leaf.place), leaf)
     if copies:  # device (or other non-host) templates: ordered with every stream of their devices
-      _dlpack.copy_into_many(copies)
+      _memory.copy_into_many(copies)
       _dlpack.mark_written_many([target for target, _ in copies])
     if host_jax:
       made = _dlpack.host_to_jax_many([v for _, v, _ in host_jax], _dlpack.Device("cpu"))

@@ -31,7 +31,7 @@ from typing import Any, Final
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _layout, _seam, _targets
+from rdt_jax import _dlpack, _faults, _layout, _memory, _seam, _targets
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _lifetime
@@ -137,7 +137,7 @@ def read_table(source: PackedSource, publisher: str) -> set[int]:
   """
   assert source.origin is not None and 0 < source.slots <= MAX_SLOTS
   out = np.empty(source.slots + KeptTable.HEADER, np.int64)
-  node_local.read(source.origin, [(_dlpack.host_pointer(out), source.table, out.nbytes)])
+  node_local.read(source.origin, [(_memory.host_pointer(out), source.table, out.nbytes)])
   words = out.tolist()
   if (words[0], words[1]) != table_token(publisher):
     raise ForeignTable(f"the table at {source.table:#x} no longer belongs to publisher {publisher}")
@@ -205,7 +205,7 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
     pull.tear()
   try:
     try:
-      base = 0 if staging is None else _dlpack.host_pointer(staging)
+      base = 0 if staging is None else _memory.host_pointer(staging)
       node_local.read(source.origin, plan.prepared(source.buffer, base))
     except PermissionError:
       if writes_template:
@@ -291,7 +291,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
   total = plan.info.layout.total
   buckets = ask_buckets(handle, pull.label, pull.left(), pull.current, total)
   refs, size = buckets.refs, buckets.size
-  runs = bucket_runs(plan.pairs(0 if staging is None else _dlpack.host_pointer(staging)), size, len(refs))
+  runs = bucket_runs(plan.pairs(0 if staging is None else _memory.host_pointer(staging)), size, len(refs))
   writes_template = not atomic and plan.writes_in_place
   memmove = ctypes.memmove
   began = False  # a bucket was copied into the template
@@ -313,7 +313,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
       if writes_template:
         pull.tear()
         began = True
-      base = _dlpack.host_pointer(bucket)
+      base = _memory.host_pointer(bucket)
       for local, offset, n in runs[i]:
         memmove(local, base + offset, n)
       del bucket
@@ -428,7 +428,7 @@ def local_copy(value: Any, target: Any) -> Any:
       continue
     path = jax.tree_util.keystr(p)
     out.append(_local_leaf(path, x, wanted.get(path), copies))
-  _dlpack.copy_into_many(copies)
+  _memory.copy_into_many(copies)
   _dlpack.mark_written_many([t for t, _ in copies])
   return treedef.unflatten(out)  # type: ignore[attr-defined]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _layout, _targets
+from rdt_jax import _dlpack, _layout, _memory, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
 from rdt_jax.weights._packed import PackedPlan, check_layout, check_source, unflatten
@@ -292,7 +292,7 @@ class WeightSubscriber:
     plan = self._plan(pull)
     source = check_source(handle.packed, pull.label, plan, handle.version)
     plan.check_targets()
-    staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+    staging = _memory.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if pull.deadline is not None and time.monotonic() > pull.deadline:
       raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
     pull.check_cancelled()
@@ -331,6 +331,6 @@ class WeightSubscriber:
         continue
       copies.append((into, arrived))
       out.append(into)
-    _dlpack.copy_into_many(copies)
+    _memory.copy_into_many(copies)
     return treedef.unflatten(out)  # type: ignore[attr-defined]
 

@@ -1,9 +1,9 @@
-"""Memory: host receive and staging buffers.
+"""Host memory: receive and staging buffers.
 
 Host buffers come from one process-wide pool (`host_pool`) of 64-byte aligned,
-already faulted-in buffers; device regions from `_pool.device_pool`. A
+already faulted-in buffers; device regions from `_regions.device_pool`. A
 backend sees only pointers and sizes; the arrays rebuilt on top of these
-buffers are made by the framework modules.
+buffers are made by the framework modules (`rdt_jax._dlpack`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Final
 import numpy as np
 
 from rdt_jax import _settings
-from rdt_jax._dlpack._gc import release_deferred
+from rdt_jax._memory._gc import release_deferred
 
 logger = logging.getLogger(__name__)
 

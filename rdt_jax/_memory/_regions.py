@@ -57,10 +57,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from rdt_jax import _settings
-from rdt_jax._dlpack import _cuda, _jax, _torch
+from rdt_jax._dlpack import _jax, _torch
 from rdt_jax._dlpack._devices import Device
-from rdt_jax._dlpack._gc import release_deferred
-from rdt_jax._dlpack._memory import tell_listeners
+from rdt_jax._memory import _cuda
+from rdt_jax._memory._gc import release_deferred
+from rdt_jax._memory._host import tell_listeners
 
 Source = Literal["torch", "jax", "jax-copy"]
 
