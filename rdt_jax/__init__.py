@@ -5,8 +5,9 @@ Call :func:`register` in the driver before creating actors, then return
 methods decorated with `@ray.method(tensor_transport="jax_nixl")`.
 
 The public names are loaded on first use: `import rdt_jax` imports neither
-Ray nor any array framework, so the DLPack layer (`rdt_jax._dlpack`) can be
-used, and tested, where Ray is not installed.
+Ray nor any array framework, so the array layer (`rdt_jax._dlpack`,
+`rdt_jax._memory`, `rdt_jax._layout`) can be used, and tested, where Ray is
+not installed.
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ if TYPE_CHECKING:
   from rdt_jax._convert import to_torch as to_torch
   from rdt_jax._dlpack import DescribedLeaf as DescribedLeaf
   from rdt_jax._dlpack import LeafSpec as LeafSpec
-  from rdt_jax._dlpack import Slice as Slice
   from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
   from rdt_jax._error_base import RdtJaxError as RdtJaxError
   from rdt_jax._errors import TransportNotRegisteredError as TransportNotRegisteredError
   from rdt_jax._errors import UnknownObjectError as UnknownObjectError
   from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
+  from rdt_jax._layout import Slice as Slice
   from rdt_jax._metadata import DlpackTransportMetadata as DlpackTransportMetadata
   from rdt_jax._metadata import MetadataError as MetadataError
-  from rdt_jax._registry import receive_as as receive_as
-  from rdt_jax._registry import receive_stats as receive_stats
+  from rdt_jax._receive import receive_as as receive_as
+  from rdt_jax._receive import receive_stats as receive_stats
   from rdt_jax._registry import register as register
   from rdt_jax._registry import register_transport as register_transport
   from rdt_jax._settings import SettingError as SettingError
@@ -75,7 +76,7 @@ _EXPORTS: dict[str, str] = {
     "RdtJaxError": "rdt_jax._error_base",
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
-    "Slice": "rdt_jax._dlpack",
+    "Slice": "rdt_jax._layout",
     "StaleWeightsError": "rdt_jax.weights",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",
@@ -86,8 +87,8 @@ _EXPORTS: dict[str, str] = {
     "WeightsHandle": "rdt_jax.weights",
     "WholeArrayTransport": "rdt_jax.transports._whole_array",
     "get_async": "rdt_jax._aio",
-    "receive_as": "rdt_jax._registry",
-    "receive_stats": "rdt_jax._registry",
+    "receive_as": "rdt_jax._receive",
+    "receive_stats": "rdt_jax._receive",
     "register": "rdt_jax._registry",
     "register_transport": "rdt_jax._registry",
     "set_target_device_for_ref": "rdt_jax._targets",

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _memory
 from rdt_jax._dlpack import RECEIVE_MODES
 
 _receive_mode = "source"
@@ -153,19 +153,19 @@ def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
   """Keeps `leaf`'s description for the serialization in progress.
 
   From the `GC_PAUSE_MIN_LEAVES`-th leaf of a serialization on, the cyclic
-  collector is paused until `end_serialization` (`rdt_jax._dlpack.gc_paused`):
+  collector is paused until `end_serialization` (`rdt_jax._memory.gc_paused`):
   Ray's pickler runs the reducers, so the pause cannot wrap them from outside
   knowing the leaf count.
   """
   described_now = serializing.described
   described_now[id(leaf)] = (leaf, described)
   if (
-      len(described_now) == _dlpack.GC_PAUSE_MIN_LEAVES
+      len(described_now) == _memory.GC_PAUSE_MIN_LEAVES
       and serializing.transport is not None
       and serializing.gc_pause is None
   ):
     stack = contextlib.ExitStack()
-    stack.enter_context(_dlpack.gc_paused(len(described_now)))
+    stack.enter_context(_memory.gc_paused(len(described_now)))
     serializing.gc_pause = stack
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _ray
+from rdt_jax import _dlpack, _layout, _ray
 
 _lock = threading.Lock()
 _targets: dict[str, Target] = {}
@@ -177,7 +177,7 @@ def pop_target(obj_id: str) -> Target | None:
 
 
 def _is_target_leaf(x: Any) -> bool:
-  return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
+  return _dlpack.is_array(x) or isinstance(x, _layout.Slice) or _dlpack.is_sharding(x)
 
 
 def _key_data_target(x: Any) -> Any:
@@ -235,7 +235,7 @@ def align_targets(buffers: dict[str, Any], leaves: list[Any]) -> list[Any]:
   return aligned
 
 
-def leaf_layout(leaf: Any, target: Any) -> _dlpack.TargetLayout | None:
+def leaf_layout(leaf: Any, target: Any) -> _layout.TargetLayout | None:
   """Checks one leaf's target; returns the part and split it asks for.
 
   None means the leaf arrives whole by the plain path: a numpy/torch array
@@ -249,7 +249,7 @@ def leaf_layout(leaf: Any, target: Any) -> _dlpack.TargetLayout | None:
     ValueError, UnsupportedLeafError: as `align_targets` documents.
   """
   path = leaf.path
-  if isinstance(target, _dlpack.Slice):
+  if isinstance(target, _layout.Slice):
     box = target.box(leaf.shape, path)
     into = target.into
     sharding = None
@@ -267,10 +267,10 @@ def leaf_layout(leaf: Any, target: Any) -> _dlpack.TargetLayout | None:
       _check_host_into(leaf, into)
       _check_buffer(leaf, into, _dlpack.box_shape(box), "slice ")
       _check_writable(leaf, into)
-    return _dlpack.target_layout(box, sharding, path)
+    return _layout.target_layout(box, sharding, path)
   full = _dlpack.full_box(leaf.shape)
   if _dlpack.is_sharding(target):
-    return _dlpack.target_layout(full, target, path)
+    return _layout.target_layout(full, target, path)
   _check_buffer(leaf, target, leaf.shape, "")
   if _dlpack.framework_of(target) != "jax":
     _check_writable(leaf, target)
@@ -285,7 +285,7 @@ def leaf_layout(leaf: Any, target: Any) -> _dlpack.TargetLayout | None:
         "resharding on receive lands in cpu memory only (not implemented on cuda)",
         "Give a target sharded over cpu devices, or a single-device target.",
     )
-  return _dlpack.target_layout(full, sharding, path)
+  return _layout.target_layout(full, sharding, path)
 
 
 def _check_buffer(leaf: Any, buf: Any, shape: tuple[int, ...], what: str) -> None:
@@ -307,7 +307,7 @@ def written_memory(target: Any) -> Any:
   """The array a target leaf has bytes written into in place (a numpy, torch
   or cupy array, or a `Slice`'s `into` one), or None (jax arrays and
   shardings are templates: the leaf arrives as a new array)."""
-  if isinstance(target, _dlpack.Slice):
+  if isinstance(target, _layout.Slice):
     target = target.into
   fw = _dlpack.framework_of(target)
   return target if fw is not None and fw != "jax" else None

@@ -38,9 +38,9 @@ class Worker:
     return len(jax.tree_util.tree_leaves(params))
 
   def pool(self) -> list[bool]:
-    from rdt_jax import _dlpack
+    from rdt_jax import _memory
 
-    p = _dlpack.host_pool
+    p = _memory.host_pool
     return [p._free_at(i) for i in range(len(p._buffers))]
 
 

@@ -2,7 +2,7 @@
 
 One process, `jax_nixl` with two agents, an object of 10,000 jax leaves
 (6.5 KiB each): extract (describe every leaf, metadata, NIXL export) and the
-consumer's fetch + wait + build, with `rdt_jax._dlpack.gc_paused` active
+consumer's fetch + wait + build, with `rdt_jax._memory.gc_paused` active
 (the default) and disabled, alternating per repetition; medians.
 
 Usage: python scripts/gc_pause_ab.py [--leaves 10000] [--reps 6]
@@ -26,7 +26,7 @@ def main() -> None:
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax._dlpack import _gc
+  from rdt_jax._memory import _gc
   from rdt_jax.transports.nixl import NixlTransport
 
   size = (64 << 20) // args.leaves // 4

@@ -1,4 +1,4 @@
-"""The device half of the DLPack layer, run on the host (no Ray, no GPU).
+"""The device half of the array layer, run on the host (no Ray, no GPU).
 
 Every function here is the code a cuda process runs, called with cpu torch
 tensors and jax cpu arrays standing in for device buffers: byte views and
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from _helpers import sample
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, UnsupportedLeafError, _cupy, _dtypes, _interop, _jax, _torch
-from rdt_jax._dlpack._pool import RegionPool
+from rdt_jax._memory._regions import RegionPool
 
 CPU = Device("cpu")
 ALL_DTYPES = sorted(d.name for d in _dtypes.SUPPORTED_DTYPES)
@@ -180,7 +180,7 @@ def test_cupy_is_recognised_without_importing_it():
 # The region pool, with host memory standing in for device memory.
 
 
-def aligned_view(region: _dlpack.Region, nbytes: int) -> torch.Tensor:
+def aligned_view(region: _memory.Region, nbytes: int) -> torch.Tensor:
   return region.view(0, nbytes)
 
 
@@ -205,7 +205,7 @@ def test_region_pool_counts_jax_arrays_made_from_views():
   pool = RegionPool(max_bytes=1 << 20)
   r = pool.acquire(1024, CPU, "torch")
   x = sample((16,), "float32")
-  _dlpack.copy_bytes(r.pointer, x.ctypes.data, x.nbytes, CPU)
+  _memory.copy_bytes(r.pointer, x.ctypes.data, x.nbytes, CPU)
   leaf = _interop.device_bytes_to_jax(r.view(0, x.nbytes), x.dtype, (16,), "['w']")
   assert leaf.unsafe_buffer_pointer() == r.pointer  # aliases the region
   r.release()
@@ -274,15 +274,15 @@ def test_pack_layout():
       LeafSpec("b", (0,), np.dtype(np.float32), "jax", "cuda", (ChunkSpec((0,), 0),)),
       LeafSpec("c", (300,), np.dtype(np.uint8), "torch", "cuda", (ChunkSpec((300,), 300),)),
   ]
-  offsets, total = _dlpack.pack_layout(specs)
+  offsets, total = _layout.pack_layout(specs)
   assert offsets == [[0], [256], [256]] and total == 768
-  assert _dlpack.pack_layout([specs[1]]) == ([[0]], 1)  # empty objects still have an address
+  assert _layout.pack_layout([specs[1]]) == ([[0]], 1)  # empty objects still have an address
 
 
 def test_region_source_follows_the_consumer_framework():
-  assert _dlpack.region_source({"jax", "torch"}) == "jax"
-  assert _dlpack.region_source({"torch"}) == "torch"
-  assert _dlpack.region_source({"numpy"}) == "torch"
+  assert _memory.region_source({"jax", "torch"}) == "jax"
+  assert _memory.region_source({"torch"}) == "torch"
+  assert _memory.region_source({"numpy"}) == "torch"
 
 
 # --------------------------------------------------------------------------
@@ -291,18 +291,18 @@ def test_region_source_follows_the_consumer_framework():
 
 def test_stream_helpers_are_noops_for_host_memory():
   leaves = [_dlpack.describe(torch.ones(3), "['t']"), _dlpack.describe(np.ones(2), "['n']")]
-  assert _dlpack.wait_for_producers(leaves) == 0
-  _dlpack.wait_received([CPU])
-  _dlpack.wait_for_copies(CPU)
+  assert _memory.wait_for_producers(leaves) == 0
+  _memory.wait_received([CPU])
+  _memory.wait_for_copies(CPU)
   src, dst = np.arange(8, dtype=np.uint8), np.zeros(8, np.uint8)
-  _dlpack.copy_bytes(dst.ctypes.data, src.ctypes.data, 8, CPU)
+  _memory.copy_bytes(dst.ctypes.data, src.ctypes.data, 8, CPU)
   np.testing.assert_array_equal(dst, src)
 
 
 def test_cuda_available_agrees_with_the_framework():
-  assert _dlpack.cuda_available("torch") == torch.cuda.is_available()
+  assert _memory.cuda_available("torch") == torch.cuda.is_available()
   if not _dlpack.importable("cupy"):
-    assert not _dlpack.cuda_available("cupy")  # never imports what is not there
+    assert not _memory.cuda_available("cupy")  # never imports what is not there
 
 
 def test_ml_dtypes_float8_e3m4_is_supported():

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec
-from rdt_jax._dlpack._pool import RegionPool
+from rdt_jax._memory._regions import RegionPool
 from rdt_jax.transports._plan import ReceivePlan
 
 
@@ -50,7 +50,7 @@ class HostStandIn:
 def pool(monkeypatch):
   allocator = HostStandIn()
   p = RegionPool(allocator, max_bytes=1 << 20)
-  monkeypatch.setattr(_dlpack, "device_pool", p)
+  monkeypatch.setattr(_memory, "device_pool", p)
   # This host has no cuda device; the plan is told it has two.
   monkeypatch.setattr(_dlpack, "check_device", lambda d, path="": d)
   p.stand_in = allocator
@@ -78,7 +78,7 @@ def test_device_chunks_share_one_region_per_device(pool):
   assert len(plan.regions) == 1 and pool.stand_in.allocated == [(768, Device("cuda"), "jax")]
   region = plan.regions[0]
   assert {d.region for d in dests} == {(region.pointer, region.nbytes)} and all(d.pooled for d in dests)
-  assert all((d.pointer - region.pointer) % _dlpack.DEVICE_ALIGNMENT == 0 for d in dests)
+  assert all((d.pointer - region.pointer) % _layout.DEVICE_ALIGNMENT == 0 for d in dests)
   land(dests, xs)
   leaves = plan.build()
   assert [_dlpack.framework_of(x) for x in leaves] == ["jax", "torch", "jax", "torch"]
@@ -186,7 +186,7 @@ def test_caller_memory_is_staged_only_when_asked(kind, stage):
   x = np.arange(64, dtype=np.float32)
   if kind == "slice":
     buf = np.zeros(16, np.float32)
-    target = _dlpack.Slice((slice(8, 24),), buf)
+    target = _layout.Slice((slice(8, 24),), buf)
     want = x[8:24]
   else:
     buf = np.zeros(64, np.float32) if kind == "numpy" else torch.zeros(64)

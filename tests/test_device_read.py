@@ -7,7 +7,7 @@
   about once.
 * Which device chunks a producer copies into a pooled region at export
   (`export.device_chunks_to_copy`).
-* Copies into caller arrays (`_dlpack.copy_into_many`) on host memory.
+* Copies into caller arrays (`_memory.copy_into_many`) on host memory.
 * No reconnect in the steady state: a consumer reading repeated objects
   through NIXL READs (node-local reads off, as for a producer on another
   host) never rebuilds its view of the producer, counted by
@@ -28,7 +28,7 @@ import ray
 
 import rdt_jax
 from conftest import wait_meta, worker_env
-from rdt_jax import _dlpack, _settings
+from rdt_jax import _memory, _settings
 from rdt_jax.transports.nixl import export, ucx
 
 rdt_jax.register()
@@ -149,9 +149,9 @@ def test_copy_into_many_fills_host_targets_of_any_framework():
   import torch
 
   a, b = np.zeros(4, np.float32), torch.zeros(3, dtype=torch.int64)
-  _dlpack.copy_into_many([(a, np.arange(4, dtype=np.float32)), (b, np.arange(3, dtype=np.int64))])
+  _memory.copy_into_many([(a, np.arange(4, dtype=np.float32)), (b, np.arange(3, dtype=np.int64))])
   assert a.tolist() == [0, 1, 2, 3] and b.tolist() == [0, 1, 2]
-  _dlpack.copy_into_many([])
+  _memory.copy_into_many([])
 
 
 # --------------------------------------------------------------------------

@@ -18,8 +18,9 @@ torch = pytest.importorskip("torch")
 
 import rdt_jax
 from _helpers import sample, wait_for
-from rdt_jax import _dlpack
-from rdt_jax._dlpack import ChunkSpec, _dtypes, _memory
+from rdt_jax import _dlpack, _layout, _memory
+from rdt_jax._dlpack import ChunkSpec, _dtypes
+from rdt_jax._memory import _host
 
 ALL_DTYPES = sorted(d.name for d in _dtypes.SUPPORTED_DTYPES)
 TORCH_DTYPES = [n for n in ALL_DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]
@@ -27,9 +28,9 @@ TORCH_DTYPES = [n for n in ALL_DTYPES if isinstance(getattr(torch, n, None), tor
 
 def host_copy(dtype: np.dtype, x: np.ndarray):
   """x's bytes in a fresh aligned receive buffer, as the transport leaves them."""
-  buf = _memory.aligned_host_buffer(x.nbytes)
+  buf = _host.aligned_host_buffer(x.nbytes)
   buf[:] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-  return buf, _dlpack.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
+  return buf, _layout.host_chunk(buf, 0, dtype, ChunkSpec(tuple(x.shape), x.nbytes))
 
 
 def test_import_imports_no_framework():
@@ -117,11 +118,11 @@ def test_zero_d_and_empty(shape):
 
 def test_host_layout_aligns_every_chunk():
   specs = [_dlpack.describe(np.zeros(n, np.uint8)).spec for n in (1, 100, 0, 64, 65)]
-  offsets, total = _dlpack.host_layout(specs)
+  offsets, total = _layout.host_layout(specs)
   flat = [o for leaf in offsets for o in leaf]
   assert all(o % _memory.ALIGNMENT == 0 for o in flat)
   assert total >= sum(s.nbytes for s in specs)
-  buf = _memory.aligned_host_buffer(total)
+  buf = _host.aligned_host_buffer(total)
   assert buf.ctypes.data % _memory.ALIGNMENT == 0
 
 
@@ -261,7 +262,7 @@ def test_conversions_are_zero_copy_on_cpu():
   tb = torch.zeros(4, dtype=torch.bfloat16)
   assert rdt_jax.to_numpy(tb).ctypes.data == tb.data_ptr()
   assert rdt_jax.to_jax(tb).unsafe_buffer_pointer() == tb.data_ptr()
-  a = _memory.aligned_host_buffer(64).view(np.float32)
+  a = _host.aligned_host_buffer(64).view(np.float32)
   assert rdt_jax.to_jax(a).unsafe_buffer_pointer() == a.ctypes.data
 
 
@@ -297,7 +298,7 @@ def test_receive_as_rejects_unknown_mode():
 
 
 def test_host_pool_reuses_only_free_buffers():
-  pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
+  pool = _memory.HostBufferPool(max_bytes=1 << 20)
   evicted = []
   pool.add_eviction_listener(lambda p, n, keepalive: evicted.append(n))
   a = pool.acquire(4096)
@@ -331,20 +332,20 @@ def _pooled_buffer_free(pool, pointer: int) -> bool:
 def test_gc_paused_nests_and_restores_the_collector():
   import gc
 
-  from rdt_jax import _dlpack
+  from rdt_jax import _memory
 
   assert gc.isenabled()
-  with _dlpack.gc_paused(_dlpack.GC_PAUSE_MIN_LEAVES - 1):
+  with _memory.gc_paused(_memory.GC_PAUSE_MIN_LEAVES - 1):
     assert gc.isenabled()  # small objects: the collector runs as usual
-  with _dlpack.gc_paused(_dlpack.GC_PAUSE_MIN_LEAVES):
+  with _memory.gc_paused(_memory.GC_PAUSE_MIN_LEAVES):
     assert not gc.isenabled()
-    with _dlpack.gc_paused(10_000):
+    with _memory.gc_paused(10_000):
       assert not gc.isenabled()
     assert not gc.isenabled()  # the outer pause still holds
   assert gc.isenabled()
   gc.disable()
   try:
-    with _dlpack.gc_paused(10_000):
+    with _memory.gc_paused(10_000):
       pass
     assert not gc.isenabled()  # a collector the caller disabled stays disabled
   finally:

@@ -23,7 +23,7 @@ import ray
 
 import rdt_jax
 from conftest import OUT_OF_BAND_ENV, wait_for, wait_meta, worker_env
-from rdt_jax import _dlpack, _faults
+from rdt_jax import _faults, _memory
 
 rdt_jax.register()
 
@@ -55,7 +55,7 @@ def counters() -> dict:
       "registrations": c["registrations"],
       "inflight": c["inflight"],
       "parked": c["parked"],
-      "pool_in_use": _dlpack.host_pool.bytes_in_use(),
+      "pool_in_use": _memory.host_pool.bytes_in_use(),
   }
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from jax.experimental.layout import Format, Layout
 
-from rdt_jax import _dlpack, _targets
+from rdt_jax import _dlpack, _layout, _targets
 from rdt_jax._dlpack import _jax
 
 
@@ -164,7 +164,7 @@ def test_one_tensor_for_two_leaves_is_refused_naming_both():
 
 
 def rows(start: int, stop: int, into):
-  return _dlpack.Slice((slice(start, stop),), into=into)
+  return _layout.Slice((slice(start, stop),), into=into)
 
 
 def test_overlapping_slice_intos_are_refused_and_adjacent_ones_pass():
@@ -264,7 +264,7 @@ def test_a_torch_target_written_by_a_receive_plan_is_marked_written():
 
   x = np.arange(6, dtype=np.float32)
   spec = _dlpack.describe(x, "['w']").spec
-  for target_of in (lambda t: t, lambda t: _dlpack.Slice((slice(0, 6),), into=t)):
+  for target_of in (lambda t: t, lambda t: _layout.Slice((slice(0, 6),), into=t)):
     t = torch.zeros(6)
     before = t._version
     plan = ReceivePlan([spec], "source", Target(buffers={"['w']": target_of(t)}))

@@ -11,8 +11,11 @@ a function still ties the two modules together. Only imports under
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
+
+import pytest
 
 PACKAGE = pathlib.Path(__file__).parent.parent / "rdt_jax"
 
@@ -122,20 +125,38 @@ def test_imports_are_read_wherever_they_are_written(tmp_path):
   }
 
 
-#: What the DLPack layer may import of rdt_jax besides itself: Ray-free modules
-#: with no dependency on the layers above.
-DLPACK_MAY_IMPORT = ("rdt_jax._dlpack", "rdt_jax._compat", "rdt_jax._settings", "rdt_jax._error_base")
+#: The array layer's rooms, bottom-up: describing and converting arrays,
+#: their memory, where their bytes lie. None imports Ray; each imports of
+#: rdt_jax only itself, the rooms below it, and Ray-free modules with no
+#: dependency on the layers above. The framework modules are the bottom room's:
+#: memory is allocated and ordered through them (a region is a torch or jax
+#: buffer), and layouts are made of their arrays (a target layout is a jax
+#: sharding, packing describes each leaf).
+ROOMS = ("rdt_jax._dlpack", "rdt_jax._memory", "rdt_jax._layout")
+BELOW_THE_LAYER = ("rdt_jax._compat", "rdt_jax._settings", "rdt_jax._error_base")
+MAY_IMPORT = {room: (*ROOMS[: i + 1], *BELOW_THE_LAYER) for i, room in enumerate(ROOMS)}
 
 
-def test_dlpack_layer_depends_on_nothing_above_it():
-  for name, path in MODULES.items():
-    if not name.startswith("rdt_jax._dlpack"):
-      continue
-    for dep in module_imports(path):
+def _within(name: str, package: str) -> bool:
+  return name == package or name.startswith(package + ".")
+
+
+def _room_of(name: str) -> str | None:
+  return next((room for room in ROOMS if _within(name, room)), None)
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_array_layer_depends_on_nothing_above_it(room):
+  """No room imports Ray, nor any module of rdt_jax above it: the DLPack
+  layer's rule, for each of the layer's rooms."""
+  modules = [name for name in MODULES if _within(name, room)]
+  assert modules, f"no modules in {room}"
+  for name in modules:
+    for dep in module_imports(MODULES[name]):
       top = dep.split(".")[0]
       assert top != "ray", f"{name} imports {dep}"
       if top == "rdt_jax":
-        assert dep.startswith(DLPACK_MAY_IMPORT), f"{name} imports {dep}"
+        assert any(_within(dep, allowed) for allowed in MAY_IMPORT[room]), f"{name} imports {dep}"
 
 
 #: One module per framework; each knows only its own framework (and numpy,
@@ -146,64 +167,68 @@ FRAMEWORK_MODULES = tuple(f"rdt_jax._dlpack._{fw}" for fw in ("numpy", "jax", "t
 def test_framework_modules_know_only_their_own_framework():
   # Conversions between frameworks are `_interop`'s; picking a framework for
   # an array is `_dispatch`'s. A framework module needs neither, nor another
-  # framework module, nor the layers built on them.
+  # framework module, nor the layers built on them (the rooms above
+  # `_dlpack` are kept out by `test_array_layer_depends_on_nothing_above_it`).
   above = (*FRAMEWORK_MODULES, "rdt_jax._dlpack._interop", "rdt_jax._dlpack._dispatch",
-           "rdt_jax._dlpack._sharding", "rdt_jax._dlpack._cuda", "rdt_jax._dlpack._pool")
+           "rdt_jax._dlpack._sharding")
   for name in FRAMEWORK_MODULES:
     deps = {d for d in module_imports(MODULES[name]) if d in above and d != name}
     assert deps == set(), f"{name} imports {sorted(deps)}"
 
 
-def test_dlpack_readme_lists_every_module_bottom_up():
-  """`_dlpack/README.md`'s module table names every module of the layer, each
-  importing only modules listed before it."""
-  readme = (PACKAGE / "_dlpack" / "README.md").read_text()
-  listed = [f"rdt_jax._dlpack.{m}" for m in re.findall(r"^\| `(_\w+)` \|", readme, re.MULTILINE)]
-  layer = sorted(n for n in MODULES if n.startswith("rdt_jax._dlpack."))
-  assert sorted(listed) == layer
+@pytest.mark.parametrize("room", ROOMS)
+def test_room_readme_lists_every_module_bottom_up(room):
+  """Each room's README.md module table names every module of the room, each
+  importing only modules listed before it (and the rooms below)."""
+  readme = (PACKAGE / room.removeprefix("rdt_jax.") / "README.md").read_text()
+  listed = [f"{room}.{m}" for m in re.findall(r"^\| `(_\w+)` \|", readme, re.MULTILINE)]
+  modules = sorted(n for n in MODULES if n.startswith(room + "."))
+  assert sorted(listed) == modules
   for i, name in enumerate(listed):
     later = {d for d in module_imports(MODULES[name]) if d in listed[i:]}
-    assert later == set(), f"{name} imports {sorted(later)}, listed after it in _dlpack/README.md"
+    assert later == set(), f"{name} imports {sorted(later)}, listed after it in its README"
 
 
-def _surface_names_used(path: pathlib.Path) -> set[str]:
-  """Public names of `rdt_jax._dlpack` that `path` uses: `_dlpack.name`
-  attributes and `from rdt_jax._dlpack import name`."""
+def _surface_names_used(path: pathlib.Path, room: str) -> set[str]:
+  """Public names of `room` (`rdt_jax._dlpack`, ...) that `path` uses:
+  `_dlpack.name` attributes and `from rdt_jax._dlpack import name`."""
+  short = room.rsplit(".", 1)[1]
   used: set[str] = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.Attribute):
       owner = node.value
-      if (isinstance(owner, ast.Name) and owner.id == "_dlpack") or (
-          isinstance(owner, ast.Attribute) and owner.attr == "_dlpack"
+      if (isinstance(owner, ast.Name) and owner.id == short) or (
+          isinstance(owner, ast.Attribute) and owner.attr == short
       ):
         used.add(node.attr)
-    elif isinstance(node, ast.ImportFrom) and node.module == "rdt_jax._dlpack" and not node.level:
+    elif isinstance(node, ast.ImportFrom) and node.module == room and not node.level:
       used.update(a.name for a in node.names)
   return {n for n in used if not n.startswith("_")}
 
 
-def test_dlpack_surface_is_what_the_rest_uses():
-  """`rdt_jax._dlpack.__all__` is exactly the names used outside the layer,
-  by the package, its tests, scripts and examples. Tests of the layer's own
-  internals import its private modules (`from rdt_jax._dlpack import _memory`)."""
-  from rdt_jax import _dlpack
-
+@pytest.mark.parametrize("room", ROOMS)
+def test_room_surface_is_what_the_rest_uses(room):
+  """Each room's `__all__` is exactly the names used outside the array layer,
+  by the package, its tests, scripts and examples. The rooms use each other's
+  modules directly; tests of a room's own internals import its private
+  modules (`from rdt_jax._memory import _host`)."""
+  package = importlib.import_module(room)
   users = [
       p for p in sorted(PACKAGE.parent.glob("*/**/*.py"))
       if p.parts[len(PACKAGE.parent.parts)] in ("rdt_jax", "tests", "scripts", "examples")
-      and not p.is_relative_to(PACKAGE / "_dlpack")
+      and _room_of(_module_name(p)) is None
   ]
-  used = set().union(*(_surface_names_used(p) for p in users))
-  exported = set(_dlpack.__all__)
-  assert len(exported) == len(_dlpack.__all__), "a name is listed twice in __all__"
+  used = set().union(*(_surface_names_used(p, room) for p in users))
+  exported = set(package.__all__)
+  assert len(exported) == len(package.__all__), "a name is listed twice in __all__"
   assert sorted(used - exported) == [], "used outside the layer but not exported"
   assert sorted(exported - used) == [], "exported but used nowhere outside the layer"
-  assert all(hasattr(_dlpack, n) for n in exported)
+  assert all(hasattr(package, n) for n in exported)
 
 
 def test_transports_never_import_the_registry():
   for name, path in MODULES.items():
-    if name.startswith(("rdt_jax.transports", "rdt_jax._ray", "rdt_jax._state", "rdt_jax._dlpack")):
+    if name.startswith(("rdt_jax.transports", "rdt_jax._ray", "rdt_jax._state", *ROOMS)):
       deps = module_imports(path)
       assert not any(d.startswith("rdt_jax._registry") for d in deps), name
 
@@ -211,13 +236,13 @@ def test_transports_never_import_the_registry():
 RAW_ACCESS = re.compile(r"\.(unsafe_buffer_pointer|data_ptr)\(|\.ctypes\.data|\.sharding\.device_set")
 
 
-def test_only_the_dlpack_layer_reads_array_internals():
+def test_only_the_array_layer_reads_array_internals():
   # rdt_jax.testing checks what arrived (a sharding's mesh and spec) as a
   # user's own test would: it moves nothing.
   offenders = [
       f"{name}:{i}"
       for name, path in MODULES.items()
-      if not name.startswith(("rdt_jax._dlpack", "rdt_jax.testing"))
+      if _room_of(name) is None and not name.startswith("rdt_jax.testing")
       for i, line in enumerate(path.read_text().splitlines(), 1)
       if RAW_ACCESS.search(line)
   ]

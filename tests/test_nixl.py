@@ -90,10 +90,10 @@ class Consumer:
     return nixl_counts()[0]
 
   def pooled(self):
-    from rdt_jax import _dlpack
+    from rdt_jax import _memory
 
     pooled_regs = transport_manager("jax_nixl").counters()["pooled_registrations"]
-    return pooled_regs, _dlpack.host_pool.pooled_bytes()
+    return pooled_regs, _memory.host_pool.pooled_bytes()
 
   def rss(self):
     return process_rss()

@@ -1,4 +1,5 @@
-"""The DLPack layer without Ray: its tests pass where `import ray` fails, and
+"""The array layer without Ray: its rooms (`rdt_jax._dlpack`, `_memory`,
+`_layout`) import and their tests pass where `import ray` fails, and
 `import rdt_jax` imports neither Ray nor any framework."""
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def test_ray_is_blocked_in_the_child(tmp_path):
   assert out.returncode != 0 and "blocked in this test process" in out.stderr
 
 
-def test_dlpack_layer_imports_without_ray(tmp_path):
+def test_array_layer_imports_without_ray(tmp_path):
   code = (
-      "import sys, rdt_jax, rdt_jax._dlpack; "
+      "import sys, rdt_jax, rdt_jax._dlpack, rdt_jax._memory, rdt_jax._layout; "
       "print(sorted(m for m in ('ray', 'jax', 'torch', 'nixl_cu12') if m in sys.modules))"
   )
   out = _run_without_ray(tmp_path, "-c", code)
@@ -63,10 +64,16 @@ def test_import_rdt_jax_only_sets_the_seams_hooks(tmp_path):
   assert out.stdout.strip() == "['rdt_jax', 'rdt_jax._hooks'] []"
 
 
-def test_dlpack_tests_pass_without_ray(tmp_path):
+#: The array layer's tests that need no Ray: arrays described, converted and
+#: rebuilt with host memory and its layout (test_dlpack); device regions, their
+#: layout and the CUDA helpers' host branches (test_device_memory).
+NO_RAY_TESTS = ("test_dlpack.py", "test_device_memory.py")
+
+
+def test_array_layer_tests_pass_without_ray(tmp_path):
   out = _run_without_ray(
       tmp_path,
-      "-m", "pytest", str(TESTS / "test_dlpack.py"),
+      "-m", "pytest", *(str(TESTS / name) for name in NO_RAY_TESTS),
       "--noconftest", "-p", "no:cacheprovider", "-q", "-x",
       "--rootdir", str(tmp_path),
   )

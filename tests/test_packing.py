@@ -1,4 +1,4 @@
-"""The packing of many host leaves into one buffer (`rdt_jax._dlpack._packing`)
+"""The packing of many host leaves into one buffer (`rdt_jax._layout._packing`)
 and the weight stream's pieces that need no Ray actor: the kept-versions
 table read node-locally, the packed source's digest, a subscriber's plan."""
 
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rdt_jax import _dlpack, _process
-from rdt_jax._dlpack import _packing
+from rdt_jax import _dlpack, _memory, _process
+from rdt_jax._layout import _packing
 from rdt_jax.weights import _packed_plan
 
 torch = pytest.importorskip("torch")
@@ -40,10 +40,10 @@ def test_pack_copies_every_framework_at_its_offset():
   sizes = [40, 14, 40, 12, 0]
   layout = _packing.PackedLayout.of(sizes)
   packer = _packing.Packer(layout, [f"[{i}]" for i in range(len(leaves))])
-  buf = _dlpack.host_pool.acquire(layout.total)
+  buf = _memory.host_pool.acquire(layout.total)
   for _ in range(2):  # the second time, the jax leaves take the checked fast path
     buf[:] = 0
-    packer.pack(leaves, _dlpack.host_pointer(buf))
+    packer.pack(leaves, _memory.host_pointer(buf))
     for x, offset, size in zip(leaves, layout.offsets, layout.sizes):
       want = np.ascontiguousarray(_dlpack.convert_leaf(x, "numpy")).view(np.uint8).ravel()
       assert bytes(buf[offset : offset + size]) == want.tobytes()
@@ -52,13 +52,13 @@ def test_pack_copies_every_framework_at_its_offset():
 SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from rdt_jax import _dlpack
-from rdt_jax._dlpack import _packing
+from rdt_jax import _memory
+from rdt_jax._layout import _packing
 mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
 x = jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, PartitionSpec("x")))
 layout = _packing.PackedLayout.of([64])
-buf = _dlpack.host_pool.acquire(layout.total)
-_packing.Packer(layout, ["['w']"]).pack([x], _dlpack.host_pointer(buf))
+buf = _memory.host_pool.acquire(layout.total)
+_packing.Packer(layout, ["['w']"]).pack([x], _memory.host_pointer(buf))
 assert np.array_equal(buf[:64].view(np.float32).reshape(4, 4), np.arange(16.0).reshape(4, 4))
 print("gathered")
 """
@@ -75,15 +75,15 @@ def test_pack_refuses_a_deleted_leaf_by_name_and_a_wrong_size():
   x = step(jnp.ones(4))
   layout = _packing.PackedLayout.of([16])
   packer = _packing.Packer(layout, ["['w']"])
-  buf = _dlpack.host_pool.acquire(layout.total)
-  packer.pack([x], _dlpack.host_pointer(buf))  # checked: its sharding is known now
+  buf = _memory.host_pool.acquire(layout.total)
+  packer.pack([x], _memory.host_pointer(buf))  # checked: its sharding is known now
   x.delete()
   with pytest.raises(_dlpack.UnsupportedLeafError, match=r"\['w'\].*deleted"):
-    packer.pack([x], _dlpack.host_pointer(buf))
+    packer.pack([x], _memory.host_pointer(buf))
   with pytest.raises(_dlpack.UnsupportedLeafError, match=r"\['w'\] has 32 bytes .* has 16"):
-    packer.pack([np.ones(4, np.float64)], _dlpack.host_pointer(buf))
+    packer.pack([np.ones(4, np.float64)], _memory.host_pointer(buf))
   with pytest.raises(ValueError, match="2 leaves for a layout of 1"):
-    packer.pack([np.ones(4), np.ones(4)], _dlpack.host_pointer(buf))
+    packer.pack([np.ones(4), np.ones(4)], _memory.host_pointer(buf))
 
 
 def test_jax_placement():
@@ -145,8 +145,8 @@ def _plan(template: dict, atomic: bool = False, published: dict | None = None):
   layout = _packing.PackedLayout.of([x.nbytes for x in leaves])
   info = packed.PackedLayoutInfo(layout, treedef, tuple(range(len(leaves))), tuple(x.shape for x in leaves))
   plan = _packed_plan.PackedPlan(info, entries, dict(_weights.flatten(template)), atomic)
-  source = _dlpack.host_pool.acquire(layout.total)
-  _packing.Packer(layout, [path for path, *_ in entries]).pack(leaves, _dlpack.host_pointer(source))
+  source = _memory.host_pool.acquire(layout.total)
+  _packing.Packer(layout, [path for path, *_ in entries]).pack(leaves, _memory.host_pointer(source))
   return plan, source, published
 
 
@@ -156,8 +156,8 @@ def copy_in_buckets(plan, source, staging, size: int = 64) -> None:
   64-byte buckets cut most leaves in two."""
   total = plan.info.layout.total
   count = -(-total // size)
-  pairs = plan.pairs(0 if staging is None else _dlpack.host_pointer(staging))
-  base = _dlpack.host_pointer(source)
+  pairs = plan.pairs(0 if staging is None else _memory.host_pointer(staging))
+  base = _memory.host_pointer(source)
   for i, runs in enumerate(_packed_plan.bucket_runs(pairs, size, count)):
     for local, offset, n in runs:
       ctypes.memmove(local, base + i * size + offset, n)
@@ -173,7 +173,7 @@ def test_plan_copies_into_torch_in_place_and_a_row_slice(atomic):
   if not atomic:
     template["w"] = rdt_jax.Slice(template["w"].index, into)
   plan, source, published = _plan(template, atomic)
-  staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+  staging = _memory.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
   copy_in_buckets(plan, source, staging)
   leaves = plan.commit(staging)
   b, w = leaves
@@ -186,7 +186,7 @@ def test_plan_copies_into_torch_in_place_and_a_row_slice(atomic):
 def test_plan_makes_new_jax_leaves_and_refuses_a_moved_target():
   b = torch.zeros(5, dtype=torch.bfloat16)
   plan, source, published = _plan({"w": jnp.zeros((3, 4)), "b": b})
-  staging = _dlpack.host_pool.acquire(plan.staging_bytes)
+  staging = _memory.host_pool.acquire(plan.staging_bytes)
   copy_in_buckets(plan, source, staging)
   _, w = plan.commit(staging)
   assert isinstance(w, jax.Array) and np.array_equal(np.asarray(w), np.asarray(published["w"]))
@@ -200,7 +200,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from rdt_jax import _dlpack
+from rdt_jax import _memory
 from test_packing import _plan, copy_in_buckets
 
 mesh = Mesh(np.array(jax.devices()[:2]), ("y",))
@@ -216,7 +216,7 @@ template = {"a": split, "b": split, "c": split, "d": split, "e": whole}
 plan, source, published = _plan(template, published=published)
 assert len(plan._sharded) == 4, plan._sharded  # "a" and "c" share theirs
 for _ in range(2):  # a second pull reuses the plan
-  staging = _dlpack.host_pool.acquire(plan.staging_bytes)
+  staging = _memory.host_pool.acquire(plan.staging_bytes)
   copy_in_buckets(plan, source, staging)
   got = dict(zip(sorted(published), plan.commit(staging)))
   for name, x in got.items():

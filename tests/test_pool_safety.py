@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from rdt_jax import _dlpack, _faults
-from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, _cuda, _torch
+from rdt_jax import _dlpack, _faults, _memory
+from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec, _torch
 from rdt_jax._dlpack._devices import CPU
-from rdt_jax._dlpack._pool import FrameworkAllocator, RegionPool
+from rdt_jax._memory import _cuda
+from rdt_jax._memory._regions import FrameworkAllocator, RegionPool
 
 CUDA0, CUDA1 = Device("cuda", 0), Device("cuda", 1)
 
@@ -118,11 +119,11 @@ def test_untrusted_use_count_means_never_reuse(monkeypatch):
 
 
 def test_host_pool_tells_listeners_while_the_buffer_is_alive():
-  pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
+  pool = _memory.HostBufferPool(max_bytes=1 << 20)
   seen = []
 
   def listener(pointer, nbytes, keepalive):
-    assert _dlpack.host_pointer(keepalive) == pointer and keepalive.nbytes == nbytes
+    assert _memory.host_pointer(keepalive) == pointer and keepalive.nbytes == nbytes
     seen.append(weakref.ref(keepalive.base))
 
   pool.add_eviction_listener(listener)
@@ -135,7 +136,7 @@ def test_host_pool_tells_listeners_while_the_buffer_is_alive():
 
 
 def test_host_pool_strands_a_buffer_a_listener_failed_on(caplog):
-  pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
+  pool = _memory.HostBufferPool(max_bytes=1 << 20)
   kept = []
 
   def failing(pointer, nbytes, keepalive):
@@ -169,10 +170,10 @@ def test_failed_deregistration_on_eviction_keeps_the_memory_until_a_retry():
 
   agent = create_agent()
   regs = Registrations(lambda: agent, lambda: None)
-  pool = _dlpack.HostBufferPool(max_bytes=1 << 20)
+  pool = _memory.HostBufferPool(max_bytes=1 << 20)
   pool.add_eviction_listener(regs.on_host_eviction)
   buf = pool.acquire(1 << 16)
-  regs.register(_dlpack.host_pointer(buf), buf.nbytes, CPU, pooled=True)
+  regs.register(_memory.host_pointer(buf), buf.nbytes, CPU, pooled=True)
   base = weakref.ref(buf.base)
   del buf
   _faults.configure("nixl.deregister:fail*1")
@@ -202,7 +203,7 @@ def test_back_to_back_objects_reuse_one_host_buffer_with_the_collector_idle():
 
   x = np.arange(1 << 16, dtype=np.float32)
   specs = [LeafSpec(f"['l{i}']", x.shape, x.dtype, "jax", "cpu", (ChunkSpec(x.shape, x.nbytes),)) for i in range(8)]
-  pool = _dlpack.HostBufferPool(max_bytes=1 << 30)
+  pool = _memory.HostBufferPool(max_bytes=1 << 30)
   seen = set()
   was_enabled = gc.isenabled()
   gc.disable()
@@ -210,11 +211,11 @@ def test_back_to_back_objects_reuse_one_host_buffer_with_the_collector_idle():
     for _ in range(4):
       plan = ReceivePlan(specs, "source")
       with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_dlpack, "host_pool", pool)
+        mp.setattr(_memory, "host_pool", pool)
         plan.allocate()
       leaves = plan.build()
       assert all(isinstance(leaf, jax.Array) for leaf in leaves)
-      seen.add(_dlpack.host_pointer(plan.host) if plan.host is not None else None)
+      seen.add(_memory.host_pointer(plan.host) if plan.host is not None else None)
       del leaves, plan
   finally:
     if was_enabled:

@@ -26,7 +26,7 @@ import ray
 import conftest
 import rdt_jax
 from _helpers import wait_meta
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 
 sys.path.insert(0, str(conftest.REPO / "examples"))
 from shm_transport import ShmTransport
@@ -465,16 +465,16 @@ def test_copy_runs_match_numpy_cut():
     src_buf = np.ascontiguousarray(full[tuple(slice(a, b) for a, b in src)])
     dst_buf = np.zeros(_dlpack.box_shape(dst), np.float32)
     want = dst_buf.copy()
-    _dlpack.cut(want, dst, src_buf, src)
+    _layout.cut(want, dst, src_buf, src)
     if part is not None:
-      for s, d, n in _dlpack.copy_runs(src, dst, part, 4):
+      for s, d, n in _layout.copy_runs(src, dst, part, 4):
         ctypes.memmove(dst_buf.ctypes.data + d, src_buf.ctypes.data + s, n)
-      assert sum(n for _, _, n in _dlpack.copy_runs(src, dst, part, 4)) == math.prod(_dlpack.box_shape(part)) * 4
+      assert sum(n for _, _, n in _layout.copy_runs(src, dst, part, 4)) == math.prod(_dlpack.box_shape(part)) * 4
     np.testing.assert_array_equal(dst_buf, want)
 
 
 def test_leading_axis_slice_is_one_run_per_overlapping_chunk():
   box = ((0, 8), (0, 12))
-  assert _dlpack.copy_runs(box, ((4, 8), (0, 12)), ((4, 8), (0, 12)), 4) == [(4 * 48, 0, 4 * 48)]
+  assert _layout.copy_runs(box, ((4, 8), (0, 12)), ((4, 8), (0, 12)), 4) == [(4 * 48, 0, 4 * 48)]
   # A column block: one run per row.
-  assert len(_dlpack.copy_runs(box, ((0, 8), (6, 12)), ((0, 8), (6, 12)), 4)) == 8
+  assert len(_layout.copy_runs(box, ((0, 8), (6, 12)), ((0, 8), (6, 12)), 4)) == 8

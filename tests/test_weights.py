@@ -207,7 +207,7 @@ class Generator:
   def memory(self) -> dict:
     """The pooled host bytes here, and the plan's staging and version sizes."""
     plan = next(iter(self.sub._plans.values()))
-    return {"pooled": rdt_jax._dlpack.host_pool.pooled_bytes(), "staging": plan.staging_bytes,
+    return {"pooled": rdt_jax._memory.host_pool.pooled_bytes(), "staging": plan.staging_bytes,
             "total": plan.info.layout.total}
 
 
@@ -550,7 +550,7 @@ class SmallTrainer:
 
     c = get_tensor_transport_manager("JAX_NIXL").counters()
     return {"objects": c["objects"], "registrations": c["registrations"], "versions": len(self.pub.versions),
-            "pool_bytes": rdt_jax._dlpack.host_pool.pooled_bytes()}
+            "pool_bytes": rdt_jax._memory.host_pool.pooled_bytes()}
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -569,7 +569,7 @@ class SmallGenerator:
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
     c = get_tensor_transport_manager("JAX_NIXL").counters()
-    return {"pool_bytes": rdt_jax._dlpack.host_pool.pooled_bytes(), "plans": len(self.sub._plans),
+    return {"pool_bytes": rdt_jax._memory.host_pool.pooled_bytes(), "plans": len(self.sub._plans),
             "views": c["views"], "inflight": c["inflight"], "registrations": c["registrations"]}
 
 

@@ -36,7 +36,7 @@ import uuid
 import numpy as np
 import pytest
 
-from rdt_jax import _dlpack, _node_local, _process
+from rdt_jax import _dlpack, _memory, _node_local, _process
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights import _handle, _packed, _packed_checks, _packed_plan, _routes
 
@@ -70,7 +70,7 @@ class Version:
     assert structure is not None
     self.info = structure.info
     self.buffer = np.zeros(self.info.layout.total, np.uint8)
-    structure.packer.pack(arrays, _dlpack.host_pointer(self.buffer))
+    structure.packer.pack(arrays, _memory.host_pointer(self.buffer))
     self.source = self.stream.source(VERSION, self.buffer, rest)
     self.stream.table.add(VERSION)
 
@@ -119,8 +119,8 @@ def _pull(v: Version, info, entries, source, template: Template):
   kept = _routes.read_table(source, v.publisher)
   if VERSION not in kept:
     return "stale"
-  staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
-  _node_local.read(source.origin, plan.prepared(source.buffer, 0 if staging is None else _dlpack.host_pointer(staging)))
+  staging = _memory.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+  _node_local.read(source.origin, plan.prepared(source.buffer, 0 if staging is None else _memory.host_pointer(staging)))
   leaves = plan.commit(staging)
   return _packed_plan.unflatten(plan.info, leaves, source.rest)
 

@@ -406,7 +406,7 @@ def _info(offsets=(0, 64), sizes=(16, 32), total=128, shapes=((4,), (8,)), posit
   import jax
 
   treedef = jax.tree_util.tree_structure(list(range(leaves)))
-  layout = rdt_jax._dlpack.PackedLayout(tuple(offsets), tuple(sizes), total)
+  layout = rdt_jax._layout.PackedLayout(tuple(offsets), tuple(sizes), total)
   return packed.PackedLayoutInfo(layout, treedef, tuple(positions), tuple(shapes))
 
 

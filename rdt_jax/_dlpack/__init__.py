@@ -1,26 +1,20 @@
-"""The DLPack layer: describe, allocate, rebuild and convert any framework's arrays.
+"""The DLPack layer: describe, rebuild and convert any framework's arrays.
 
 Data flows one way through rdt_jax::
 
   producer leaf -> describe() -> LeafSpec + raw buffers -> (a backend moves bytes)
-  -> receive memory (host_pool, device_pool) -> rebuild_host() / rebuild_device()
-  -> consumer leaf
+  -> receive memory (`rdt_jax._memory`, laid out by `rdt_jax._layout`)
+  -> rebuild_host() / rebuild_device() -> consumer leaf
 
-This subpackage imports no Ray and no framework eagerly, and nothing of
-rdt_jax above it (only `rdt_jax._compat` and `rdt_jax._settings`). The names
-below are what the rest of rdt_jax uses; tests of the layer's internals import
-its private modules directly. `README.md` beside this file lists the modules
-and the design rules.
+This subpackage is the bottom room of the array layer (with `rdt_jax._memory`
+and `rdt_jax._layout`, which are built on it). It imports no Ray and no
+framework eagerly, and nothing of rdt_jax above it (only `rdt_jax._compat`
+and `rdt_jax._error_base`). The names below are what the rest of rdt_jax
+uses; tests of the layer's internals import its private modules directly.
+`README.md` beside this file lists the modules and the design rules.
 """
 
-from rdt_jax._dlpack._cuda import copy_bytes as copy_bytes
-from rdt_jax._dlpack._cuda import copy_from_host as copy_from_host
-from rdt_jax._dlpack._cuda import cuda_available as cuda_available
-from rdt_jax._dlpack._cuda import ipc_capable as ipc_capable
-from rdt_jax._dlpack._cuda import settle_targets as settle_targets
-from rdt_jax._dlpack._cuda import wait_for_copies as wait_for_copies
-from rdt_jax._dlpack._cuda import wait_for_producers as wait_for_producers
-from rdt_jax._dlpack._cuda import wait_received as wait_received
+from rdt_jax._dlpack._bytes import host_bytes as host_bytes
 from rdt_jax._dlpack._devices import Device as Device
 from rdt_jax._dlpack._devices import check_device as check_device
 from rdt_jax._dlpack._devices import jax_device as jax_device
@@ -30,8 +24,6 @@ from rdt_jax._dlpack._dispatch import buffer_pointer as buffer_pointer
 from rdt_jax._dlpack._dispatch import buffer_pointers as buffer_pointers
 from rdt_jax._dlpack._dispatch import check_x64 as check_x64
 from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
-from rdt_jax._dlpack._dispatch import copy_into as copy_into
-from rdt_jax._dlpack._dispatch import copy_into_many as copy_into_many
 from rdt_jax._dlpack._dispatch import describe as describe
 from rdt_jax._dlpack._dispatch import device_of as device_of
 from rdt_jax._dlpack._dispatch import dtype_of as dtype_of
@@ -49,46 +41,18 @@ from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
 from rdt_jax._dlpack._dispatch import to_jax_exact as to_jax_exact
 from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
-from rdt_jax._dlpack._gc import GC_PAUSE_MIN_LEAVES as GC_PAUSE_MIN_LEAVES
-from rdt_jax._dlpack._gc import gc_paused as gc_paused
 from rdt_jax._dlpack._jax import is_prng_key as is_prng_key
 from rdt_jax._dlpack._jax import prng_key_parts as prng_key_parts
 from rdt_jax._dlpack._jax import wrap_prng_key as wrap_prng_key
 from rdt_jax._dlpack._lazy import importable as importable
-from rdt_jax._dlpack._memory import ALIGNMENT as ALIGNMENT
-from rdt_jax._dlpack._memory import HostBufferPool as HostBufferPool
-from rdt_jax._dlpack._memory import aligned as aligned
-from rdt_jax._dlpack._memory import host_bytes as host_bytes
-from rdt_jax._dlpack._memory import host_chunk as host_chunk
-from rdt_jax._dlpack._memory import host_layout as host_layout
-from rdt_jax._dlpack._memory import host_pointer as host_pointer
-from rdt_jax._dlpack._memory import host_pool as host_pool
-from rdt_jax._dlpack._memory import pack_host_chunks as pack_host_chunks
-from rdt_jax._dlpack._packing import NotHostMemory as NotHostMemory
-from rdt_jax._dlpack._packing import PackedLayout as PackedLayout
-from rdt_jax._dlpack._packing import Packer as Packer
-from rdt_jax._dlpack._packing import is_cpu_sharding as is_cpu_sharding
-from rdt_jax._dlpack._packing import jax_placement as jax_placement
-from rdt_jax._dlpack._pool import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
-from rdt_jax._dlpack._pool import Region as Region
-from rdt_jax._dlpack._pool import device_pool as device_pool
-from rdt_jax._dlpack._pool import pack_layout as pack_layout
-from rdt_jax._dlpack._pool import region_source as region_source
 from rdt_jax._dlpack._sharding import Box as Box
-from rdt_jax._dlpack._sharding import Slice as Slice
-from rdt_jax._dlpack._sharding import TargetLayout as TargetLayout
 from rdt_jax._dlpack._sharding import box_shape as box_shape
-from rdt_jax._dlpack._sharding import build_sharded as build_sharded
-from rdt_jax._dlpack._sharding import copy_runs as copy_runs
-from rdt_jax._dlpack._sharding import cut as cut
 from rdt_jax._dlpack._sharding import full_box as full_box
 from rdt_jax._dlpack._sharding import intersect as intersect
 from rdt_jax._dlpack._sharding import is_sharding as is_sharding
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
-from rdt_jax._dlpack._sharding import sharded_builder as sharded_builder
 from rdt_jax._dlpack._sharding import source_boxes as source_boxes
 from rdt_jax._dlpack._sharding import spec_problem as spec_problem
-from rdt_jax._dlpack._sharding import target_layout as target_layout
 from rdt_jax._dlpack._specs import RECEIVE_MODES as RECEIVE_MODES
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
 from rdt_jax._dlpack._specs import DescribedLeaf as DescribedLeaf
@@ -128,70 +92,30 @@ __all__ = [  # noqa: RUF022
     "is_writable",
     "mark_written",
     "mark_written_many",
-    # Conversions between frameworks, and copies into a given array.
+    # Conversions between frameworks.
     "convert_leaf",
-    "copy_into",
-    "copy_into_many",
     "to_jax_exact",
     # Typed PRNG keys: raw key data and implementation name, and back.
     "is_prng_key",
     "prng_key_parts",
     "wrap_prng_key",
     # Rebuilding received leaves from host views or device byte views.
-    "build_sharded",
-    "sharded_builder",
     "host_to_jax_many",
     "rebuild_device",
     "rebuild_host",
     "rebuild_view",
     "receive_sharding",
-    # Host memory: the buffer pool, one object's packed layout, raw byte views.
-    "ALIGNMENT",
-    "HostBufferPool",
-    "aligned",
-    "host_bytes",
-    "host_chunk",
-    "host_layout",
-    "host_pointer",
-    "host_pool",
-    "pack_host_chunks",
-    # Device memory: the region pool and one object's packed region layout.
-    "DEVICE_ALIGNMENT",
-    "Region",
-    "device_pool",
-    "pack_layout",
-    "region_source",
-    # Packing many host leaves into one buffer (weight streams).
-    "NotHostMemory",
-    "PackedLayout",
-    "Packer",
-    "is_cpu_sharding",
-    "jax_placement",
-    # Resharding on receive: slices, target layouts, byte runs between boxes.
+    # Sharded leaves: the box each chunk covers, checks of a spec from another process.
     "Box",
-    "Slice",
-    "TargetLayout",
     "box_shape",
-    "copy_runs",
-    "cut",
     "full_box",
     "intersect",
     "is_sharding",
     "source_boxes",
     "spec_problem",
-    "target_layout",
-    # CUDA: stream ordering, copies on a device, torch tensors over raw memory.
-    "copy_bytes",
-    "copy_from_host",
-    "cuda_available",
+    # Raw memory as arrays: uint8 views and torch byte tensors over a pointer.
+    "host_bytes",
     "torch_bytes",
-    "settle_targets",
-    "ipc_capable",
-    "wait_for_copies",
-    "wait_for_producers",
-    "wait_received",
-    # Process helpers: the GC pause around per-leaf work, importability checks.
-    "GC_PAUSE_MIN_LEAVES",
-    "gc_paused",
+    # Whether a framework can be imported here (checked without importing it).
     "importable",
 ]

@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax._dlpack import _cuda, _cupy, _interop, _jax, _numpy, _sharding, _torch
+from rdt_jax._dlpack import _cupy, _interop, _jax, _numpy, _sharding, _torch
 from rdt_jax._dlpack._devices import Device, jax_device
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
@@ -221,26 +221,14 @@ def block_until_ready(leaves: list[Any]) -> None:
     jax.block_until_ready(arrays)
 
 
-def copy_into(target: Any, leaf: Any) -> None:
-  """Copies `leaf`'s values into the numpy, torch or cupy array `target`
-  (`copy_into_many` with one pair: a CUDA target is written in order with
-  every stream of its device, and the copy has ended on return)."""
-  copy_into_many([(target, leaf)])
-
-
-def copy_into_many(pairs: list[tuple[Any, Any]]) -> None:
+def copy_values(pairs: list[tuple[Any, Any]]) -> None:
   """Copies each `(target, leaf)`'s values into the numpy, torch or cupy
-  array `target`.
+  array `target`, the leaf converted to the target's framework.
 
-  Where a target lives in CUDA memory, waits first for every stream of its
-  device (once per device), so work queued against the target on any stream
-  (a side stream still reading the old parameters) runs before the write;
-  and waits for the copies before returning, so the source may be freed or
-  its memory reused at once (XLA's allocator does not follow torch's
-  streams) and the target read from any stream.
+  Queued on the current stream of a CUDA target, in no order with the
+  device's other streams: callers go through `rdt_jax._memory.copy_into_many`,
+  which waits for every stream of each target's device before and after.
   """
-  devices = {device_of(target) for target, _ in pairs}
-  _cuda.settle_targets(devices)
   for target, leaf in pairs:
     fw = framework_of(target)
     if fw == "numpy":
@@ -249,7 +237,6 @@ def copy_into_many(pairs: list[tuple[Any, Any]]) -> None:
       _cupy.copy_into(target, convert_leaf(leaf, "cupy"))
     else:
       _torch.copy_into(target, convert_leaf(leaf, "torch"))
-  _cuda.settle_targets(devices)  # the copies have ended, on whichever stream they ran
 
 
 # --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from rdt_jax._dlpack._bytes import CudaBytes, host_bytes
 from rdt_jax._dlpack._devices import Device, parse_device
 from rdt_jax._dlpack._dtypes import (
     NUMPY_NATIVE_DTYPES,
@@ -21,7 +22,6 @@ from rdt_jax._dlpack._dtypes import (
 )
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import importable, loaded_type
-from rdt_jax._dlpack._memory import CudaBytes, host_bytes
 from rdt_jax._dlpack._specs import DescribedLeaf, single_chunk
 
 

@@ -52,14 +52,14 @@ def _child_buffer(memory: str, nbytes: int, fill: bool, gpu: int) -> tuple[Any, 
   """(array, its address, NIXL memory type, allocator, device) of a buffer of
   `nbytes` in `memory` ("host": numpy; "cuda": torch on GPU `gpu`, else jax
   with preallocation off), filled with the loopback's pattern or zeros."""
-  from rdt_jax import _dlpack
+  from rdt_jax import _dlpack, _memory
 
   if memory == "host":
     import numpy as np
 
     host = pattern(nbytes) if fill else np.zeros(nbytes, np.uint8)
-    return host, _dlpack.host_pointer(host), "DRAM", "numpy", "cpu"
-  if _dlpack.cuda_available("torch"):
+    return host, _memory.host_pointer(host), "DRAM", "numpy", "cpu"
+  if _memory.cuda_available("torch"):
     import torch
 
     torch.cuda.set_device(gpu)  # NIXL registers device memory in the current device's context

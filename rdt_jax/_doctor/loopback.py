@@ -24,7 +24,7 @@ def _node_local_read(identity: Any, remote_ptr: int, nbytes: int) -> tuple[str, 
   process: ("ok", GB/s), ("off", None) or (the error, None)."""
   import numpy as np
 
-  from rdt_jax import _dlpack
+  from rdt_jax import _memory
   from rdt_jax import _node_local as node_local
 
   if not node_local.enabled():
@@ -32,7 +32,7 @@ def _node_local_read(identity: Any, remote_ptr: int, nbytes: int) -> tuple[str, 
   if not node_local.can_read(identity):
     return "not on this host's pid namespace", None
   buf = np.zeros(nbytes, np.uint8)
-  pairs = [(_dlpack.host_pointer(buf), remote_ptr, nbytes)]
+  pairs = [(_memory.host_pointer(buf), remote_ptr, nbytes)]
   seconds = []
   try:
     for _ in range(3):  # the first one also faults the fresh buffer's pages in

@@ -102,13 +102,13 @@ def _counters() -> dict:
 
   from ray.experimental.rdt.util import get_tensor_transport_manager
 
-  from rdt_jax import _dlpack, _faults
+  from rdt_jax import _faults, _memory
 
   gc.collect()  # delivered values can sit in reference cycles until the next collection
   t: Any = get_tensor_transport_manager("JAX_NIXL")
   return {
       **t.counters(),
-      "pool_in_use": _dlpack.host_pool.bytes_in_use(),
+      "pool_in_use": _memory.host_pool.bytes_in_use(),
       "faults": sum(_faults.injected().values()),
   }
 

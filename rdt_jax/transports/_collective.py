@@ -20,7 +20,7 @@ zero-copy on both sides (`_dlpack.torch_bytes`: host memory through DLPack,
 cuda memory through the CUDA Array Interface). `ray.get` of such a ref and
 `ray.put(..., _tensor_transport="jax_gloo")` are refused, naming the fixes.
 
-Stream order (`rdt_jax._dlpack._cuda`): the base waits for queued work on the
+Stream order (`rdt_jax._memory._cuda`): the base waits for queued work on the
 leaves once per object and device before `send_buffers`; the consumer
 synchronizes each receiving device once per object after the receives (Ray's
 NCCL stream is private to its group).
@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Final
 
 from ray.experimental.rdt.collective_tensor_transport import CollectiveCommunicatorMetadata
 
-from rdt_jax import _dlpack, _ray
+from rdt_jax import _dlpack, _memory, _ray
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._base import Destination, DlpackTransport
 
@@ -187,7 +187,7 @@ class CollectiveTransport(DlpackTransport):
   def _after_receive(self, destinations: list[Destination]) -> None:
     """Waits until received bytes are visible to the arrays built from them
     (once per cuda device of the object; nothing on cpu)."""
-    _dlpack.wait_received(d.device for d in destinations)
+    _memory.wait_received(d.device for d in destinations)
 
 
 class GlooTransport(CollectiveTransport):

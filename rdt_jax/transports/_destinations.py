@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rdt_jax import _dlpack
+from rdt_jax import _layout
 from rdt_jax._dlpack import Device
 
 __all__ = ["Destination", "MemoryKind", "Placement", "StageCallerMemory", "memory_kind"]
@@ -50,7 +50,7 @@ class Destination:
       (chunks of one object share a host buffer): what a backend registers.
     pooled: True if `region` belongs to the process's host buffer pool and
       outlives this transfer (a backend may keep it registered until the
-      pool evicts it; see `rdt_jax._dlpack.HostBufferPool`).
+      pool evicts it; see `rdt_jax._memory.HostBufferPool`).
     source: the index of the source chunk this destination's bytes come
       from, counting every chunk of every leaf of the object in leaf order.
     source_offset: where in that source chunk the bytes start.
@@ -104,4 +104,4 @@ class Placement:
 
   device: Device
   template: Any = None
-  layout: _dlpack.TargetLayout | None = None
+  layout: _layout.TargetLayout | None = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-from rdt_jax import _dlpack, _state
+from rdt_jax import _dlpack, _memory, _state
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 
@@ -53,7 +53,7 @@ class Exported:
 def extract(t: DlpackTransport, obj_id: str, rdt_object: list[Any]) -> DlpackTransportMetadata:
   """`DlpackTransport.extract_tensor_transport_metadata` (its docstring says
   what it raises)."""
-  with _dlpack.gc_paused(len(rdt_object)):
+  with _memory.gc_paused(len(rdt_object)):
     described = _state.take_described(rdt_object)
     device = common_device(t, described)
     meta = t.metadata_class(
@@ -64,7 +64,7 @@ def extract(t: DlpackTransport, obj_id: str, rdt_object: list[Any]) -> DlpackTra
     )
     if described:
       # Queued device work writing the leaves finishes before any read.
-      _dlpack.wait_for_producers(described)
+      _memory.wait_for_producers(described)
       if t.is_one_sided() and _inband.fits(device, meta):
         _inband.pack(described, meta)
       else:
@@ -116,5 +116,5 @@ def send(
         f"{t.name} is one-sided: Ray never calls send_multiple_tensors on it."
     )
   described = [_dlpack.describe(x, spec.path) for x, spec in zip(tensors, meta.leaves)]
-  _dlpack.wait_for_producers(described)
+  _memory.wait_for_producers(described)
   t.send_buffers(described, meta, communicator_metadata)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, FetchRequest
 
-from rdt_jax import _dlpack, _faults, _ray, _state, _targets
+from rdt_jax import _dlpack, _faults, _memory, _ray, _state, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 from rdt_jax.transports._destinations import StageCallerMemory
@@ -90,7 +90,7 @@ def start(
   if _inband.carried(meta):
     return fetch_in_band(t, obj_id, meta, target)
   try:
-    with _dlpack.gc_paused(len(meta.leaves)):
+    with _memory.gc_paused(len(meta.leaves)):
       plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
       t._prepare(plan, stage=not t.receives_synchronously(meta, plan.memory_kinds()))
   except Exception:
@@ -100,7 +100,7 @@ def start(
     raise
   request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=t)
   try:
-    with _dlpack.gc_paused(len(plan.plans)):
+    with _memory.gc_paused(len(plan.plans)):
       try:
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
       except StageCallerMemory:  # nothing was written: plan again, caller memory staged
@@ -128,7 +128,7 @@ def fetch_in_band(
     t: DlpackTransport, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
 ) -> DlpackFetchRequest:
   """Receives an in-band object from its metadata; no backend hook runs."""
-  with _dlpack.gc_paused(len(meta.leaves)):
+  with _memory.gc_paused(len(meta.leaves)):
     plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
     plan.allocate(reads_parts=True)
   t._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
@@ -205,7 +205,7 @@ def build(request: DlpackFetchRequest) -> list[Any]:
   """The leaves of a fetch whose bytes are all in its plan's memory."""
   request.done = True
   assert request.plan is not None
-  with _dlpack.gc_paused(len(request.plan.plans)):
+  with _memory.gc_paused(len(request.plan.plans)):
     return request.plan.build()
 
 

@@ -25,7 +25,7 @@ never reach a consumer (docs/concepts.md).
 
 from __future__ import annotations
 
-from rdt_jax import _dlpack, _settings
+from rdt_jax import _dlpack, _layout, _memory, _settings
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports._destinations import Destination, memory_kind
 
@@ -62,7 +62,7 @@ def carried(meta: DlpackTransportMetadata | None) -> bool:
 
 def pack(leaves: list[_dlpack.DescribedLeaf], meta: DlpackTransportMetadata) -> None:
   """Producer: copies every chunk of `leaves` into `meta.inline`."""
-  meta.inline = _dlpack.pack_host_chunks(leaves)
+  meta.inline = _layout.pack_host_chunks(leaves)
 
 
 def copy_out(meta: DlpackTransportMetadata, destinations: list[Destination]) -> None:
@@ -88,4 +88,4 @@ def copy_out(meta: DlpackTransportMetadata, destinations: list[Destination]) -> 
   for d in destinations:
     if d.nbytes:
       begin = starts[d.source] + d.source_offset
-      _dlpack.copy_from_host(d.pointer, view[begin : begin + d.nbytes], d.device)
+      _memory.copy_from_host(d.pointer, view[begin : begin + d.nbytes], d.device)

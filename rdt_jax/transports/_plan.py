@@ -5,7 +5,7 @@ A `ReceivePlan` decides, per leaf, the array type it arrives as (receive mode
 or target), its device, and its memory: host chunks share one pooled, 64-byte
 aligned buffer (one allocation and one registration for an object of many
 small leaves, every leaf a zero-copy view into it); device chunks share one
-pooled region per device (`_dlpack.device_pool`, registered once while the
+pooled region per device (`_memory.device_pool`, registered once while the
 pool keeps it, released for reuse only after the bytes landed and the leaves
 were built); leaves with a numpy/torch target are received straight into the
 target's memory, or staged (below). Backends see only the resulting
@@ -23,7 +23,7 @@ succeeded.
 
 A leaf the consumer asks to reshard (a target sharding, or an
 `rdt_jax.Slice`) is planned as copies from each source chunk's part to each
-target piece (`rdt_jax._dlpack.target_layout`): for a backend that reads
+target piece (`rdt_jax._layout.target_layout`): for a backend that reads
 parts (`reads_parts`: one-sided, byte-addressed), one `Destination` per
 contiguous byte run of each (source chunk, target piece) intersection, so only
 the bytes a piece needs cross; for any other backend, the leaf's whole chunks
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._metadata import MetadataError
 from rdt_jax._targets import Target, align_targets, leaf_layout
@@ -60,9 +60,9 @@ class _LeafPlan:
   device: Device
   target: Any = None  # a numpy/torch array received in place, or a jax template
   host_offsets: list[int] = field(default_factory=list)
-  region: _dlpack.Region | None = None  # the device region its chunks lie in
+  region: _memory.Region | None = None  # the device region its chunks lie in
   device_offsets: list[int] = field(default_factory=list)
-  layout: _dlpack.TargetLayout | None = None  # set when resharded on receive
+  layout: _layout.TargetLayout | None = None  # set when resharded on receive
   into: Any = None  # a numpy/torch array a resharded leaf lands in
   piece_offsets: list[int] = field(default_factory=list)
   staged: bool = False  # caller memory received into rdt_jax's memory, copied after success
@@ -121,7 +121,7 @@ class ReceivePlan:
     self.host: np.ndarray | None = None
     self._host_region: tuple[int, int] | None = None
     self._host_base = 0
-    self.regions: list[_dlpack.Region] = []
+    self.regions: list[_memory.Region] = []
     self.destinations: list[Destination] = []
     self.reads_parts = True
 
@@ -145,7 +145,7 @@ class ReceivePlan:
   def _plan_leaf(spec: LeafSpec, mode: str, target: Any, device: Device | None) -> _LeafPlan:
     layout = None if target is None else leaf_layout(spec, target)
     if layout is not None:
-      into = target.into if isinstance(target, _dlpack.Slice) else None
+      into = target.into if isinstance(target, _layout.Slice) else None
       into_fw = _dlpack.framework_of(into)
       if layout.sharding is not None or _dlpack.is_sharding(target) or into_fw == "jax":
         framework: Framework = "jax"
@@ -190,7 +190,7 @@ class ReceivePlan:
         p for p in self.plans
         if memory_kind(p.device) == "host" and not p.in_place and (p.layout is None or not reads_parts)
     ]
-    offsets, total = _dlpack.host_layout([p.spec for p in host_plans])
+    offsets, total = _layout.host_layout([p.spec for p in host_plans])
     for plan, leaf_offsets in zip(host_plans, offsets):
       plan.host_offsets = leaf_offsets
     self._allocate_regions()
@@ -198,11 +198,11 @@ class ReceivePlan:
       if plan.layout is not None and not plan.into_direct:
         for piece in plan.layout.pieces:
           plan.piece_offsets.append(total)
-          total += _dlpack.aligned(_piece_nbytes(piece, plan.spec))
+          total += _memory.aligned(_piece_nbytes(piece, plan.spec))
     if total or host_plans:
-      self.host = _dlpack.host_pool.acquire(total)
-      self._host_region = _dlpack.host_pool.region_of(self.host)
-      self._host_base = _dlpack.host_pointer(self.host)
+      self.host = _memory.host_pool.acquire(total)
+      self._host_region = _memory.host_pool.region_of(self.host)
+      self._host_base = _memory.host_pointer(self.host)
     source = 0
     out = self.destinations
     host, base, region = self.host, self._host_base, self._host_region
@@ -223,7 +223,7 @@ class ReceivePlan:
           d.source = source + i
           self.destinations.append(d)
       source += len(plan.spec.chunks)
-    _dlpack.settle_targets(p.device for p in self.plans if p.in_place or p.into is not None)
+    _memory.settle_targets(p.device for p in self.plans if p.in_place or p.into is not None)
     return self.destinations
 
   def _allocate_regions(self) -> None:
@@ -233,9 +233,9 @@ class ReceivePlan:
       if memory_kind(p.device) == "device" and not p.in_place:
         by_device.setdefault(p.device, []).append(p)
     for device, plans in by_device.items():
-      offsets, total = _dlpack.pack_layout([p.spec for p in plans])
-      source = _dlpack.region_source({p.framework for p in plans})
-      region = _dlpack.device_pool.acquire(total, device, source)
+      offsets, total = _layout.pack_layout([p.spec for p in plans])
+      source = _memory.region_source({p.framework for p in plans})
+      region = _memory.device_pool.acquire(total, device, source)
       self.regions.append(region)
       for p, leaf_offsets in zip(plans, offsets):
         p.region, p.device_offsets = region, leaf_offsets
@@ -257,7 +257,7 @@ class ReceivePlan:
       return pointer, (pointer, nbytes), False, _dlpack.host_bytes(pointer, nbytes)
     assert self.host is not None
     offset = plan.piece_offsets[p]
-    base = _dlpack.host_pointer(self.host)
+    base = _memory.host_pointer(self.host)
     view = self.host[offset : offset + nbytes]
     if self._host_region is not None:
       return base + offset, self._host_region, True, view
@@ -277,7 +277,7 @@ class ReceivePlan:
         if part is None:
           continue
         piece_nbytes = _piece_nbytes(piece, plan.spec)
-        for src_off, dst_off, n in _dlpack.copy_runs(box, piece, part, itemsize):
+        for src_off, dst_off, n in _layout.copy_runs(box, piece, part, itemsize):
           self._check_fits(plan.spec, c, src_off + n, plan.spec.chunks[c].nbytes, "its source chunk")
           self._check_fits(plan.spec, c, dst_off + n, piece_nbytes, f"piece {p}")
           out.append(Destination(
@@ -373,7 +373,7 @@ class ReceivePlan:
     # Caller memory received into this plan's own device memory (staged) is
     # copied in by `_build_leaf` on torch's current stream: work queued
     # against those targets on any other stream runs first.
-    _dlpack.settle_targets(p.device for p in self.plans if p.staged and memory_kind(p.device) == "device")
+    _memory.settle_targets(p.device for p in self.plans if p.staged and memory_kind(p.device) == "device")
     # Host leaves arriving as jax are made in one call per device: jax's
     # per-array overhead dominates objects of many small leaves.
     leaves: list[Any] = []
@@ -403,7 +403,7 @@ class ReceivePlan:
   def adopt(self, received: list[Any]) -> list[Any]:
     """The leaves from whole arrays a backend received (one per leaf, any
     framework): converted to each plan's framework, or copied into
-    numpy/torch/cupy targets (`_dlpack.copy_into_many`: a CUDA target is
+    numpy/torch/cupy targets (`_memory.copy_into_many`: a CUDA target is
     written after the work queued against it on any stream, and the copies
     have ended before the received arrays can be dropped)."""
     out: list[Any] = []
@@ -416,7 +416,7 @@ class ReceivePlan:
         out.append(caller)
       else:
         out.append(_dlpack.convert_leaf(leaf, plan.framework, plan.spec.path))
-    _dlpack.copy_into_many(copies)
+    _memory.copy_into_many(copies)
     return out
 
   def _build_resharded(self, plan: _LeafPlan) -> Any:
@@ -430,16 +430,16 @@ class ReceivePlan:
       assert self.host is not None
       boxes = _dlpack.source_boxes(spec)
       for off, chunk, box in zip(plan.host_offsets, spec.chunks, boxes):
-        chunk_view = _dlpack.host_chunk(self.host, off, spec.dtype, chunk)
+        chunk_view = _layout.host_chunk(self.host, off, spec.dtype, chunk)
         for view, piece in zip(views, layout.pieces):
-          _dlpack.cut(view, piece, chunk_view, box)
+          _layout.cut(view, piece, chunk_view, box)
     if plan.into is not None:
       if plan.staged:
         _copy_to_caller(plan.into, self._piece_memory(plan, 0)[3])
       _dlpack.mark_written(plan.into)  # raw writes: torch's autograd must see them
       return plan.into
     if layout.sharding is not None:
-      return _dlpack.build_sharded(views, layout, spec.path)
+      return _layout.build_sharded(views, layout, spec.path)
     return _dlpack.rebuild_view(views[0], plan.framework, plan.device, spec.path)
 
   def _build_leaf(self, plan: _LeafPlan) -> Any:
@@ -454,10 +454,10 @@ class ReceivePlan:
       assert region is not None
       if plan.staged:  # one chunk: a target is never sharded
         nbytes = spec.chunks[0].nbytes
-        _dlpack.copy_bytes(
+        _memory.copy_bytes(
             _dlpack.buffer_pointer(plan.target), region.pointer + plan.device_offsets[0], nbytes, plan.device
         )
-        _dlpack.wait_for_copies(plan.device)  # the region is reused once build returns
+        _memory.wait_for_copies(plan.device)  # the region is reused once build returns
         _dlpack.mark_written(plan.target)
         return plan.target
       views = [
@@ -466,7 +466,7 @@ class ReceivePlan:
       return _dlpack.rebuild_device(views, spec, plan.framework)
     assert self.host is not None
     views = [
-        _dlpack.host_chunk(self.host, off, spec.dtype, chunk)
+        _layout.host_chunk(self.host, off, spec.dtype, chunk)
         for off, chunk in zip(plan.host_offsets, spec.chunks)
     ]
     if plan.staged:  # one chunk: a target is never sharded
@@ -479,7 +479,7 @@ class ReceivePlan:
     leaf = _dlpack.rebuild_host(views, spec, plan.framework, plan.device)
     if plan.target is not None and plan.framework != "jax":
       # A sharded leaf received for a numpy/torch target: one copy into it.
-      _dlpack.copy_into(plan.target, leaf)
+      _memory.copy_into(plan.target, leaf)
       return plan.target
     return leaf
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _memory
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _fetch
 from rdt_jax.transports._base import DlpackTransport
@@ -92,7 +92,7 @@ class WholeArrayTransport(DlpackTransport):
       )
     request.done = True
     assert request.plan is not None
-    with _dlpack.gc_paused(len(request.plan.plans)):
+    with _memory.gc_paused(len(request.plan.plans)):
       return request.plan.adopt(arrays)
 
   def _abandon(self, handle: Any) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 from rdt_jax._error_base import RdtJaxError
 from rdt_jax.weights._packed import PackedSource
 
@@ -111,7 +111,7 @@ def label(handle: WeightsHandle) -> str:
 
 
 def is_template_leaf(x: Any) -> bool:
-  return _dlpack.is_array(x) or isinstance(x, _dlpack.Slice) or _dlpack.is_sharding(x)
+  return _dlpack.is_array(x) or isinstance(x, _layout.Slice) or _dlpack.is_sharding(x)
 
 
 def flatten(tree: Any) -> list[tuple[str, Any]]:
@@ -185,7 +185,7 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
           "Build the template with the published value's structure."
       )
     leaf = by_path[path]
-    if isinstance(leaf, _dlpack.Slice):
+    if isinstance(leaf, _layout.Slice):
       if kind == "key":
         raise ValueError(f"The template leaf at {name} is a Slice; the published leaf is {_describe(entry)}.")
       leaf.box(shape, path)  # raises, naming the leaf

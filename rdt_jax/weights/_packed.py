@@ -6,7 +6,7 @@ every leaf, metadata listing every leaf, rebuilding every leaf. A packed
 version pays per leaf only a pointer lookup and a copy on each side:
 
 * the publisher copies every array leaf of a host-resident version into one
-  pooled host buffer (`rdt_jax._dlpack.Packer`; leaf offsets fixed per
+  pooled host buffer (`rdt_jax._layout.Packer`; leaf offsets fixed per
   structure); that buffer becomes RDT objects (one per bucket) only if a
   subscriber on another host asks for them;
 * a subscriber learns the structure's layout at its first pull (from the
@@ -60,7 +60,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _process
+from rdt_jax import _dlpack, _layout, _memory, _process
 
 __all__ = [
   "EMPTY",
@@ -94,7 +94,7 @@ class PackedLayoutInfo:
     shapes: each array leaf's packed shape (a typed key's: its key data's).
   """
 
-  layout: _dlpack.PackedLayout
+  layout: _layout.PackedLayout
   treedef: Any
   array_positions: tuple[int, ...]
   shapes: tuple[tuple[int, ...], ...]
@@ -164,7 +164,7 @@ class KeptTable:
     self._words = np.full(slots + self.HEADER, EMPTY, np.int64)
     self._words[: self.HEADER] = table_token(publisher)
     self._slots = self._words[self.HEADER :]
-    self.address = _dlpack.host_pointer(self._words)
+    self.address = _memory.host_pointer(self._words)
     self.slots = slots
 
   def add(self, version: int) -> None:
@@ -193,7 +193,7 @@ class PublishedStructure:
   """What a publisher knows of one structure it publishes packed."""
 
   info: PackedLayoutInfo
-  packer: _dlpack.Packer
+  packer: _layout.Packer
   key_positions: frozenset[int]  # array positions (indices into the array leaves) holding typed PRNG keys
 
 
@@ -278,15 +278,15 @@ class Stream:
         return None
       sizes.append(leaf.spec.nbytes)
       shapes.append(leaf.spec.shape)
-    layout = _dlpack.PackedLayout.of(sizes)
+    layout = _layout.PackedLayout.of(sizes)
     if not layout.total:
       return None
     info = PackedLayoutInfo(layout, treedef, tuple(positions), tuple(shapes))
-    return PublishedStructure(info, _dlpack.Packer(layout, paths), keys)
+    return PublishedStructure(info, _layout.Packer(layout, paths), keys)
 
   def source(self, version: int, buffer: np.ndarray, rest: tuple[Any, ...]) -> PackedSource:
     """The `PackedSource` of a version packed into `buffer`."""
-    src = PackedSource(_process.identity(), _dlpack.host_pointer(buffer), int(buffer.nbytes),
+    src = PackedSource(_process.identity(), _memory.host_pointer(buffer), int(buffer.nbytes),
                        self.table.address, self.table.slots, rest)
     return dataclasses.replace(src, digest=src.expected_digest(version))
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 
@@ -64,7 +64,7 @@ def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
   Raises:
     MetadataError: naming the field and leaf that do not hold together.
   """
-  if not isinstance(info, PackedLayoutInfo) or not isinstance(info.layout, _dlpack.PackedLayout):
+  if not isinstance(info, PackedLayoutInfo) or not isinstance(info.layout, _layout.PackedLayout):
     raise MetadataError(label, "packed layout", "is not a packed layout")
   layout = info.layout
   n = len(entries)

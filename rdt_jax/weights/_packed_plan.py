@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _state
+from rdt_jax import _dlpack, _layout, _memory, _state
 from rdt_jax import _node_local as node_local
 from rdt_jax.weights._packed import PackedLayoutInfo
 
@@ -63,8 +63,8 @@ class _Leaf:
     """Bytes this leaf takes in the pool buffer."""
     if self.pieces is not None and self.dtype is not None:
       itemsize = self.dtype.itemsize
-      return sum(_dlpack.aligned(math.prod(shape) * itemsize) for _, shape in self.pieces)
-    return _dlpack.aligned(sum(n for _, _, n in self.runs))
+      return sum(_memory.aligned(math.prod(shape) * itemsize) for _, shape in self.pieces)
+    return _memory.aligned(sum(n for _, _, n in self.runs))
 
 
 class PackedPlan:
@@ -120,10 +120,10 @@ class PackedPlan:
             offset: int, size: int) -> _Leaf:
     if kind == "key":
       return _Leaf(i, path, "new", [(0, offset, size)] if size else [], shape=self.info.shapes[i],
-                   dtype=np.dtype(np.uint32), place=_dlpack.jax_placement(target), impl=what)
+                   dtype=np.dtype(np.uint32), place=_layout.jax_placement(target), impl=what)
     dtype = _dlpack.np_dtype_from_name(what)
     into, box = target, _dlpack.full_box(tuple(shape))
-    if isinstance(target, _dlpack.Slice):
+    if isinstance(target, _layout.Slice):
       box = target.box(tuple(shape), path)
       into = target.into
     full = _dlpack.full_box(tuple(shape))
@@ -134,12 +134,12 @@ class PackedPlan:
       key = (full, box, dtype.itemsize)
       rel = self._runs.get(key)
       if rel is None:
-        rel = self._runs[key] = [(d, s, n) for s, d, n in _dlpack.copy_runs(full, box, box, dtype.itemsize)]
+        rel = self._runs[key] = [(d, s, n) for s, d, n in _layout.copy_runs(full, box, box, dtype.itemsize)]
       return [(d, offset + s, n) for d, s, n in rel]
 
     out_shape = _dlpack.box_shape(box)
     fw = _dlpack.framework_of(into)
-    returned = target.into if isinstance(target, _dlpack.Slice) else target
+    returned = target.into if isinstance(target, _layout.Slice) else target
     if fw is not None and fw != "jax":
       if tuple(into.shape) != out_shape or _dlpack.dtype_of(into) != dtype:
         raise _dlpack.UnsupportedLeafError(
@@ -157,29 +157,29 @@ class PackedPlan:
       return _Leaf(i, path, "new", runs(), array=into, returned=returned, shape=out_shape, dtype=dtype,
                    framework="copy")
     framework = "jax"
-    if isinstance(target, _dlpack.Slice) and into is None:
+    if isinstance(target, _layout.Slice) and into is None:
       mode = _state.receive_mode()
       framework = "jax" if mode == "source" else mode
     if framework == "jax":
       _dlpack.check_x64(dtype, path)
-    place = _dlpack.jax_placement(into)
-    if framework != "jax" or place is None or not size or not _dlpack.is_cpu_sharding(place):
+    place = _layout.jax_placement(into)
+    if framework != "jax" or place is None or not size or not _layout.is_cpu_sharding(place):
       return _Leaf(i, path, "new", runs(), shape=out_shape, dtype=dtype, place=place, framework=framework)
     # Placed with a sharding: each distinct shard is staged on its own, so
     # every device's array is made from its own host view without a copy.
     key = (box, dtype.str, place)
     known = self._sharded.get(key)
     if known is None:
-      layout = _dlpack.target_layout(box, place, path)
+      layout = _layout.target_layout(box, place, path)
       rel: list[tuple[int, int, int]] = []
       pieces: list[tuple[int, tuple[int, ...]]] = []
       at = 0
       for piece in layout.pieces:
         piece_shape = _dlpack.box_shape(piece)
         pieces.append((at, piece_shape))
-        rel += [(at + d, s, n) for s, d, n in _dlpack.copy_runs(full, piece, piece, dtype.itemsize)]
-        at += _dlpack.aligned(math.prod(piece_shape) * dtype.itemsize)
-      known = self._sharded[key] = (layout, pieces, rel, _dlpack.sharded_builder(layout, dtype, path))
+        rel += [(at + d, s, n) for s, d, n in _layout.copy_runs(full, piece, piece, dtype.itemsize)]
+        at += _memory.aligned(math.prod(piece_shape) * dtype.itemsize)
+      known = self._sharded[key] = (layout, pieces, rel, _layout.sharded_builder(layout, dtype, path))
     layout, pieces, rel, build = known
     return _Leaf(i, path, "new", [(d, offset + s, n) for d, s, n in rel], shape=out_shape, dtype=dtype,
                  place=place, framework=framework, layout=layout, pieces=pieces, build=build)
@@ -234,7 +234,7 @@ class PackedPlan:
     if self._in_place:
       if self.atomic:
         assert buffer is not None
-        staging = _dlpack.host_pointer(buffer)
+        staging = _memory.host_pointer(buffer)
         for leaf in self._in_place:
           for d, _, n in leaf.runs:
             ctypes.memmove(leaf.pointer + d, staging + leaf.staged + d, n)
@@ -258,7 +258,7 @@ class PackedPlan:
       else:
         out[leaf.index] = _finish_jax(_put(view, leaf.place), leaf)
     if copies:  # device (or other non-host) templates: ordered with every stream of their devices
-      _dlpack.copy_into_many(copies)
+      _memory.copy_into_many(copies)
       _dlpack.mark_written_many([target for target, _ in copies])
     if host_jax:
       made = _dlpack.host_to_jax_many([v for _, v, _ in host_jax], _dlpack.Device("cpu"))

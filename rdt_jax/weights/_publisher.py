@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _ray, _settings
+from rdt_jax import _dlpack, _layout, _memory, _ray, _settings
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, Stream
@@ -43,7 +43,7 @@ def bucket_bytes() -> int:
   """The bucket size of packed versions read through Ray: the setting
   `RDT_JAX_WEIGHT_BUCKET_BYTES` (default 256 MiB), rounded down to a multiple
   of 64 bytes so every bucket starts aligned."""
-  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _dlpack.ALIGNMENT * _dlpack.ALIGNMENT
+  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _memory.ALIGNMENT * _memory.ALIGNMENT
 
 
 def _device_copies(tree: Any) -> Any:
@@ -52,7 +52,7 @@ def _device_copies(tree: Any) -> Any:
   XLA refuses, on a GPU, to donate a buffer another library holds. Without a
   GPU visible to jax here no leaf can be in device memory: `tree` itself,
   with no per-leaf work."""
-  if not _dlpack.cuda_available("jax"):
+  if not _memory.cuda_available("jax"):
     return tree
   import jax
 
@@ -200,10 +200,10 @@ class WeightPublisher:
         with self._lock:
           self._structures[digest] = Published(new_structure[0], None if info is None else info.info)
       if info is not None:
-        buffer = _dlpack.host_pool.acquire(info.info.layout.total)
+        buffer = _memory.host_pool.acquire(info.info.layout.total)
         try:
-          info.packer.pack(arrays, _dlpack.host_pointer(buffer))
-        except _dlpack.NotHostMemory:
+          info.packer.pack(arrays, _memory.host_pointer(buffer))
+        except _layout.NotHostMemory:
           buffer = None  # a leaf moved to device memory since: send this version as a pytree
         else:
           packed = self._stream.source(version, buffer, rest)

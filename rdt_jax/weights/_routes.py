@@ -31,7 +31,7 @@ from typing import Any, Final
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _ray, _targets
+from rdt_jax import _dlpack, _faults, _layout, _memory, _ray, _targets
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _lifetime
@@ -130,7 +130,7 @@ def read_table(source: PackedSource, publisher: str) -> set[int]:
   """
   assert source.origin is not None and 0 < source.slots <= MAX_SLOTS
   out = np.empty(source.slots + KeptTable.HEADER, np.int64)
-  node_local.read(source.origin, [(_dlpack.host_pointer(out), source.table, out.nbytes)])
+  node_local.read(source.origin, [(_memory.host_pointer(out), source.table, out.nbytes)])
   words = out.tolist()
   if (words[0], words[1]) != table_token(publisher):
     raise ForeignTable(f"the table at {source.table:#x} no longer belongs to publisher {publisher}")
@@ -198,7 +198,7 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
     pull.tear()
   try:
     try:
-      base = 0 if staging is None else _dlpack.host_pointer(staging)
+      base = 0 if staging is None else _memory.host_pointer(staging)
       node_local.read(source.origin, plan.prepared(source.buffer, base))
     except PermissionError:
       if writes_template:
@@ -284,7 +284,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
   total = plan.info.layout.total
   buckets = ask_buckets(handle, pull.label, pull.left(), pull.current, total)
   refs, size = buckets.refs, buckets.size
-  runs = bucket_runs(plan.pairs(0 if staging is None else _dlpack.host_pointer(staging)), size, len(refs))
+  runs = bucket_runs(plan.pairs(0 if staging is None else _memory.host_pointer(staging)), size, len(refs))
   writes_template = not atomic and plan.writes_in_place
   memmove = ctypes.memmove
   began = False  # a bucket was copied into the template
@@ -306,7 +306,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
       if writes_template:
         pull.tear()
         began = True
-      base = _dlpack.host_pointer(bucket)
+      base = _memory.host_pointer(bucket)
       for local, offset, n in runs[i]:
         memmove(local, base + offset, n)
       del bucket
@@ -421,7 +421,7 @@ def local_copy(value: Any, target: Any) -> Any:
       continue
     path = jax.tree_util.keystr(p)
     out.append(_local_leaf(path, x, wanted.get(path), copies))
-  _dlpack.copy_into_many(copies)
+  _memory.copy_into_many(copies)
   _dlpack.mark_written_many([t for t, _ in copies])
   return treedef.unflatten(out)  # type: ignore[attr-defined]
 
@@ -430,7 +430,7 @@ def _local_leaf(path: str, x: Any, want: Any, copies: list[tuple[Any, Any]]) -> 
   """One leaf of `local_copy`: what the pulled tree holds for kept array
   `x` at `path`, given the template leaf `want`; copies into caller arrays
   are appended to `copies` (made together, one wait per device)."""
-  if isinstance(want, _dlpack.Slice):
+  if isinstance(want, _layout.Slice):
     box = want.box(tuple(int(n) for n in x.shape), path)
     x = x[tuple(slice(a, b) for a, b in box)]
     want = want.into

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _targets
+from rdt_jax import _dlpack, _layout, _memory, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
 from rdt_jax.weights._packed_checks import check_layout, check_source
@@ -61,7 +61,7 @@ def _staged(leaf: Any) -> Any:
   """The staging counterpart of one template leaf: in-place leaves (numpy,
   torch, cupy, a Slice's `into` array) get a new array; templates of new
   arrays (jax, shardings, a Slice without `into`) are their own."""
-  if isinstance(leaf, _dlpack.Slice):
+  if isinstance(leaf, _layout.Slice):
     return leaf if leaf.into is None or _dlpack.framework_of(leaf.into) in (None, "jax") else (
         dataclasses.replace(leaf, into=_empty_like(leaf.into)))
   fw = _dlpack.framework_of(leaf)
@@ -70,7 +70,7 @@ def _staged(leaf: Any) -> Any:
 
 def _in_place(leaf: Any) -> Any:
   """The array a template leaf is written into in place, or None."""
-  if isinstance(leaf, _dlpack.Slice):
+  if isinstance(leaf, _layout.Slice):
     leaf = leaf.into
   fw = _dlpack.framework_of(leaf)
   return None if fw in (None, "jax") else leaf
@@ -293,7 +293,7 @@ class WeightSubscriber:
     plan = self._plan(pull)
     source = check_source(handle.packed, pull.label, plan, handle.version)
     plan.check_targets()
-    staging = _dlpack.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
+    staging = _memory.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if pull.deadline is not None and time.monotonic() > pull.deadline:
       raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
     pull.check_cancelled()
@@ -332,6 +332,6 @@ class WeightSubscriber:
         continue
       copies.append((into, arrived))
       out.append(into)
-    _dlpack.copy_into_many(copies)
+    _memory.copy_into_many(copies)
     return treedef.unflatten(out)  # type: ignore[attr-defined]
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from rdt_jax import _dlpack
+from rdt_jax import _memory
 
 
 def cuda_skip_reason() -> str | None:
   """None if this host can run the GPU tests, else why not."""
-  missing = [fw for fw in ("jax", "torch") if not _dlpack.cuda_available(fw)]
+  missing = [fw for fw in ("jax", "torch") if not _memory.cuda_available(fw)]
   if missing:
     return f"no CUDA device visible to {' and '.join(missing)} on this host"
   return None

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 import rdt_jax
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _layout, _memory
 
 #: Registered before the actor classes: `ray.method` checks transport names.
 REGISTERED = rdt_jax.register()
@@ -252,7 +252,7 @@ class GpuActor:
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
     t = get_tensor_transport_manager("JAX_NIXL")
-    return t.counters()["pooled_registrations"], _dlpack.device_pool.pooled_bytes()
+    return t.counters()["pooled_registrations"], _memory.device_pool.pooled_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -379,9 +379,9 @@ def test_torch_memory_is_ipc_capable_and_jax_memory_is_told_apart():
   import jax
   import torch
 
-  assert _dlpack.ipc_capable(torch.zeros(1 << 20, device="cuda").data_ptr()) is True
+  assert _memory.ipc_capable(torch.zeros(1 << 20, device="cuda").data_ptr()) is True
   x = jax.device_put(np.zeros(1 << 20, np.float32), jax.devices("gpu")[0])
-  print("jax memory ipc_capable:", _dlpack.ipc_capable(x.unsafe_buffer_pointer()))
+  print("jax memory ipc_capable:", _memory.ipc_capable(x.unsafe_buffer_pointer()))
 
 
 def test_producer_queued_work_completes_before_the_read(pair):
@@ -406,7 +406,7 @@ def test_region_reuse_waits_for_kernels_queued_on_its_last_leaf():
   import torch
 
   from rdt_jax._dlpack._devices import Device
-  from rdt_jax._dlpack._pool import FrameworkAllocator, RegionPool
+  from rdt_jax._memory._regions import FrameworkAllocator, RegionPool
 
   pool = RegionPool(FrameworkAllocator(), max_bytes=1 << 30)
   cuda = Device("cuda", 0)
@@ -514,7 +514,7 @@ def test_slice_into_device_memory_is_refused_by_name(kind):
     into = cupy.zeros((2, 2), dtype=cupy.float32)
   leaf = _dlpack.describe(np.zeros((4, 2), np.float32), "['a']").spec
   with pytest.raises(_dlpack.UnsupportedLeafError, match=r"\['a'\] has a Slice.into array in cuda:0 memory"):
-    _targets.leaf_layout(leaf, _dlpack.Slice((slice(0, 2),), into=into))
+    _targets.leaf_layout(leaf, _layout.Slice((slice(0, 2),), into=into))
 
 
 def test_a_copy_from_host_to_a_gpu_has_finished_when_it_returns():

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rdt_jax import _compat, _dlpack
+from rdt_jax import _compat, _memory
 from rdt_jax.transports.nixl import ucx
 
 __all__ = [
@@ -129,7 +129,7 @@ def create_agent() -> Any:
 
 def _has_gpu() -> bool:
   """True if torch or jax, where this process imported it, sees a CUDA device."""
-  return any(fw in sys.modules and _dlpack.cuda_available(fw) for fw in ("torch", "jax"))
+  return any(fw in sys.modules and _memory.cuda_available(fw) for fw in ("torch", "jax"))
 
 
 class Poller:

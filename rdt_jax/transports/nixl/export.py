@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from rdt_jax import _dlpack, _faults, _process
+from rdt_jax import _dlpack, _faults, _memory, _process
 from rdt_jax.transports._destinations import memory_kind
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
@@ -236,10 +236,10 @@ class Exports:
     small = [i for i, (_, n, d) in enumerate(chunks) if memory_kind(d) == "host" and n <= PACK_MAX_CHUNK]
     if not small:
       return {}
-    total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
-    staging = export.staging = _dlpack.host_pool.acquire(total)
-    base = _dlpack.host_pointer(staging)
-    region = _dlpack.host_pool.region_of(staging)
+    total = sum(_memory.aligned(chunks[i][1]) for i in small)
+    staging = export.staging = _memory.host_pool.acquire(total)
+    base = _memory.host_pointer(staging)
+    region = _memory.host_pool.region_of(staging)
     host = _dlpack.Device("cpu")
     purpose = f"{purpose} (the staging buffer of its small chunks)"
     if region is not None:
@@ -253,7 +253,7 @@ class Exports:
       pointer, nbytes, _ = chunks[i]
       ctypes.memmove(base + offset, pointer, nbytes)
       packed[i] = (base + offset, 0)
-      offset += _dlpack.aligned(nbytes)
+      offset += _memory.aligned(nbytes)
     return packed
 
   def _pack_device(
@@ -274,12 +274,12 @@ class Exports:
         by_device.setdefault(d, []).append(i)
     packed = {}
     for device, indices in by_device.items():
-      small = device_chunks_to_copy([chunks[i][1] for i in indices], _dlpack.device_pool.max_bytes)
+      small = device_chunks_to_copy([chunks[i][1] for i in indices], _memory.device_pool.max_bytes)
       small = [indices[j] for j in small]
       if not small:
         continue
-      total = sum(_dlpack.aligned(chunks[i][1]) for i in small)
-      region = _dlpack.device_pool.acquire(total, device, "torch")
+      total = sum(_memory.aligned(chunks[i][1]) for i in small)
+      region = _memory.device_pool.acquire(total, device, "torch")
       export.regions.append(region)
       key = self._registrations.register(
           region.pointer, region.nbytes, device, pooled=region.kept, purpose=f"{purpose} (device staging region)"
@@ -290,10 +290,10 @@ class Exports:
       offset = 0
       for i in small:
         pointer, nbytes, _ = chunks[i]
-        _dlpack.copy_bytes(region.pointer + offset, pointer, nbytes, device)
+        _memory.copy_bytes(region.pointer + offset, pointer, nbytes, device)
         packed[i] = (region.pointer + offset, 1 + device.index)
-        offset += _dlpack.aligned(nbytes)
-      _dlpack.wait_for_copies(device)
+        offset += _memory.aligned(nbytes)
+      _memory.wait_for_copies(device)
     return packed
 
 
@@ -310,7 +310,7 @@ def device_chunks_to_copy(sizes: list[int], pool_bytes: int) -> list[int]:
   costs well under a millisecond per 256 MiB. Otherwise only the chunks up
   to `PACK_MAX_CHUNK` are copied, and the others read in place.
   """
-  if sum(_dlpack.aligned(n) for n in sizes) <= pool_bytes:
+  if sum(_memory.aligned(n) for n in sizes) <= pool_bytes:
     return list(range(len(sizes)))
   return [i for i, n in enumerate(sizes) if n <= PACK_MAX_CHUNK]
 
@@ -323,7 +323,7 @@ def _warn_if_not_ipc(pointer: int, nbytes: int, path: str) -> None:
   CUDA IPC cannot map (XLA's): a READ of it from this host is then emulated
   through host memory and TCP (about 0.5 GB/s)."""
   global _warned_not_ipc
-  if _warned_not_ipc or _dlpack.ipc_capable(pointer) is not False:
+  if _warned_not_ipc or _memory.ipc_capable(pointer) is not False:
     return
   _warned_not_ipc = True
   if not _dlpack.importable("torch"):
@@ -331,7 +331,7 @@ def _warn_if_not_ipc(pointer: int, nbytes: int, path: str) -> None:
                 "allocator)", "Install torch in the producer's environment")
   else:
     why, fix = (f"because the object's device bytes exceed one region of the device pool "
-                f"(RDT_JAX_DEVICE_POOL_BYTES={_dlpack.device_pool.max_bytes})",
+                f"(RDT_JAX_DEVICE_POOL_BYTES={_memory.device_pool.max_bytes})",
                 "Set RDT_JAX_DEVICE_POOL_BYTES above the object's size in the producer")
   warnings.warn(
       f"rdt_jax (jax_nixl): leaf {path} ({nbytes} bytes) is read in place from device memory that CUDA IPC "

@@ -26,7 +26,7 @@ import bisect
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rdt_jax import _dlpack, _faults
+from rdt_jax import _dlpack, _faults, _memory
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._destinations import Destination, MemoryKind, StageCallerMemory, memory_kind
@@ -99,8 +99,8 @@ def coalesce(
         and region == last_region
         and out_l[-1][2] == ld
         and out_r[-1][2] == rd
-        and out_l[-1][0] + _dlpack.aligned(out_l[-1][1]) == la
-        and out_r[-1][0] + _dlpack.aligned(out_r[-1][1]) == ra
+        and out_l[-1][0] + _memory.aligned(out_l[-1][1]) == la
+        and out_r[-1][0] + _memory.aligned(out_r[-1][1]) == ra
     ):
       out_l[-1][1] = la + n - out_l[-1][0]
       out_r[-1][1] = ra + n - out_r[-1][0]

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Final
 
-from rdt_jax import _compat, _dlpack
+from rdt_jax import _compat, _dlpack, _memory
 from rdt_jax.transports._base import Destination, DlpackTransport
 from rdt_jax.transports._destinations import MemoryKind, memory_kind
 from rdt_jax.transports.nixl import agent as _agent
@@ -105,8 +105,8 @@ class NixlTransport(DlpackTransport):
       if self._agent is None:
         agent = _agent.create_agent()
         self._poller = _agent.Poller(agent, self._tick)
-        _dlpack.host_pool.add_eviction_listener(self._registrations.on_host_eviction)
-        _dlpack.device_pool.add_eviction_listener(self._registrations.on_device_eviction)
+        _memory.host_pool.add_eviction_listener(self._registrations.on_host_eviction)
+        _memory.device_pool.add_eviction_listener(self._registrations.on_device_eviction)
         self._agent = agent
       return self._agent
 

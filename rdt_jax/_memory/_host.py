@@ -1,9 +1,9 @@
-"""Memory: host receive and staging buffers, their layout, and raw byte views.
+"""Host memory: receive and staging buffers.
 
 Host buffers come from one process-wide pool (`host_pool`) of 64-byte aligned,
-already faulted-in buffers; device regions from `_pool.device_pool`. A
+already faulted-in buffers; device regions from `_regions.device_pool`. A
 backend sees only pointers and sizes; the arrays rebuilt on top of these
-buffers are made by the framework modules.
+buffers are made by the framework modules (`rdt_jax._dlpack`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Final
 import numpy as np
 
 from rdt_jax import _settings
-from rdt_jax._dlpack._gc import release_deferred
-from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
+from rdt_jax._memory._gc import release_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -208,66 +207,3 @@ class HostBufferPool:
 
 #: The process's host buffer pool (receive buffers and send staging buffers).
 host_pool = HostBufferPool()
-
-
-def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
-  """Packs every chunk of `specs` into one host buffer.
-
-  Returns:
-    per leaf, the byte offset of each chunk; and the total buffer size. Every
-    chunk starts on an `ALIGNMENT` boundary so jax can alias it.
-  """
-  offsets: list[list[int]] = []
-  total = 0
-  for spec in specs:
-    leaf_offsets = []
-    for chunk in spec.chunks:
-      leaf_offsets.append(total)
-      total += aligned(chunk.nbytes)
-    offsets.append(leaf_offsets)
-  return offsets, total
-
-
-def host_chunk(buffer: np.ndarray, offset: int, dtype: np.dtype, chunk: ChunkSpec) -> np.ndarray:
-  """A zero-copy typed view of one chunk inside a host receive buffer."""
-  return buffer[offset : offset + chunk.nbytes].view(dtype).reshape(chunk.shape)
-
-
-class _HostBytes:
-  """`nbytes` of host memory at `pointer`, as numpy's array interface."""
-
-  def __init__(self, pointer: int, nbytes: int):
-    self.__array_interface__ = {
-        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
-    }
-
-
-class CudaBytes:
-  """`nbytes` of cuda memory at `pointer`, as the CUDA Array Interface."""
-
-  def __init__(self, pointer: int, nbytes: int):
-    self.__cuda_array_interface__ = {
-        "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
-        "strides": None,
-    }
-
-
-def host_bytes(pointer: int, nbytes: int) -> np.ndarray:
-  """A writable 1-D uint8 numpy view of `nbytes` of host memory at `pointer`.
-
-  Zero-copy and framework-neutral: the memory may belong to any framework's
-  array. The view does not own it; the caller keeps the owner alive while the
-  view is in use.
-  """
-  return np.asarray(_HostBytes(pointer, nbytes))
-
-
-def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
-  """Every byte of host `leaves`, chunk after chunk in leaf order, as one
-  `bytes` object (one copy): what a transport sends in band."""
-  return b"".join([
-      host_bytes(pointer, chunk.nbytes).data
-      for leaf in leaves
-      for pointer, chunk in zip(leaf.pointers, leaf.spec.chunks)
-      if chunk.nbytes
-  ])

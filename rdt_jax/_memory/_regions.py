@@ -2,9 +2,10 @@
 
 A `RegionPool` hands out `Region`s: one allocation per object and device,
 into which every chunk of that object on that device is packed
-(`pack_layout`), so a backend registers one region per object instead of one
-per leaf, and a region it registered stays registered while the pool keeps it
-(NIXL's registration cost grows with the number of regions).
+(`rdt_jax._layout.pack_layout`), so a backend registers one region per
+object instead of one per leaf, and a region it registered stays registered
+while the pool keeps it (NIXL's registration cost grows with the number of
+regions).
 
 The pool knows nothing about CUDA: an `Allocator` makes the memory and says
 whether anything still uses it. The same pool logic runs on host memory in
@@ -53,39 +54,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from rdt_jax import _settings
-from rdt_jax._dlpack import _cuda, _jax, _torch
+from rdt_jax._dlpack import _jax, _torch
 from rdt_jax._dlpack._devices import Device
-from rdt_jax._dlpack._gc import release_deferred
-from rdt_jax._dlpack._memory import tell_listeners
-from rdt_jax._dlpack._specs import LeafSpec
-
-#: Device chunks start on this boundary (cudaMalloc's alignment; jax and torch
-#: alias DLPack buffers aligned this way without copying).
-DEVICE_ALIGNMENT: Final = 256
+from rdt_jax._memory import _cuda
+from rdt_jax._memory._gc import release_deferred
+from rdt_jax._memory._host import tell_listeners
 
 Source = Literal["torch", "jax", "jax-copy"]
-
-
-def pack_layout(specs: list[LeafSpec], alignment: int = DEVICE_ALIGNMENT) -> tuple[list[list[int]], int]:
-  """Packs every chunk of `specs` into one region.
-
-  Returns:
-    per leaf, the byte offset of each chunk; and the region's size (at least
-    1, so an object of empty leaves still has an address). Every chunk
-    starts on an `alignment` boundary.
-  """
-  offsets: list[list[int]] = []
-  total = 0
-  for spec in specs:
-    leaf_offsets = []
-    for chunk in spec.chunks:
-      leaf_offsets.append(total)
-      total += -(-chunk.nbytes // alignment) * alignment
-    offsets.append(leaf_offsets)
-  return offsets, max(total, 1)
 
 
 def region_source(frameworks: set[str]) -> Source:

@@ -25,8 +25,8 @@ import numpy as np
 
 from rdt_jax._dlpack._dispatch import block_until_ready, describe, framework_of
 from rdt_jax._dlpack._errors import UnsupportedLeafError
-from rdt_jax._dlpack._memory import aligned
 from rdt_jax._dlpack._sharding import is_sharding
+from rdt_jax._memory._host import aligned
 
 __all__ = ["NotHostMemory", "PackedLayout", "Packer", "is_cpu_sharding", "jax_placement"]
 

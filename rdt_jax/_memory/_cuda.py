@@ -1,7 +1,7 @@
 """Every CUDA-specific step of rdt_jax, and nothing else: stream ordering.
 
 Transports never touch streams themselves; they call these through the
-`rdt_jax._dlpack` namespace. Each function is a no-op for host memory, so
+`rdt_jax._memory` namespace. Each function is a no-op for host memory, so
 the callers run the same code on cpu (where the tests exercise it) and cuda.
 
 Rules (docs/gpu.md states them for users):
@@ -26,7 +26,8 @@ Rules (docs/gpu.md states them for users):
   sync into live parameters) writes outside stream order, so kernels still
   queued against the target (the previous step reading or writing it) would
   race the DMA. `settle_targets` waits for every stream of each device that
-  holds an in-place target, once per object, before the transfer is posted.
+  holds an in-place target, once per object, before the transfer is posted;
+  `copy_into_many` waits the same way around copies into caller arrays.
 * Consumer of a two-sided backend: Ray's NCCL receive runs on Ray's own
   stream, which it does not expose; `wait_received` synchronizes each
   receiving device once per object (not per leaf).
@@ -36,14 +37,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax._dlpack import _torch
+from rdt_jax._dlpack import _dispatch, _torch
+from rdt_jax._dlpack._bytes import CudaBytes, host_bytes
 from rdt_jax._dlpack._devices import Device
 from rdt_jax._dlpack._lazy import importable, loaded_type
-from rdt_jax._dlpack._memory import CudaBytes, host_bytes
 from rdt_jax._dlpack._specs import DescribedLeaf
 
 
@@ -133,6 +134,30 @@ def wait_received(devices: Iterable[Device]) -> None:
     import torch
 
     torch.cuda.synchronize(index)
+
+
+def copy_into(target: Any, leaf: Any) -> None:
+  """Copies `leaf`'s values into the numpy, torch or cupy array `target`
+  (`copy_into_many` with one pair: a CUDA target is written in order with
+  every stream of its device, and the copy has ended on return)."""
+  copy_into_many([(target, leaf)])
+
+
+def copy_into_many(pairs: list[tuple[Any, Any]]) -> None:
+  """Copies each `(target, leaf)`'s values into the numpy, torch or cupy
+  array `target`.
+
+  Where a target lives in CUDA memory, waits first for every stream of its
+  device (once per device), so work queued against the target on any stream
+  (a side stream still reading the old parameters) runs before the write;
+  and waits for the copies before returning, so the source may be freed or
+  its memory reused at once (XLA's allocator does not follow torch's
+  streams) and the target read from any stream.
+  """
+  devices = {_dispatch.device_of(target) for target, _ in pairs}
+  settle_targets(devices)
+  _dispatch.copy_values(pairs)
+  settle_targets(devices)  # the copies have ended, on whichever stream they ran
 
 
 def copy_bytes(dst: int, src: int, nbytes: int, device: Device) -> None:
