@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 
 from rdt_jax import _ray, _state
-from rdt_jax._dlpack._specs import RECEIVE_MODES
+from rdt_jax._dlpack import RECEIVE_MODES
 from rdt_jax._errors import TransportNotRegisteredError, explain_unregistered
 
 __all__ = ["receive_as", "receive_stats"]
