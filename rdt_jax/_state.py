@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rdt_jax import _dlpack, _memory
+from rdt_jax import _dlpack, _limits, _memory
 from rdt_jax._dlpack import RECEIVE_MODES
 
 _receive_mode = "source"
@@ -91,8 +91,6 @@ def end_serialization() -> None:
     serializing.gc_pause = None
 
 
-#: Structures whose leaf paths are kept (`leaf_path`), most recently used last.
-PATHS_KEPT = 16
 _paths_by_structure: OrderedDict[Any, tuple[str, ...]] = OrderedDict()
 _paths_lock = threading.Lock()
 
@@ -131,7 +129,7 @@ def _paths_of(root: Any) -> dict[int, str]:
       return {}
     with _paths_lock:
       _paths_by_structure[treedef] = names
-      while len(_paths_by_structure) > PATHS_KEPT:
+      while len(_paths_by_structure) > _limits.PATHS_KEPT:
         _paths_by_structure.popitem(last=False)
   paths: dict[int, str] = {}
   setdefault = paths.setdefault
@@ -160,7 +158,7 @@ def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
   described_now = serializing.described
   described_now[id(leaf)] = (leaf, described)
   if (
-      len(described_now) == _memory.GC_PAUSE_MIN_LEAVES
+      len(described_now) == _limits.GC_PAUSE_MIN_LEAVES
       and serializing.transport is not None
       and serializing.gc_pause is None
   ):
@@ -182,9 +180,6 @@ def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
 # HANDOFF_TTL_S seconds; at most HANDOFF_MAX are kept. Where an entry's
 # arrays are gone the leaf is described again under the recorded path; where
 # the whole entry is gone, without a path.
-
-HANDOFF_TTL_S = 120.0
-HANDOFF_MAX = 256
 
 
 @dataclass
@@ -212,13 +207,13 @@ def _prune(now: float) -> None:
   for key in list(_handoffs):
     alive = [
         h for h in _handoffs[key]
-        if now - h.created < HANDOFF_TTL_S and all(r() is not None for r in h.leaves)
+        if now - h.created < _limits.HANDOFF_TTL_S and all(r() is not None for r in h.leaves)
     ]
     if alive:
       _handoffs[key] = alive
     else:
       del _handoffs[key]
-  while sum(len(v) for v in _handoffs.values()) > HANDOFF_MAX:
+  while sum(len(v) for v in _handoffs.values()) > _limits.HANDOFF_MAX:
     oldest = min(_handoffs, key=lambda k: _handoffs[k][0].created)
     _handoffs[oldest].pop(0)
     if not _handoffs[oldest]:

@@ -74,6 +74,7 @@ def main() -> None:
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
+  from rdt_jax import _limits
   from rdt_jax import _node_local as node_local
   from rdt_jax.transports.nixl import NixlTransport
 
@@ -112,7 +113,7 @@ def main() -> None:
   requests.put(None)
   child.join()
   print(f"# {args.reps} alternating repetitions per way; load average {os.getloadavg()}; "
-        f"node-local read threads: {node_local.THREADS} from {node_local.PARALLEL_MIN_BYTES >> 20} MiB")
+        f"node-local read threads: {node_local.THREADS} from {_limits.PARALLEL_MIN_BYTES >> 20} MiB")
   print(f"{'size':>10} " + "".join(f"{w + ' (ms)':>24}" for w in WAYS))
   for n in sizes:
     cells = []

@@ -22,8 +22,8 @@ import ray
 import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
+from rdt_jax import _limits, _process
 from rdt_jax import _node_local as node_local
-from rdt_jax import _process
 
 rdt_jax.register()
 
@@ -49,10 +49,10 @@ def test_read_copies_from_a_process_exactly(monkeypatch):
   dst = np.zeros_like(src)
   me = _process.identity()
   # More descriptors than one system call takes, and large enough for threads.
-  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * node_local.IOV_MAX + 5)]
-  pairs.append((dst.ctypes.data + 2 * node_local.IOV_MAX + 5, src.ctypes.data + 2 * node_local.IOV_MAX + 5,
-                src.nbytes - 2 * node_local.IOV_MAX - 5))
-  monkeypatch.setattr(node_local, "PARALLEL_MIN_BYTES", 1024)
+  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * _limits.IOV_MAX + 5)]
+  pairs.append((dst.ctypes.data + 2 * _limits.IOV_MAX + 5, src.ctypes.data + 2 * _limits.IOV_MAX + 5,
+                src.nbytes - 2 * _limits.IOV_MAX - 5))
+  monkeypatch.setattr(_limits, "PARALLEL_MIN_BYTES", 1024)
   node_local.read(me, pairs)
   assert np.array_equal(src, dst)
 
@@ -163,7 +163,7 @@ def test_an_invalid_pid_is_not_alive_and_keeps_pidfds_on():
 
 def test_watched_processes_are_bounded(monkeypatch):
   # Each watched process holds a file descriptor: at most WATCHED_MAX are kept.
-  monkeypatch.setattr(_process, "WATCHED_MAX", 2)
+  monkeypatch.setattr(_limits, "WATCHED_MAX", 2)
   monkeypatch.setattr(_process, "_watched", OrderedDict())
   children = [_Child() for _ in range(3)]
   try:

@@ -133,7 +133,7 @@ def test_imports_are_read_wherever_they_are_written(tmp_path):
 #: buffer), and layouts are made of their arrays (a target layout is a jax
 #: sharding, packing describes each leaf).
 ROOMS = ("rdt_jax._dlpack", "rdt_jax._memory", "rdt_jax._layout")
-BELOW_THE_LAYER = ("rdt_jax._compat", "rdt_jax._settings", "rdt_jax._error_base")
+BELOW_THE_LAYER = ("rdt_jax._compat", "rdt_jax._settings", "rdt_jax._limits", "rdt_jax._error_base")
 MAY_IMPORT = {room: (*ROOMS[: i + 1], *BELOW_THE_LAYER) for i, room in enumerate(ROOMS)}
 
 

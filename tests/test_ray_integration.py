@@ -21,7 +21,7 @@ import ray
 import conftest
 import rdt_jax
 from _unregistered_actor import Borrower
-from rdt_jax import _ray, _state
+from rdt_jax import _limits, _ray, _state
 
 rdt_jax.register()
 
@@ -203,7 +203,7 @@ def test_a_handoff_holds_no_leaf_alive():
 
 def test_an_expired_handoff_is_dropped(monkeypatch):
   _, leaves = _serialize({"w": jnp.ones(4)})
-  monkeypatch.setattr(_state, "HANDOFF_TTL_S", 0.0)
+  monkeypatch.setattr(_limits, "HANDOFF_TTL_S", 0.0)
   assert _state.pending_handoffs() == 0
   # Extract still works: it describes the leaf again, without its path.
   meta = _extract_on_another_thread("handoff-expired-test", leaves)
@@ -223,13 +223,13 @@ def test_a_structure_seen_before_names_each_new_leaf_by_its_path():
 
 
 def test_leaf_paths_are_kept_for_a_bounded_number_of_structures():
-  for i in range(_state.PATHS_KEPT + 5):
+  for i in range(_limits.PATHS_KEPT + 5):
     shared = np.ones(1)
     tree = {f"k{i}": np.zeros(1), "x": [shared, shared]}
     paths = _state._paths_of(tree)
     assert paths[id(tree[f"k{i}"])] == f"['k{i}']"
     assert paths[id(shared)] == "['x'][0]"  # a leaf met twice: its first path
-  assert len(_state._paths_by_structure) <= _state.PATHS_KEPT
+  assert len(_state._paths_by_structure) <= _limits.PATHS_KEPT
 
 
 # --------------------------------------------------------------------------
