@@ -9,10 +9,9 @@ place.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
 import re
-
-import importlib.util
 import sys
 
 from rdt_jax import _limits
@@ -58,9 +57,10 @@ def _numeric_constants(path: pathlib.Path) -> list[str]:
   for node in ast.parse(path.read_text()).body:
     targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
     value = getattr(node, "value", None)
-    for target in targets:
-      if isinstance(target, ast.Name) and CONSTANT.match(target.id) and value is not None and _is_number(value):
-        found.append(target.id)
+    found.extend(
+        t.id for t in targets
+        if isinstance(t, ast.Name) and CONSTANT.match(t.id) and value is not None and _is_number(value)
+    )
   return found
 
 
