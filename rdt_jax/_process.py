@@ -114,10 +114,19 @@ if hasattr(os, "register_at_fork"):
   os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def watched() -> int:
-  """How many processes are watched through a pidfd now (at most `WATCHED_MAX`)."""
+def watched() -> tuple[Identity, ...]:
+  """The processes watched through a pidfd now, least recently asked about
+  first (at most `_limits.WATCHED_MAX`)."""
   with _watch_lock:
-    return len(_watched)
+    return tuple(_watched)
+
+
+def forget_watched() -> None:
+  """Stops watching every process (closes their pidfds); the next check of
+  each reads /proc again."""
+  with _watch_lock:
+    while _watched:
+      os.close(_watched.popitem()[1])
 
 
 def _open_pidfd(pid: int) -> int | None:

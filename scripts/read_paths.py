@@ -35,7 +35,7 @@ def _producer(sizes: list[int], requests: mp.Queue, replies: mp.Queue) -> None:
   import jax
   import numpy as np
 
-  from rdt_jax import _dlpack, _state
+  from rdt_jax import _dlpack, _handoff
   from rdt_jax.transports.nixl import NixlTransport
 
   prod = NixlTransport()
@@ -44,7 +44,7 @@ def _producer(sizes: list[int], requests: mp.Queue, replies: mp.Queue) -> None:
   while (n := requests.get()) is not None:
     serial += 1
     x = arrays[n]
-    _state.record_described(x, _dlpack.describe(x, "x"))
+    _handoff.record_described(x, _dlpack.describe(x, "x"))
     meta = prod.extract_tensor_transport_metadata(f"o{serial}", [x])
     replies.put((f"o{serial}", pickle.dumps(meta), os.getpid(), _dlpack.buffer_pointer(x)))
     requests.get()  # the consumer is done with it

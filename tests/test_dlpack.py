@@ -310,7 +310,7 @@ def test_host_pool_reuses_only_free_buffers():
   assert x.unsafe_buffer_pointer() == first
   assert pool.acquire(4096).ctypes.data != first
   del x
-  assert wait_for(lambda: _pooled_buffer_free(pool, first), timeout=5, interval=0.05)
+  assert wait_for(lambda: _all_pooled_buffers_free(pool), timeout=5, interval=0.05)
   t = torch.from_numpy(pool.acquire(1 << 20))  # over the bound: evicts free buffers
   assert evicted and pool.pooled_bytes() <= (1 << 20) + 3 * 4096
   del t
@@ -318,13 +318,12 @@ def test_host_pool_reuses_only_free_buffers():
   assert pool.pooled_bytes() == 0
 
 
-def _pooled_buffer_free(pool, pointer: int) -> bool:
+def _all_pooled_buffers_free(pool) -> bool:
   import gc
 
   gc.collect()
-  return any(
-      pool._buffers[i].ctypes.data == pointer and pool._free_at(i) for i in range(len(pool._buffers))
-  )
+  c = pool.counters()
+  return c["buffers"] >= 2 and c["free_buffers"] == c["buffers"] and c["bytes_in_use"] == 0
 
 
 

@@ -228,7 +228,7 @@ def test_room_surface_is_what_the_rest_uses(room):
 
 def test_transports_never_import_the_registry():
   for name, path in MODULES.items():
-    if name.startswith(("rdt_jax.transports", "rdt_jax._ray", "rdt_jax._state", *ROOMS)):
+    if name.startswith(("rdt_jax.transports", "rdt_jax._ray", "rdt_jax._handoff", "rdt_jax._receive_mode", *ROOMS)):
       deps = module_imports(path)
       assert not any(d.startswith("rdt_jax._registry") for d in deps), name
 

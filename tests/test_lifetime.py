@@ -416,7 +416,7 @@ def test_dead_producers_remembered_are_bounded(monkeypatch):
   for i in range(5):
     with pytest.raises(_lifetime.ProducerDiedError, match=f"actor a{i}"):
       _lifetime.check_producer("obj", f"a{i}")
-  assert list(_lifetime._dead) == ["a2", "a3", "a4"]
+  assert _lifetime.dead_remembered() == ("a2", "a3", "a4")
   with pytest.raises(_lifetime.ProducerDiedError):
     _lifetime.check_producer("obj", "a4")  # remembered: no lookup
   assert asked == ["a0", "a1", "a2", "a3", "a4"]

@@ -31,7 +31,7 @@ import pytest
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 from _helpers import wait_for
-from rdt_jax import _compat, _dlpack, _limits, _state
+from rdt_jax import _compat, _dlpack, _handoff, _limits
 from rdt_jax.transports.transfer import TransferTransport, protocol
 
 pytestmark = pytest.mark.skipif(not _compat.has_jax_transfer(), reason="jax has no transfer server")
@@ -51,7 +51,7 @@ def _export(prod, tree):
   _serial[0] += 1
   obj_id = f"obj{_serial[0]}"
   for i, x in enumerate(tree):
-    _state.record_described(x, _dlpack.describe(x, f"[{i}]"))
+    _handoff.record_described(x, _dlpack.describe(x, f"[{i}]"))
   return obj_id, prod.extract_tensor_transport_metadata(obj_id, tree)
 
 

@@ -199,6 +199,20 @@ class HostBufferPool:
     with self._lock:
       return sum(b.nbytes for b in self._buffers)
 
+  def counters(self) -> dict[str, int]:
+    """What the pool holds now: `buffers` it keeps, `free_buffers` among them
+    (nothing references them), `pooled_bytes`, `bytes_in_use` and `stranded`
+    buffers (kept for good after a listener failed on them)."""
+    with self._lock:
+      free = [self._free_at(i) for i in range(len(self._buffers))]
+      return {
+          "buffers": len(self._buffers),
+          "free_buffers": sum(free),
+          "pooled_bytes": sum(b.nbytes for b in self._buffers),
+          "bytes_in_use": sum(b.nbytes for b, f in zip(self._buffers, free) if not f),
+          "stranded": len(self._stranded),
+      }
+
 
 #: The process's host buffer pool (receive buffers and send staging buffers).
 host_pool = HostBufferPool()

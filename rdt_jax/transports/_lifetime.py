@@ -76,6 +76,12 @@ for _cls in (ProducerDiedError, ProducerActorDiedError):
   _cls.__module__ = "rdt_jax"
 
 
+def dead_remembered() -> tuple[str, ...]:
+  """The producers known dead, oldest first (at most `_limits.MAX_DEAD_REMEMBERED`)."""
+  with _lock:
+    return tuple(_dead)
+
+
 def producer_id() -> str | None:
   """Producer: the id to record in an object's metadata (this actor's, or
   None in a driver or task)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout, _limits, _memory, _state
+from rdt_jax import _dlpack, _layout, _limits, _memory, _receive_mode
 from rdt_jax import _node_local as node_local
 from rdt_jax.weights._packed import PackedLayoutInfo
 
@@ -155,7 +155,7 @@ class PackedPlan:
                    framework="copy")
     framework = "jax"
     if isinstance(target, _layout.Slice) and into is None:
-      mode = _state.receive_mode()
+      mode = _receive_mode.receive_mode()
       framework = "jax" if mode == "source" else mode
     if framework == "jax":
       _dlpack.check_x64(dtype, path)

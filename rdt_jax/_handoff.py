@@ -1,14 +1,12 @@
-"""Process state shared by the serializer, the transports and the public API.
+"""The hand-off from rdt_jax's serializer to the transport's extract.
 
-Two things, kept apart from both the Ray wiring (`_ray`) and the transports
-so that neither imports the other:
-
-* the receive mode set by `rdt_jax.receive_as`;
-* the hand-off from the serializer (which sees each leaf with its pytree
-  path) to `DlpackTransport.extract_tensor_transport_metadata` (which gets the
-  leaves Ray extracted): each leaf's `DescribedLeaf`, so it is described once.
-  It is keyed by the leaves, not the thread: Ray may extract on another
-  thread than the one that serialized.
+The serializer sees each leaf with its pytree path;
+`DlpackTransport.extract_tensor_transport_metadata` gets only the leaves Ray
+extracted. This module carries each leaf's `DescribedLeaf` from the one to
+the other, so a leaf is described once and its error names its path. It is
+keyed by the leaves, not the thread: Ray may extract on another thread than
+the one that serialized. Kept apart from the Ray wiring (`_ray`) and the
+transports so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -23,29 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdt_jax import _dlpack, _limits, _memory
-from rdt_jax._dlpack import RECEIVE_MODES
-
-_receive_mode = "source"
-
-
-def set_receive_mode(mode: str) -> None:
-  """Sets the process's receive mode (see `rdt_jax.receive_as`).
-
-  Raises:
-    ValueError: for a mode other than "source", "jax", "torch", "numpy".
-  """
-  global _receive_mode
-  if mode not in RECEIVE_MODES:
-    raise ValueError(
-        f"Unknown receive mode {mode!r}; expected one of "
-        f"{', '.join(repr(m) for m in RECEIVE_MODES)}."
-    )
-  _receive_mode = mode
-
-
-def receive_mode() -> str:
-  """The current process's receive mode (see `rdt_jax.receive_as`)."""
-  return _receive_mode
 
 
 class _SerializationState(threading.local):
@@ -136,6 +111,12 @@ def _paths_of(root: Any) -> dict[int, str]:
   for name, x in zip(names, flat):
     setdefault(id(x), name)
   return paths
+
+
+def structures_kept() -> int:
+  """How many structures' leaf paths are kept now (at most `_limits.PATHS_KEPT`)."""
+  with _paths_lock:
+    return len(_paths_by_structure)
 
 
 def set_leaf_path(leaf: Any, path: str) -> None:
