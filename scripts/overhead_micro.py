@@ -42,7 +42,12 @@ def measure(counts: list[int], nbytes: int, reps: int) -> dict[str, dict[str, li
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax import _dlpack, _handoff
+  from rdt_jax import _dlpack
+
+  try:
+    from rdt_jax import _handoff
+  except ImportError:  # a revision before the hand-off had a module of its own (--compare)
+    from rdt_jax import _state as _handoff  # type: ignore[no-redef]
   try:
     from rdt_jax.transports.nixl import NixlTransport
   except ImportError:  # a revision (--compare) from before transports/nixl/
