@@ -263,3 +263,24 @@ def test_ray_internals_only_in_the_seam():
       if RAY_PRIVATE.search(line)
   ]
   assert offenders == []
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_outgrows_a_room():
+  # A module over MAX_MODULE_LINES lines (the benchmark aside) must be named in
+  # ARCHITECTURE.md on a line that says "over 500 lines" and why.
+  allowed = {
+      line.split("`")[1]
+      for line in (PACKAGE.parent / "ARCHITECTURE.md").read_text().splitlines()
+      if "over 500 lines" in line and line.count("`") >= 2
+  }
+  over = [
+      f"{name} ({len(path.read_text().splitlines())} lines)"
+      for name, path in MODULES.items()
+      if not name.startswith("rdt_jax.bench")
+      and len(path.read_text().splitlines()) > MAX_MODULE_LINES
+      and str(path.relative_to(PACKAGE.parent)) not in allowed
+  ]
+  assert over == [], "split these into rooms, or say in ARCHITECTURE.md why one is over 500 lines"
