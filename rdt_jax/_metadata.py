@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
+from rdt_jax import _limits
 from rdt_jax._dlpack import ChunkSpec, LeafSpec, UnsupportedLeafError, spec_problem
 from rdt_jax._error_base import RdtJaxError
 
@@ -33,8 +34,6 @@ _SIGNATURE = itemgetter(1, 2, 3, 4, 5, 6)
 _SHAPE_DTYPE = itemgetter(1, 2)
 _DEVICE = itemgetter(4)
 
-#: Integer lists at least this long pickle as packed int64 bytes.
-_PACK_INTS_MIN = 16
 _SEP = "\x00"
 
 
@@ -288,7 +287,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       ):
         state["tensor_meta"] = None  # rebuilt from the leaves
     for key, value in state.items():
-      if type(value) is list and len(value) >= _PACK_INTS_MIN and all(type(v) is int for v in value):
+      if type(value) is list and len(value) >= _limits.METADATA_PACK_INTS_MIN and all(type(v) is int for v in value):
         packed_ints = _Ints.encode(value)
         if packed_ints is not None:
           state[key] = packed_ints

@@ -37,14 +37,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
-from rdt_jax import _faults, _process, _settings
+from rdt_jax import _faults, _limits, _process, _settings
 
 logger = logging.getLogger(__name__)
 
-#: Descriptors per system call (Linux's UIO_MAXIOV).
-IOV_MAX: Final = 1024
-#: Objects at least this large are read by several threads.
-PARALLEL_MIN_BYTES: Final = 16 << 20
 #: Threads reading one large object (the calling thread included).
 THREADS: Final = max(1, min(4, os.cpu_count() or 1))
 
@@ -113,8 +109,8 @@ _Batch = tuple[ctypes.Array, ctypes.Array, int, int]
 
 def _batches(pairs: Sequence[tuple[int, int, int]]) -> list[_Batch]:
   out = []
-  for start in range(0, len(pairs), IOV_MAX):
-    batch = pairs[start : start + IOV_MAX]
+  for start in range(0, len(pairs), _limits.IOV_MAX):
+    batch = pairs[start : start + _limits.IOV_MAX]
     local = (_Iovec * len(batch))(*[_Iovec(a, n) for a, _, n in batch])
     remote = (_Iovec * len(batch))(*[_Iovec(b, n) for _, b, n in batch])
     out.append((local, remote, len(batch), sum(n for _, _, n in batch)))
@@ -149,7 +145,7 @@ class Prepared:
     pairs = [p for p in pairs if p[2]]
     self.nbytes = sum(n for _, _, n in pairs)
     self.count = len(pairs)
-    runs = [pairs] if self.nbytes < PARALLEL_MIN_BYTES or THREADS == 1 else _split(pairs, THREADS)
+    runs = [pairs] if self.nbytes < _limits.PARALLEL_MIN_BYTES or THREADS == 1 else _split(pairs, THREADS)
     self.runs = [_batches(run) for run in runs]
 
 

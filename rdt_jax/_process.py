@@ -22,7 +22,8 @@ import os
 import select
 import threading
 from collections import OrderedDict
-from typing import Final
+
+from rdt_jax import _limits
 
 #: (host boot id, pid namespace inode, pid, start time in clock ticks after boot).
 Identity = tuple[str, int, int, int]
@@ -64,9 +65,6 @@ def same_host(other: Identity | None) -> bool:
   return other is not None and here is not None and tuple(other[:2]) == here[:2]
 
 
-#: Processes watched through a pidfd at most (each holds one file descriptor).
-WATCHED_MAX: Final = 64
-
 _watch_lock = threading.Lock()
 #: identity -> pidfd of that process, least recently asked about first.
 _watched: OrderedDict[Identity, int] = OrderedDict()
@@ -99,7 +97,7 @@ def alive(other: Identity) -> bool:
       # Opened before the start time matched: it names this very process (a
       # process started after the pidfd was opened has a later start time).
       _watched[other] = fd
-      while len(_watched) > WATCHED_MAX:
+      while len(_watched) > _limits.WATCHED_MAX:
         os.close(_watched.popitem(last=False)[1])
     return True
 
@@ -116,10 +114,19 @@ if hasattr(os, "register_at_fork"):
   os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def watched() -> int:
-  """How many processes are watched through a pidfd now (at most `WATCHED_MAX`)."""
+def watched() -> tuple[Identity, ...]:
+  """The processes watched through a pidfd now, least recently asked about
+  first (at most `_limits.WATCHED_MAX`)."""
   with _watch_lock:
-    return len(_watched)
+    return tuple(_watched)
+
+
+def forget_watched() -> None:
+  """Stops watching every process (closes their pidfds); the next check of
+  each reads /proc again."""
+  with _watch_lock:
+    while _watched:
+      os.close(_watched.popitem()[1])
 
 
 def _open_pidfd(pid: int) -> int | None:

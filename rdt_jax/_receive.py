@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 
-from rdt_jax import _ray, _state
+from rdt_jax import _ray, _receive_mode
 from rdt_jax._dlpack import RECEIVE_MODES
 from rdt_jax._errors import TransportNotRegisteredError, explain_unregistered
 
@@ -48,7 +48,7 @@ def receive_as(mode: str) -> None:
         f"{', '.join(repr(m) for m in RECEIVE_MODES)}.{hint} 'source' (the default) keeps "
         "each leaf's type; the others convert every arriving leaf to that framework."
     )
-  _state.set_receive_mode(mode)
+  _receive_mode.set_receive_mode(mode)
 
 
 def receive_stats(transport: str = "jax_nixl", reset: bool = False) -> dict[str, int]:

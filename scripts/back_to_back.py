@@ -4,8 +4,8 @@ consumers' pooled host buffers.
 A learner returns the demo's parameters (256 MiB in 48 leaves) over
 `jax_nixl` to two workers, in the order given by `--sequence` (`n` a jax_nixl
 transfer, `o` one through the object store). Each line prints the transfer's
-wall time and, per worker, how many pooled host buffers it holds and which of
-them are free. A steady state keeps one buffer per worker: a second one means
+wall time and, per worker, (pooled host buffers it holds, how many of
+them are free). A steady state keeps one buffer per worker: a second one means
 the previous object's buffer still looked in use when the next one arrived,
 and that transfer paid a fresh allocation, its page faults and a new NIXL
 registration.
@@ -37,11 +37,12 @@ class Worker:
 
     return len(jax.tree_util.tree_leaves(params))
 
-  def pool(self) -> list[bool]:
+  def pool(self) -> tuple[int, int]:
     from rdt_jax import _memory
 
     p = _memory.host_pool
-    return [p._free_at(i) for i in range(len(p._buffers))]
+    c = p.counters()
+    return c["buffers"], c["free_buffers"]
 
 
 def main() -> int:

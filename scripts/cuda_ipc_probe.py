@@ -61,7 +61,7 @@ def producer(conn, alloc: str, nbytes: int) -> None:
     base, size = allocation_range(pointer)
     handle = cupy.cuda.runtime.ipcGetMemHandle(base)
     conn.send(("ok", bytes(handle), pointer - base, size))
-  except Exception as e:  # noqa: BLE001 (reported to the parent)
+  except Exception as e:
     conn.send(("error", f"{type(e).__name__}: {e}", 0, 0))
     return
   conn.recv()  # the consumer is done
@@ -80,7 +80,7 @@ def consumer(conn, nbytes: int, reps: int, out) -> None:
   t0 = time.perf_counter()
   try:
     base = cupy.cuda.runtime.ipcOpenMemHandle(handle)
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     out["result"] = f"open failed: {type(e).__name__}: {e}"
     conn.send("done")
     return

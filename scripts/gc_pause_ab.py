@@ -26,7 +26,7 @@ def main() -> None:
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax._memory import _gc
+  from rdt_jax import _limits
   from rdt_jax.transports.nixl import NixlTransport
 
   size = (64 << 20) // args.leaves // 4
@@ -34,12 +34,12 @@ def main() -> None:
       [jax.device_put(np.arange(size, dtype=np.int32) + i) for i in range(args.leaves)]
   )
   prod, cons = NixlTransport(), NixlTransport()
-  default = _gc.GC_PAUSE_MIN_LEAVES
+  default = _limits.GC_PAUSE_MIN_LEAVES
   res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
   n = 0
   for r in range(-1, args.reps):
     for pause in (True, False) if r % 2 else (False, True):
-      _gc.GC_PAUSE_MIN_LEAVES = default if pause else 1 << 62
+      _limits.GC_PAUSE_MIN_LEAVES = default if pause else 1 << 62
       n += 1
       t0 = time.perf_counter()
       meta = prod.extract_tensor_transport_metadata(f"o{n}", tree)
@@ -52,7 +52,7 @@ def main() -> None:
       prod.garbage_collect(f"o{n}", meta, tree)
       if r >= 0:
         res[pause].append((t1 - t0, t2 - t1))
-  _gc.GC_PAUSE_MIN_LEAVES = default
+  _limits.GC_PAUSE_MIN_LEAVES = default
   print(f"# {args.leaves} leaves, medians of {args.reps}, load average {os.getloadavg()}")
   med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in res.items()}
   for pause in (True, False):

@@ -42,7 +42,12 @@ def measure(counts: list[int], nbytes: int, reps: int) -> dict[str, dict[str, li
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax import _dlpack, _state
+  from rdt_jax import _dlpack
+
+  try:
+    from rdt_jax import _handoff
+  except ImportError:  # a revision before the hand-off had a module of its own (--compare)
+    from rdt_jax import _state as _handoff  # type: ignore[no-redef]
   try:
     from rdt_jax.transports.nixl import NixlTransport
   except ImportError:  # a revision (--compare) from before transports/nixl/
@@ -63,7 +68,7 @@ def measure(counts: list[int], nbytes: int, reps: int) -> dict[str, dict[str, li
       obj = f"obj{serial}"
       t = [time.perf_counter()]
       for i, x in enumerate(tree):
-        _state.record_described(x, _dlpack.describe(x, f"['l{i:05d}']"))
+        _handoff.record_described(x, _dlpack.describe(x, f"['l{i:05d}']"))
       t.append(time.perf_counter())
       meta = prod.extract_tensor_transport_metadata(obj, tree)
       t.append(time.perf_counter())

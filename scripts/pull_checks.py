@@ -14,7 +14,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -44,8 +43,7 @@ class _Puller:
       for _ in range(rounds):
         for way in times:
           _process._pidfd_works[0] = pidfds and way == "pidfd"
-          while _process._watched:  # forget what the other way watched
-            os.close(_process._watched.popitem()[1])
+          _process.forget_watched()  # forget what the other way watched
           for _ in range(pulls):
             params = jax.block_until_ready(step(params))
             handle = publisher.publish(params, version)

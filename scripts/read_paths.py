@@ -35,7 +35,7 @@ def _producer(sizes: list[int], requests: mp.Queue, replies: mp.Queue) -> None:
   import jax
   import numpy as np
 
-  from rdt_jax import _dlpack, _state
+  from rdt_jax import _dlpack, _handoff
   from rdt_jax.transports.nixl import NixlTransport
 
   prod = NixlTransport()
@@ -44,7 +44,7 @@ def _producer(sizes: list[int], requests: mp.Queue, replies: mp.Queue) -> None:
   while (n := requests.get()) is not None:
     serial += 1
     x = arrays[n]
-    _state.record_described(x, _dlpack.describe(x, "x"))
+    _handoff.record_described(x, _dlpack.describe(x, "x"))
     meta = prod.extract_tensor_transport_metadata(f"o{serial}", [x])
     replies.put((f"o{serial}", pickle.dumps(meta), os.getpid(), _dlpack.buffer_pointer(x)))
     requests.get()  # the consumer is done with it
@@ -74,6 +74,7 @@ def main() -> None:
   import numpy as np
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
+  from rdt_jax import _limits
   from rdt_jax import _node_local as node_local
   from rdt_jax.transports.nixl import NixlTransport
 
@@ -112,7 +113,7 @@ def main() -> None:
   requests.put(None)
   child.join()
   print(f"# {args.reps} alternating repetitions per way; load average {os.getloadavg()}; "
-        f"node-local read threads: {node_local.THREADS} from {node_local.PARALLEL_MIN_BYTES >> 20} MiB")
+        f"node-local read threads: {node_local.THREADS} from {_limits.PARALLEL_MIN_BYTES >> 20} MiB")
   print(f"{'size':>10} " + "".join(f"{w + ' (ms)':>24}" for w in WAYS))
   for n in sizes:
     cells = []

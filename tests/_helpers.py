@@ -4,6 +4,10 @@ Ray workers import this module too (actor classes and builder functions in the
 test modules call it; conftest puts tests/ on the workers' PYTHONPATH), so it
 needs nothing from pytest. It uses only rdt_jax's public API: the tests that
 import it check the contract, and run unchanged against an installed wheel.
+That is also why the sample values and digests here are not imported from the
+contract kit's private `rdt_jax.testing._values`, which makes the same ones: the
+suite's checks stay independent of the kit it tests (tests/test_conformance.py),
+and importing the kit would import Ray, which the Ray-free array-layer tests refuse.
 
 Frameworks are imported lazily: a value can only be a `jax.Array` or a
 `torch.Tensor` if that framework is already imported.

@@ -26,7 +26,7 @@ import ray
 
 import rdt_jax
 from conftest import wait_for, wait_meta, worker_env
-from rdt_jax.transports import _capabilities
+from rdt_jax import _limits
 
 rdt_jax.register()
 
@@ -73,7 +73,7 @@ def held(counters: dict) -> dict:
 
 
 def test_many_short_lived_producers_leave_nothing_behind(monkeypatch):
-  monkeypatch.setattr(_capabilities, "ACTOR_ANSWER_IDLE_S", 2.0)  # this driver's cache of actor answers
+  monkeypatch.setattr(_limits, "ACTOR_ANSWER_IDLE_S", 2.0)  # this driver's cache of actor answers
   consumers = [
       Consumer.options(runtime_env=worker_env(**IDLE)).remote(),
       Consumer.options(runtime_env=worker_env(RDT_JAX_FAULTS="cma.read:fail", **IDLE)).remote(),

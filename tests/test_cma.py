@@ -22,8 +22,8 @@ import ray
 import rdt_jax
 from _helpers import digest, sample, transport_manager, wait_for
 from conftest import start_ray, worker_env
+from rdt_jax import _limits, _process
 from rdt_jax import _node_local as node_local
-from rdt_jax import _process
 
 rdt_jax.register()
 
@@ -49,10 +49,10 @@ def test_read_copies_from_a_process_exactly(monkeypatch):
   dst = np.zeros_like(src)
   me = _process.identity()
   # More descriptors than one system call takes, and large enough for threads.
-  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * node_local.IOV_MAX + 5)]
-  pairs.append((dst.ctypes.data + 2 * node_local.IOV_MAX + 5, src.ctypes.data + 2 * node_local.IOV_MAX + 5,
-                src.nbytes - 2 * node_local.IOV_MAX - 5))
-  monkeypatch.setattr(node_local, "PARALLEL_MIN_BYTES", 1024)
+  pairs = [(dst.ctypes.data + i, src.ctypes.data + i, 1) for i in range(0, 2 * _limits.IOV_MAX + 5)]
+  pairs.append((dst.ctypes.data + 2 * _limits.IOV_MAX + 5, src.ctypes.data + 2 * _limits.IOV_MAX + 5,
+                src.nbytes - 2 * _limits.IOV_MAX - 5))
+  monkeypatch.setattr(_limits, "PARALLEL_MIN_BYTES", 1024)
   node_local.read(me, pairs)
   assert np.array_equal(src, dst)
 
@@ -137,7 +137,7 @@ def test_a_producer_that_exits_during_the_read_fails_it(monkeypatch, child):
   dst = np.zeros(64, np.uint8)
   node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
   assert np.array_equal(dst, np.arange(64, dtype=np.uint8))
-  assert child.identity in _process._watched  # watched from now on
+  assert child.identity in _process.watched()  # watched from now on
   real = node_local._read_all
 
   def read_then_exit(pid, prepared):
@@ -149,7 +149,7 @@ def test_a_producer_that_exits_during_the_read_fails_it(monkeypatch, child):
   with pytest.raises(ProcessLookupError, match="during the read"):
     node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
   assert np.array_equal(dst, np.arange(64, dtype=np.uint8))  # the copy ran; the check after it refused it
-  assert child.identity not in _process._watched  # forgotten once it exited
+  assert child.identity not in _process.watched()  # forgotten once it exited
   with pytest.raises(ProcessLookupError, match="before the read"):
     node_local.read(child.identity, [(dst.ctypes.data, child.address, 64)])
 
@@ -163,22 +163,22 @@ def test_an_invalid_pid_is_not_alive_and_keeps_pidfds_on():
 
 def test_watched_processes_are_bounded(monkeypatch):
   # Each watched process holds a file descriptor: at most WATCHED_MAX are kept.
-  monkeypatch.setattr(_process, "WATCHED_MAX", 2)
-  monkeypatch.setattr(_process, "_watched", OrderedDict())
+  monkeypatch.setattr(_limits, "WATCHED_MAX", 2)
+  _process.forget_watched()
   children = [_Child() for _ in range(3)]
   try:
     pidfds = _open_pidfds()
     assert all(_process.alive(c.identity) for c in children)
     if _process._pidfd_works[0]:
-      assert list(_process._watched) == [c.identity for c in children[1:]]
+      assert _process.watched() == tuple(c.identity for c in children[1:])
       assert _open_pidfds() == pidfds + 2  # the first one's was closed when it was dropped
     assert _process.alive(children[0].identity)  # asked /proc again, then watched again
-    assert _process.watched() <= 2
+    assert len(_process.watched()) <= 2
   finally:
     for c in children:
       c.close()
   assert not any(_process.alive(c.identity) for c in children)
-  assert _process.watched() == 0
+  assert _process.watched() == ()
   assert _open_pidfds() == pidfds
 
 
@@ -232,14 +232,14 @@ def test_node_local_read_refuses_stale_metadata_like_a_nixl_read(monkeypatch):
   # One process, two agents: the producer is on this host, so reads are node-local.
   from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-  from rdt_jax import _dlpack, _state
+  from rdt_jax import _dlpack, _handoff
   from rdt_jax.transports.nixl import NixlTransport
 
   monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
   prod, cons = NixlTransport(), NixlTransport()
 
   def export(obj: str, x):
-    _state.record_described(x, _dlpack.describe(x, "[0]"))
+    _handoff.record_described(x, _dlpack.describe(x, "[0]"))
     return prod.extract_tensor_transport_metadata(obj, [x])
 
   def fetch(obj: str, meta):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from rdt_jax import _dlpack, _layout, _memory
+from rdt_jax import _dlpack, _layout, _limits, _memory
 from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec
 from rdt_jax._memory._regions import RegionPool
 from rdt_jax.transports._plan import ReceivePlan
@@ -78,7 +78,7 @@ def test_device_chunks_share_one_region_per_device(pool):
   assert len(plan.regions) == 1 and pool.stand_in.allocated == [(768, Device("cuda"), "jax")]
   region = plan.regions[0]
   assert {d.region for d in dests} == {(region.pointer, region.nbytes)} and all(d.pooled for d in dests)
-  assert all((d.pointer - region.pointer) % _layout.DEVICE_ALIGNMENT == 0 for d in dests)
+  assert all((d.pointer - region.pointer) % _limits.DEVICE_ALIGNMENT == 0 for d in dests)
   land(dests, xs)
   leaves = plan.build()
   assert [_dlpack.framework_of(x) for x in leaves] == ["jax", "torch", "jax", "torch"]

@@ -28,7 +28,7 @@ import ray
 
 import rdt_jax
 from conftest import wait_meta, worker_env
-from rdt_jax import _memory, _settings
+from rdt_jax import _limits, _memory, _settings
 from rdt_jax.transports.nixl import export, ucx
 
 rdt_jax.register()
@@ -136,7 +136,7 @@ def test_every_device_chunk_is_copied_while_the_object_fits_one_pooled_region():
 
 def test_an_object_larger_than_the_pool_copies_only_its_small_chunks():
   big = 600 << 20
-  small = export.PACK_MAX_CHUNK
+  small = _limits.PACK_MAX_CHUNK
   assert export.device_chunks_to_copy([big, small, big, small + 1], pool_bytes=1 << 30) == [1]
   assert export.device_chunks_to_copy([], pool_bytes=0) == []
 

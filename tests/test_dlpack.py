@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import rdt_jax
 from _helpers import sample, wait_for
-from rdt_jax import _dlpack, _layout, _memory
+from rdt_jax import _dlpack, _layout, _limits, _memory
 from rdt_jax._dlpack import ChunkSpec, _dtypes
 from rdt_jax._memory import _host
 
@@ -120,10 +120,10 @@ def test_host_layout_aligns_every_chunk():
   specs = [_dlpack.describe(np.zeros(n, np.uint8)).spec for n in (1, 100, 0, 64, 65)]
   offsets, total = _layout.host_layout(specs)
   flat = [o for leaf in offsets for o in leaf]
-  assert all(o % _memory.ALIGNMENT == 0 for o in flat)
+  assert all(o % _limits.HOST_ALIGNMENT == 0 for o in flat)
   assert total >= sum(s.nbytes for s in specs)
   buf = _host.aligned_host_buffer(total)
-  assert buf.ctypes.data % _memory.ALIGNMENT == 0
+  assert buf.ctypes.data % _limits.HOST_ALIGNMENT == 0
 
 
 # ---- errors
@@ -310,7 +310,7 @@ def test_host_pool_reuses_only_free_buffers():
   assert x.unsafe_buffer_pointer() == first
   assert pool.acquire(4096).ctypes.data != first
   del x
-  assert wait_for(lambda: _pooled_buffer_free(pool, first), timeout=5, interval=0.05)
+  assert wait_for(lambda: _all_pooled_buffers_free(pool), timeout=5, interval=0.05)
   t = torch.from_numpy(pool.acquire(1 << 20))  # over the bound: evicts free buffers
   assert evicted and pool.pooled_bytes() <= (1 << 20) + 3 * 4096
   del t
@@ -318,13 +318,12 @@ def test_host_pool_reuses_only_free_buffers():
   assert pool.pooled_bytes() == 0
 
 
-def _pooled_buffer_free(pool, pointer: int) -> bool:
+def _all_pooled_buffers_free(pool) -> bool:
   import gc
 
   gc.collect()
-  return any(
-      pool._buffers[i].ctypes.data == pointer and pool._free_at(i) for i in range(len(pool._buffers))
-  )
+  c = pool.counters()
+  return c["buffers"] >= 2 and c["free_buffers"] == c["buffers"] and c["bytes_in_use"] == 0
 
 
 
@@ -335,9 +334,9 @@ def test_gc_paused_nests_and_restores_the_collector():
   from rdt_jax import _memory
 
   assert gc.isenabled()
-  with _memory.gc_paused(_memory.GC_PAUSE_MIN_LEAVES - 1):
+  with _memory.gc_paused(_limits.GC_PAUSE_MIN_LEAVES - 1):
     assert gc.isenabled()  # small objects: the collector runs as usual
-  with _memory.gc_paused(_memory.GC_PAUSE_MIN_LEAVES):
+  with _memory.gc_paused(_limits.GC_PAUSE_MIN_LEAVES):
     assert not gc.isenabled()
     with _memory.gc_paused(10_000):
       assert not gc.isenabled()

@@ -23,7 +23,7 @@ import ray
 
 import rdt_jax
 from conftest import OUT_OF_BAND_ENV, wait_for, wait_meta, worker_env
-from rdt_jax import _faults, _memory
+from rdt_jax import _faults, _limits, _memory
 
 rdt_jax.register()
 
@@ -327,18 +327,17 @@ def test_producer_killed_while_exporting():
 
 
 def test_abort_marks_are_bounded_and_forgotten_on_free():
-  from rdt_jax.transports import _aborts
   from rdt_jax.transports.nixl import NixlTransport
 
   t = NixlTransport()
-  for i in range(_aborts.MAX_ABORTED + 10):
+  for i in range(_limits.MAX_ABORTED + 10):
     t.abort_transport(f"obj{i}", None)
-  assert t.counters()["abort_marks"] == _aborts.MAX_ABORTED
+  assert t.counters()["abort_marks"] == _limits.MAX_ABORTED
   assert not t.aborted("obj0")  # the oldest were forgotten
-  last = f"obj{_aborts.MAX_ABORTED + 9}"
+  last = f"obj{_limits.MAX_ABORTED + 9}"
   t.garbage_collect(last, None, [])
   assert not t.aborted(last)
-  assert t.counters()["abort_marks"] == _aborts.MAX_ABORTED - 1
+  assert t.counters()["abort_marks"] == _limits.MAX_ABORTED - 1
 
 
 def test_unused_targets_are_dropped_once_their_object_is_freed(producer):

@@ -27,7 +27,7 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 import rdt_jax
 from _helpers import digest, sample, transport_manager
 from conftest import start_ray, worker_env
-from rdt_jax import _dlpack, _state
+from rdt_jax import _dlpack, _handoff
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _inband
 from rdt_jax.transports.nixl import NixlTransport
@@ -48,7 +48,7 @@ def in_band_on(monkeypatch):
 
 def _export(prod: NixlTransport, obj: str, leaves: list):
   for i, x in enumerate(leaves):
-    _state.record_described(x, _dlpack.describe(x, f"[{i}]"))
+    _handoff.record_described(x, _dlpack.describe(x, f"[{i}]"))
   return prod.extract_tensor_transport_metadata(obj, leaves)
 
 

@@ -406,17 +406,17 @@ def test_in_place_write_after_return(live, transport, in_band, framework):
 def test_dead_producers_remembered_are_bounded(monkeypatch):
   """The consumer remembers dead producers (one lookup each), at most
   `MAX_DEAD_REMEMBERED`: one that was forgotten is asked about again."""
-  from rdt_jax import _ray
+  from rdt_jax import _limits, _ray
   from rdt_jax.transports import _lifetime
 
   asked = []
-  monkeypatch.setattr(_lifetime, "MAX_DEAD_REMEMBERED", 3)
+  monkeypatch.setattr(_limits, "MAX_DEAD_REMEMBERED", 3)
   monkeypatch.setattr(_lifetime, "_dead", {})
   monkeypatch.setattr(_ray.state, "actor_dead", lambda actor: asked.append(actor) or True)
   for i in range(5):
     with pytest.raises(_lifetime.ProducerDiedError, match=f"actor a{i}"):
       _lifetime.check_producer("obj", f"a{i}")
-  assert list(_lifetime._dead) == ["a2", "a3", "a4"]
+  assert _lifetime.dead_remembered() == ("a2", "a3", "a4")
   with pytest.raises(_lifetime.ProducerDiedError):
     _lifetime.check_producer("obj", "a4")  # remembered: no lookup
   assert asked == ["a0", "a1", "a2", "a3", "a4"]

@@ -23,7 +23,7 @@ import pytest
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 import rdt_jax
-from rdt_jax import _dlpack, _state
+from rdt_jax import _dlpack, _handoff
 from rdt_jax._dlpack import ChunkSpec, LeafSpec, ShardingLayout
 from rdt_jax._metadata import DlpackTransportMetadata, MetadataError
 from rdt_jax.transports._plan import ReceivePlan
@@ -50,7 +50,7 @@ def pair(request):
         np.arange(100_000, dtype=np.int64),  # read in place (above the packing limit)
     ]
     for i, x in enumerate(tree):
-      _state.record_described(x, _dlpack.describe(x, f"[{i}]"))
+      _handoff.record_described(x, _dlpack.describe(x, f"[{i}]"))
     meta = prod.extract_tensor_transport_metadata("fuzz", tree)
     yield prod, cons, tree, meta
     prod.garbage_collect("fuzz", meta, tree)

@@ -12,7 +12,7 @@ import pytest
 from ray.exceptions import RayDirectTransportError
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-from rdt_jax import _dlpack, _state
+from rdt_jax import _dlpack, _handoff
 from rdt_jax.transports.nixl import NixlTransport
 from rdt_jax.transports.nixl.metadata import where_digest
 from rdt_jax.transports.nixl.registrations import NixlError
@@ -35,7 +35,7 @@ def test_an_unloadable_producer_agent_names_the_object_and_producer(monkeypatch)
   monkeypatch.setenv("RDT_JAX_NIXL_CMA", "0")  # the NIXL READ path
   prod, cons = NixlTransport(), NixlTransport()
   tree = [np.arange(1000, dtype=np.float32)]
-  _state.record_described(tree[0], _dlpack.describe(tree[0], "['w']"))
+  _handoff.record_described(tree[0], _dlpack.describe(tree[0], "['w']"))
   meta = prod.extract_tensor_transport_metadata("o2", tree)
   bad = pickle.loads(pickle.dumps(meta))
   bad.agent_meta = b"not an agent's metadata" * 4

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from rdt_jax import _dlpack, _faults, _state
+from rdt_jax import _dlpack, _faults, _handoff
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
 from rdt_jax.transports.nixl.registrations import Registrations
 from rdt_jax.transports.nixl.views import RemoteViews
@@ -257,7 +257,7 @@ def test_exports_releases_and_other_reads_go_on_while_a_connection_stalls(monkey
 
   def export(transport: NixlTransport, obj: str):
     x = leaves[obj.split("-")[0]]
-    _state.record_described(x, _dlpack.describe(x, "[0]"))
+    _handoff.record_described(x, _dlpack.describe(x, "[0]"))
     meta = transport.extract_tensor_transport_metadata(obj, [x])
     exported.append((transport, obj, meta, [x]))
     return meta

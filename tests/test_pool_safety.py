@@ -220,7 +220,7 @@ def test_back_to_back_objects_reuse_one_host_buffer_with_the_collector_idle():
   finally:
     if was_enabled:
       gc.enable()
-  assert len(pool._buffers) == 1 and len(seen) == 1
+  assert pool.counters()["buffers"] == 1 and len(seen) == 1
 
 
 def test_one_read_into_host_and_device_memory_is_refused_by_name():

@@ -403,13 +403,13 @@ class _NeverArrives(rdt_jax.DlpackTransport):
 def test_a_two_sided_receive_waits_at_most_ray_s_fetch_timeout(monkeypatch):
   """Ray runs `recv_multiple_tensors` (its `__ray_recv__`) with no timeout:
   the wait is bounded by Ray's RDT fetch timeout all the same."""
-  from rdt_jax import _state
+  from rdt_jax import _handoff
 
   monkeypatch.setenv("RDT_JAX_INLINE_MAX_BYTES", "0")
   monkeypatch.setattr(_ray.state, "rdt_fetch_timeout_s", lambda: 0.2)
   t = _NeverArrives()
   tree = [np.arange(64, dtype=np.float32)]
-  _state.record_described(tree[0], _dlpack.describe(tree[0], "[0]"))
+  _handoff.record_described(tree[0], _dlpack.describe(tree[0], "[0]"))
   meta = t.extract_tensor_transport_metadata("never", tree)
   start = time.monotonic()
   with pytest.raises(TimeoutError, match=r"within 0\.2s"):

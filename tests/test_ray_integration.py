@@ -21,7 +21,7 @@ import ray
 import conftest
 import rdt_jax
 from _unregistered_actor import Borrower
-from rdt_jax import _ray, _state
+from rdt_jax import _handoff, _limits, _ray
 
 rdt_jax.register()
 
@@ -178,11 +178,11 @@ def _extract_on_another_thread(obj_id, leaves):
 def test_extract_on_another_thread_gets_the_serializers_descriptions():
   value = {"w": jnp.ones((3, 2), jnp.float32), "b": np.arange(4, dtype=np.int16), "step": 3}
   _, leaves = _serialize(value)
-  assert _state.pending_handoffs() == 1
+  assert _handoff.pending_handoffs() == 1
   meta = _extract_on_another_thread("handoff-thread-test", leaves)
   # The pytree paths come only from the serializer: the fallback names leaves <leaf i>.
   assert sorted(leaf.path for leaf in meta.leaves) == ["['b']", "['w']"]
-  assert _state.pending_handoffs() == 0
+  assert _handoff.pending_handoffs() == 0
 
 
 def test_a_failed_serialization_leaves_no_handoff():
@@ -190,21 +190,21 @@ def test_a_failed_serialization_leaves_no_handoff():
   dead.delete()
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['dead'\]"):
     _serialize({"ok": jnp.zeros(2), "dead": dead})
-  assert _state.pending_handoffs() == 0
+  assert _handoff.pending_handoffs() == 0
 
 
 def test_a_handoff_holds_no_leaf_alive():
   _, leaves = _serialize({"w": jnp.ones(1000)})
-  assert _state.pending_handoffs() == 1
+  assert _handoff.pending_handoffs() == 1
   del leaves
   gc.collect()
-  assert _state.pending_handoffs() == 0
+  assert _handoff.pending_handoffs() == 0
 
 
 def test_an_expired_handoff_is_dropped(monkeypatch):
   _, leaves = _serialize({"w": jnp.ones(4)})
-  monkeypatch.setattr(_state, "HANDOFF_TTL_S", 0.0)
-  assert _state.pending_handoffs() == 0
+  monkeypatch.setattr(_limits, "HANDOFF_TTL_S", 0.0)
+  assert _handoff.pending_handoffs() == 0
   # Extract still works: it describes the leaf again, without its path.
   meta = _extract_on_another_thread("handoff-expired-test", leaves)
   assert [leaf.path for leaf in meta.leaves] == ["<leaf 0>"]
@@ -219,17 +219,17 @@ def test_a_structure_seen_before_names_each_new_leaf_by_its_path():
   # Same structure, new leaves: the kept paths are matched to these leaves.
   with pytest.raises(rdt_jax.UnsupportedLeafError, match=r"\['b'\]\['c'\]"):
     _serialize({"a": jnp.zeros(2), "b": {"c": dead}})
-  assert _state.pending_handoffs() == 0
+  assert _handoff.pending_handoffs() == 0
 
 
 def test_leaf_paths_are_kept_for_a_bounded_number_of_structures():
-  for i in range(_state.PATHS_KEPT + 5):
+  for i in range(_limits.PATHS_KEPT + 5):
     shared = np.ones(1)
     tree = {f"k{i}": np.zeros(1), "x": [shared, shared]}
-    paths = _state._paths_of(tree)
+    paths = _handoff._paths_of(tree)
     assert paths[id(tree[f"k{i}"])] == f"['k{i}']"
     assert paths[id(shared)] == "['x'][0]"  # a leaf met twice: its first path
-  assert len(_state._paths_by_structure) <= _state.PATHS_KEPT
+  assert _handoff.structures_kept() <= _limits.PATHS_KEPT
 
 
 # --------------------------------------------------------------------------

@@ -31,8 +31,8 @@ import pytest
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 from _helpers import wait_for
-from rdt_jax import _compat, _dlpack, _state
-from rdt_jax.transports.transfer import TransferTransport, peers, protocol
+from rdt_jax import _compat, _dlpack, _handoff, _limits
+from rdt_jax.transports.transfer import TransferTransport, protocol
 
 pytestmark = pytest.mark.skipif(not _compat.has_jax_transfer(), reason="jax has no transfer server")
 
@@ -51,7 +51,7 @@ def _export(prod, tree):
   _serial[0] += 1
   obj_id = f"obj{_serial[0]}"
   for i, x in enumerate(tree):
-    _state.record_described(x, _dlpack.describe(x, f"[{i}]"))
+    _handoff.record_described(x, _dlpack.describe(x, f"[{i}]"))
   return obj_id, prod.extract_tensor_transport_metadata(obj_id, tree)
 
 
@@ -115,7 +115,7 @@ def test_nothing_received_is_unpickled(pair, tmp_path):
   assert not marker.exists()
   # A message over the size limit is refused before it is read.
   sock = cons._peers.pool.take(address, meta.authkey, obj_id)
-  sock.sendall(struct.pack(">I", protocol.MAX_MESSAGE + 1))
+  sock.sendall(struct.pack(">I", _limits.TRANSFER_MAX_MESSAGE + 1))
   sock.settimeout(10)
   assert sock.recv(16) == b""
   sock.close()
@@ -159,14 +159,14 @@ def test_a_stopped_producer_fails_the_fetch_in_bounded_time(pair, monkeypatch):
   prod, cons = pair
   obj_id, meta = _export(prod, _tree())
   silent = _SilentProducer(meta.authkey)
-  monkeypatch.setattr(protocol, "ANSWER_TIMEOUT_S", 1.0)
+  monkeypatch.setattr(_limits, "TRANSFER_ANSWER_TIMEOUT_S", 1.0)
   meta.offer_address = silent.address
   start = time.monotonic()
   with pytest.raises(Exception, match="did not answer within 1s"):
     _fetch(cons, obj_id, meta)
   assert time.monotonic() - start < 10
   # Ray's abort ends the wait at once.
-  monkeypatch.setattr(protocol, "ANSWER_TIMEOUT_S", 60.0)
+  monkeypatch.setattr(_limits, "TRANSFER_ANSWER_TIMEOUT_S", 60.0)
   threading.Timer(0.5, lambda: cons.abort_transport(obj_id, None)).start()
   start = time.monotonic()
   with pytest.raises(Exception, match="aborted"):
@@ -191,7 +191,7 @@ def test_connections_to_gone_or_idle_producers_are_forgotten(pair, monkeypatch):
     with pytest.raises(Exception, match="has exited"):
       _fetch(cons, obj_id, dead)
   # Idle connections go after IDLE_S.
-  monkeypatch.setattr(peers, "IDLE_S", 0.0)
+  monkeypatch.setattr(_limits, "TRANSFER_IDLE_S", 0.0)
   cons.prune()
   assert cons.counters()["peers"] == 0
   prod.garbage_collect(obj_id, meta, _tree())
@@ -218,8 +218,9 @@ def test_metadata_without_a_producer_to_pull_from_is_refused(pair, field, value)
 #: timeout, and prints the error's message.
 _PROBE = """
 import sys
+from rdt_jax import _limits
 from rdt_jax.transports.transfer import peers
-peers.CONNECT_TIMEOUT_S = 1.0
+_limits.TRANSFER_CONNECT_TIMEOUT_S = 1.0
 try:
   peers.probe((sys.argv[1], 9), "obj-1")
 except RuntimeError as e:

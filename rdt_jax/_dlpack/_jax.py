@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rdt_jax import _compat
+from rdt_jax import _compat, _limits
 from rdt_jax._dlpack._devices import PLATFORM_KIND, Device, jax_device, parse_device
 from rdt_jax._dlpack._dtypes import check_dtype, is_64_bit
 from rdt_jax._dlpack._errors import UnsupportedLeafError
@@ -155,7 +155,6 @@ def placement_problem(x: Any) -> str | None:
 #: (shape, dtype) -> the buffer layout (jaxlib's `PjRtLayout`) an array of
 #: that shape and dtype was found to have in row-major order; bounded.
 _ROW_MAJOR: dict[tuple[Any, Any], Any] = {}
-_ROW_MAJOR_MAX = 4096
 
 
 def _layout_problem(x: Any) -> str | None:
@@ -174,7 +173,7 @@ def _layout_problem(x: Any) -> str | None:
         f"has a non-default layout (major_to_minor={order}, tiling={tiling}; row-major is "
         f"major_to_minor={row_major} without tiles)"
     )
-  if buffer_layout is not None and len(_ROW_MAJOR) < _ROW_MAJOR_MAX:
+  if buffer_layout is not None and len(_ROW_MAJOR) < _limits.JAX_ROW_MAJOR_MAX:
     _ROW_MAJOR[(x.shape, x.dtype)] = buffer_layout
   return None
 

@@ -10,20 +10,16 @@ resharding on receive (slices, target layouts, byte runs between boxes) is
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
+from rdt_jax import _limits
 from rdt_jax._dlpack import _jax
 from rdt_jax._dlpack._devices import Device, jax_device, jax_platform
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
 from rdt_jax._dlpack._specs import ChunkSpec, LeafSpec, ShardingLayout
-
-#: Bounds on what a leaf spec from another process may hold: axes per leaf,
-#: and elements per leaf (no buffer of that many bytes exists).
-MAX_NDIM: Final = 64
-MAX_ELEMENTS: Final = 1 << 56
 
 
 def spec_problem(spec: object) -> tuple[str, str] | None:
@@ -81,11 +77,11 @@ def spec_problem(spec: object) -> tuple[str, str] | None:
 def _shape_problem(shape: object) -> str | None:
   if type(shape) is not tuple:
     return f"is a {type(shape).__name__}, not a tuple"
-  if len(shape) > MAX_NDIM:
-    return f"has {len(shape)} axes (at most {MAX_NDIM})"
+  if len(shape) > _limits.SHARDING_MAX_NDIM:
+    return f"has {len(shape)} axes (at most {_limits.SHARDING_MAX_NDIM})"
   if not all(type(n) is int and n >= 0 for n in shape):
     return f"is {shape!r}, not non-negative ints"
-  if math.prod(shape) >= MAX_ELEMENTS:
+  if math.prod(shape) >= _limits.SHARDING_MAX_ELEMENTS:
     return f"is {shape!r}, more elements than any buffer holds"
   return None
 

@@ -32,7 +32,7 @@ configuration is broken, or slow enough to lose to Ray's object store):
   TCP: UCX's host READ emulated over TCP *and* no node-local read;
 * on a GPU host: `device_read_problem()` (CUDA IPC READs turned off), a device
   READ that UCX emulates or sends over TCP, or one slower than
-  `DEVICE_READ_MIN_GBPS`;
+  `_limits.DOCTOR_DEVICE_READ_MIN_GBPS`;
 * on a GPU host shared by `--jax-processes-per-gpu` N > 1 jax processes:
   preallocation on with N x fraction >= 1 (the second process runs out of memory).
 
@@ -70,7 +70,6 @@ from rdt_jax._doctor.installed import collect_ray as collect_ray
 from rdt_jax._doctor.installed import collect_transports as collect_transports
 from rdt_jax._doctor.installed import collect_versions as collect_versions
 from rdt_jax._doctor.installed import ray_builtin_usable as ray_builtin_usable
-from rdt_jax._doctor.judge_reads import DEVICE_READ_MIN_GBPS as DEVICE_READ_MIN_GBPS
 from rdt_jax._doctor.judge_reads import judge_device_read as judge_device_read
 from rdt_jax._doctor.judge_reads import judge_device_read_settings as judge_device_read_settings
 from rdt_jax._doctor.judge_reads import judge_host_read as judge_host_read
@@ -99,7 +98,6 @@ from rdt_jax._doctor.ucx_log import ucx_errors as ucx_errors
 from rdt_jax._doctor.ucx_log import ucx_version as ucx_version
 
 __all__ = [
-  "DEVICE_READ_MIN_GBPS",
   "Finding",
   "ProtoRow",
   "ProtoTable",

@@ -7,15 +7,9 @@ Pure functions of what was measured; each returns a `Finding`.
 
 from __future__ import annotations
 
-from typing import Final
-
+from rdt_jax import _limits
 from rdt_jax._doctor.records import Finding, ReadResult
 from rdt_jax._doctor.ucx_log import ReadPath
-
-#: A READ of device memory slower than this (GB/s, median of the loopback's
-#: timed READs) is a fail: UCX's emulated READ ran at 0.4-0.6 GB/s on an H200,
-#: a CUDA IPC READ at hundreds of GB/s, a PCIe peer READ at tens.
-DEVICE_READ_MIN_GBPS: Final = 2.0
 
 
 def _rate(result: ReadResult) -> str:
@@ -112,7 +106,7 @@ def judge_device_read(result: ReadResult | None, path: ReadPath | None, errors: 
   """The verdict on the loopback's READ of device memory (GPU hosts only).
 
   A READ UCX emulated or sent over TCP, one that failed or delivered wrong
-  bytes, or one slower than `DEVICE_READ_MIN_GBPS`, is a fail; one that
+  bytes, or one slower than `_limits.DOCTOR_DEVICE_READ_MIN_GBPS`, is a fail; one that
   used CUDA IPC is ok; any other path, or one UCX logged none for, a warning.
   """
   what = "NIXL READ of GPU memory"
@@ -137,9 +131,10 @@ def judge_device_read(result: ReadResult | None, path: ReadPath | None, errors: 
         "Set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y in every process with a NIXL agent (rdt_jax does, unless "
         "RDT_JAX_UCX_DEFAULTS=0 or the variable is set); see docs/gpu.md.",
     )
-  if rate is not None and rate < DEVICE_READ_MIN_GBPS:
+  if rate is not None and rate < _limits.DOCTOR_DEVICE_READ_MIN_GBPS:
     return Finding("fail", f"{what}{where}: {how}",
-                   f"slower than {DEVICE_READ_MIN_GBPS} GB/s: a device transfer this slow loses to Ray's object store.",
+                   f"slower than {_limits.DOCTOR_DEVICE_READ_MIN_GBPS} GB/s: "
+                   "a device transfer this slow loses to Ray's object store.",
                    "Check the GPU topology below and the UCX_* variables; docs/gpu.md says what is known.")
   if path is None:
     return Finding("warn", f"{what}{where}: {how}, protocol unknown",

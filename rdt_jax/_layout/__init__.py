@@ -9,7 +9,6 @@ import its private modules directly. `README.md` beside this file lists the
 modules and the rules.
 """
 
-from rdt_jax._layout._chunks import DEVICE_ALIGNMENT as DEVICE_ALIGNMENT
 from rdt_jax._layout._chunks import host_chunk as host_chunk
 from rdt_jax._layout._chunks import host_layout as host_layout
 from rdt_jax._layout._chunks import pack_host_chunks as pack_host_chunks
@@ -30,7 +29,6 @@ from rdt_jax._layout._reshard import target_layout as target_layout
 # Grouped by purpose, one comment per group (not sorted as a whole).
 __all__ = [  # noqa: RUF022
     # One object's chunks in one host buffer or device region, and typed views of them.
-    "DEVICE_ALIGNMENT",
     "host_chunk",
     "host_layout",
     "pack_host_chunks",

@@ -9,17 +9,12 @@ The memory itself comes from `rdt_jax._memory`'s pools.
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 
+from rdt_jax import _limits
 from rdt_jax._dlpack._bytes import host_bytes
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 from rdt_jax._memory._host import aligned
-
-#: Device chunks start on this boundary (cudaMalloc's alignment; jax and torch
-#: alias DLPack buffers aligned this way without copying).
-DEVICE_ALIGNMENT: Final = 256
 
 
 def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
@@ -27,7 +22,7 @@ def host_layout(specs: list[LeafSpec]) -> tuple[list[list[int]], int]:
 
   Returns:
     per leaf, the byte offset of each chunk; and the total buffer size. Every
-    chunk starts on an `ALIGNMENT` boundary so jax can alias it.
+    chunk starts on an `_limits.HOST_ALIGNMENT` boundary so jax can alias it.
   """
   offsets: list[list[int]] = []
   total = 0
@@ -56,7 +51,7 @@ def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
   ])
 
 
-def pack_layout(specs: list[LeafSpec], alignment: int = DEVICE_ALIGNMENT) -> tuple[list[list[int]], int]:
+def pack_layout(specs: list[LeafSpec], alignment: int = _limits.DEVICE_ALIGNMENT) -> tuple[list[list[int]], int]:
   """Packs every chunk of `specs` into one region.
 
   Returns:

@@ -19,9 +19,7 @@ from rdt_jax._memory._cuda import settle_targets as settle_targets
 from rdt_jax._memory._cuda import wait_for_copies as wait_for_copies
 from rdt_jax._memory._cuda import wait_for_producers as wait_for_producers
 from rdt_jax._memory._cuda import wait_received as wait_received
-from rdt_jax._memory._gc import GC_PAUSE_MIN_LEAVES as GC_PAUSE_MIN_LEAVES
 from rdt_jax._memory._gc import gc_paused as gc_paused
-from rdt_jax._memory._host import ALIGNMENT as ALIGNMENT
 from rdt_jax._memory._host import HostBufferPool as HostBufferPool
 from rdt_jax._memory._host import aligned as aligned
 from rdt_jax._memory._host import host_pointer as host_pointer
@@ -33,7 +31,6 @@ from rdt_jax._memory._regions import region_source as region_source
 # Grouped by purpose, one comment per group (not sorted as a whole).
 __all__ = [  # noqa: RUF022
     # Host memory: the buffer pool and its alignment.
-    "ALIGNMENT",
     "HostBufferPool",
     "aligned",
     "host_pointer",
@@ -54,6 +51,5 @@ __all__ = [  # noqa: RUF022
     "wait_for_producers",
     "wait_received",
     # The GC pause around one object's per-leaf work.
-    "GC_PAUSE_MIN_LEAVES",
     "gc_paused",
 ]

@@ -22,8 +22,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-#: Objects with at least this many leaves pause the collector.
-GC_PAUSE_MIN_LEAVES = 64
+from rdt_jax import _limits
 
 _lock = threading.Lock()
 _depth = 0
@@ -54,7 +53,7 @@ def gc_paused(leaves: int) -> Iterator[None]:
 
 
 def _min_leaves() -> int:
-  return GC_PAUSE_MIN_LEAVES  # read at call time, so tests and benchmarks can change it
+  return _limits.GC_PAUSE_MIN_LEAVES  # read at call time, so tests and benchmarks can change it
 
 
 def release_deferred() -> None:

@@ -12,29 +12,24 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from typing import Final
 
 import numpy as np
 
-from rdt_jax import _settings
+from rdt_jax import _limits, _settings
 from rdt_jax._memory._gc import release_deferred
 
 logger = logging.getLogger(__name__)
 
-#: Host receive buffers start on this boundary: `jnp.from_dlpack` and
-#: `jax.device_put` alias (do not copy) host memory aligned to 64 bytes.
-ALIGNMENT: Final = 64
-
 
 def aligned(nbytes: int) -> int:
-  """`nbytes` rounded up to a multiple of `ALIGNMENT`."""
-  return -(-nbytes // ALIGNMENT) * ALIGNMENT
+  """`nbytes` rounded up to a multiple of `_limits.HOST_ALIGNMENT`."""
+  return -(-nbytes // _limits.HOST_ALIGNMENT) * _limits.HOST_ALIGNMENT
 
 
 def aligned_host_buffer(nbytes: int) -> np.ndarray:
-  """A fresh uint8 host buffer of `nbytes`, starting on an `ALIGNMENT` boundary."""
-  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-  offset = (-raw.ctypes.data) % ALIGNMENT
+  """A fresh uint8 host buffer of `nbytes`, starting on an `_limits.HOST_ALIGNMENT` boundary."""
+  raw = np.empty(nbytes + _limits.HOST_ALIGNMENT, dtype=np.uint8)
+  offset = (-raw.ctypes.data) % _limits.HOST_ALIGNMENT
   return raw[offset : offset + nbytes]
 
 
@@ -203,6 +198,20 @@ class HostBufferPool:
     """Bytes the pool keeps now, in use or free."""
     with self._lock:
       return sum(b.nbytes for b in self._buffers)
+
+  def counters(self) -> dict[str, int]:
+    """What the pool holds now: `buffers` it keeps, `free_buffers` among them
+    (nothing references them), `pooled_bytes`, `bytes_in_use` and `stranded`
+    buffers (kept for good after a listener failed on them)."""
+    with self._lock:
+      free = [self._free_at(i) for i in range(len(self._buffers))]
+      return {
+          "buffers": len(self._buffers),
+          "free_buffers": sum(free),
+          "pooled_bytes": sum(b.nbytes for b in self._buffers),
+          "bytes_in_use": sum(b.nbytes for b, f in zip(self._buffers, free) if not f),
+          "stranded": len(self._stranded),
+      }
 
 
 #: The process's host buffer pool (receive buffers and send staging buffers).

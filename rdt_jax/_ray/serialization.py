@@ -20,34 +20,34 @@ from rdt_jax import _compat
 from rdt_jax._ray import state, wrapping
 
 if TYPE_CHECKING:
-  from rdt_jax import _dlpack, _state
+  from rdt_jax import _dlpack, _handoff
 
 __all__ = ["install_reducers", "wrap_serialize_rdt_objects"]
 
 
 def import_layers() -> None:
-  """Binds `_dlpack` and `_state` in this module (both import numpy).
+  """Binds `_dlpack` and `_handoff` in this module (both import numpy).
 
   Deferred to the first `install()` / `install_reducers()`, before which
   nothing here uses them, so that the name check can be installed at
   `import rdt_jax` without importing numpy.
   """
-  if "_state" not in globals():
+  if "_handoff" not in globals():
     globals()["_dlpack"] = importlib.import_module("rdt_jax._dlpack")
-    globals()["_state"] = importlib.import_module("rdt_jax._state")
+    globals()["_handoff"] = importlib.import_module("rdt_jax._handoff")
 
 
 def _extracting() -> bool:
-  s = _state.serializing
+  s = _handoff.serializing
   return s.transport is not None and getattr(s.context._thread_local, "use_external_transport", False)
 
 
 def _take_leaf(leaf: Any) -> tuple[Callable[[int], Any], tuple[int]]:
   """Moves `leaf` out of band: validates it and records its index."""
-  described = _dlpack.describe(leaf, _state.leaf_path(leaf))
-  tensors = _state.serializing.context._thread_local.rdt_tensors
+  described = _dlpack.describe(leaf, _handoff.leaf_path(leaf))
+  tensors = _handoff.serializing.context._thread_local.rdt_tensors
   tensors.append(leaf)
-  _state.record_described(leaf, described)
+  _handoff.record_described(leaf, described)
   return _leaf_from_transfer, (len(tensors) - 1,)
 
 
@@ -80,7 +80,7 @@ def _take_prng_key(key: Any) -> tuple[Callable[[Any, str], Any], tuple[Any, str]
   jax leaf, taken by `_take_leaf` under the key's pytree path) and its
   implementation's name; `_key_from_transfer` rebuilds the same typed key."""
   data, impl = _dlpack.prng_key_parts(key)
-  _state.set_leaf_path(data, _state.leaf_path(key))
+  _handoff.set_leaf_path(data, _handoff.leaf_path(key))
   return _key_from_transfer, (data, impl)
 
 
@@ -182,13 +182,13 @@ def wrap_serialize_rdt_objects() -> None:
     # Keep Ray from replacing our reducer with its single-type serializer.
     data_type = util.get_transport_data_type(tensor_transport.upper())
     self._rdt_custom_serializer_registered[data_type] = True
-    _state.begin_serialization(tensor_transport, self, value)
+    _handoff.begin_serialization(tensor_transport, self, value)
     try:
       serialized, leaves = original(self, _whole(value), tensor_transport)
-      _state.finish_serialization(leaves)
+      _handoff.finish_serialization(leaves)
       return serialized, leaves
     finally:
-      _state.end_serialization()
+      _handoff.end_serialization()
 
   wrapping.mark(serialize_rdt_objects, original)
   SerializationContext.serialize_rdt_objects = serialize_rdt_objects  # type: ignore[method-assign]

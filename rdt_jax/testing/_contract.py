@@ -24,7 +24,7 @@ import pytest
 import ray
 
 import rdt_jax
-from rdt_jax import _ray
+from rdt_jax import _limits, _ray
 from rdt_jax.testing._values import (
   every_dtype,
   expected,
@@ -41,8 +41,6 @@ from rdt_jax.testing._values import (
 from rdt_jax.transports._base import DlpackTransport
 
 FOUR_CPUS = "--xla_force_host_platform_device_count=4"
-# Seconds a fetch that should fail may take before the suite calls it a hang.
-FAIL_WITHIN_S = 60.0
 
 
 # ---- actors
@@ -314,19 +312,21 @@ class TransportContract:
 
   def test_a_64_bit_leaf_into_an_x64_off_consumer_names_leaf_and_fix(self, rdt: _Actors) -> None:
     with pytest.raises(Exception, match=r"\['i'\].*int64.*receive_as\('numpy'\)"):
-      ray.get(rdt.narrow.fingerprint.remote(rdt.make(int64_leaf)), timeout=FAIL_WITHIN_S)
+      ray.get(rdt.narrow.fingerprint.remote(rdt.make(int64_leaf)), timeout=_limits.CONTRACT_FAIL_WITHIN_S)
     ref = rdt.make(float32_tree, 8, 3)
-    assert ray.get(rdt.narrow.fingerprint.remote(ref), timeout=FAIL_WITHIN_S) == expected(float32_tree, 8, 3)
+    got = ray.get(rdt.narrow.fingerprint.remote(ref), timeout=_limits.CONTRACT_FAIL_WITHIN_S)
+    assert got == expected(float32_tree, 8, 3)
 
   def test_a_sharded_leaf_on_too_few_devices_names_both_counts(self, rdt: _Actors) -> None:
     with pytest.raises(Exception, match=r"\['x'\].*over 4 devices.*only 1 cpu device"):
-      ray.get(rdt.narrow.fingerprint.remote(rdt.make(sharded_leaf)), timeout=FAIL_WITHIN_S)
+      ray.get(rdt.narrow.fingerprint.remote(rdt.make(sharded_leaf)), timeout=_limits.CONTRACT_FAIL_WITHIN_S)
     ref = rdt.make(float32_tree, 8, 2)
-    assert ray.get(rdt.narrow.fingerprint.remote(ref), timeout=FAIL_WITHIN_S) == expected(float32_tree, 8, 2)
+    got = ray.get(rdt.narrow.fingerprint.remote(ref), timeout=_limits.CONTRACT_FAIL_WITHIN_S)
+    assert got == expected(float32_tree, 8, 2)
 
   def test_a_sub_byte_dtype_names_leaf_and_dtype(self, rdt: _Actors) -> None:
     with pytest.raises(Exception, match=r"\['q'\].*int4.*int8"):
-      ray.get(rdt.wide.fingerprint.remote(rdt.make(int4_leaf)), timeout=FAIL_WITHIN_S)
+      ray.get(rdt.wide.fingerprint.remote(rdt.make(int4_leaf)), timeout=_limits.CONTRACT_FAIL_WITHIN_S)
 
   # -- the lifetime contract
 
@@ -348,8 +348,8 @@ class TransportContract:
     ray.kill(doomed)
     start = time.monotonic()
     with pytest.raises(ray.exceptions.RayError, match=r"has died: the object died with it"):
-      ray.get(rdt.wide.fingerprint.remote(ref), timeout=FAIL_WITHIN_S)
-    assert time.monotonic() - start < FAIL_WITHIN_S / 2
+      ray.get(rdt.wide.fingerprint.remote(ref), timeout=_limits.CONTRACT_FAIL_WITHIN_S)
+    assert time.monotonic() - start < _limits.CONTRACT_FAIL_WITHIN_S / 2
 
   def test_no_leaks_over_many_transfers(self, rdt: _Actors) -> None:
     """File descriptors and threads of producer and consumer, and the

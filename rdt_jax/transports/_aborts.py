@@ -13,12 +13,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-__all__ = ["MAX_ABORTED", "AbortMarks"]
+from rdt_jax import _limits
 
-#: How many aborted objects a process remembers. Ray aborts a failed transfer
-#: on both sides; on a producer no fetch ever consumes the mark, so the oldest
-#: are forgotten (and `release` forgets an object's mark when Ray frees it).
-MAX_ABORTED = 4096
+__all__ = ["AbortMarks"]
 
 
 class AbortMarks:
@@ -34,7 +31,7 @@ class AbortMarks:
     marks beyond `MAX_ABORTED`)."""
     with self._lock:
       self._marks[obj_id] = None
-      while len(self._marks) > MAX_ABORTED:
+      while len(self._marks) > _limits.MAX_ABORTED:
         self._marks.popitem(last=False)
 
   def take(self, obj_id: str) -> bool:

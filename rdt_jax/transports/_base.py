@@ -43,7 +43,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from rdt_jax import _dlpack, _ray, _state, _targets
+from rdt_jax import _dlpack, _handoff, _ray, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _extract, _fetch, _inband, _required
 from rdt_jax.transports._aborts import AbortMarks
@@ -204,7 +204,7 @@ class DlpackTransport(TensorTransportManager):
     their extract. A process whose peers are gone or idle returns to its baseline."""
     return {
         "exports": len(self._exported), "abort_marks": self.num_aborted(), "actors_known": len(self._actors),
-        "targets": _targets.num_targets(), "handoffs": _state.pending_handoffs(),
+        "targets": _targets.num_targets(), "handoffs": _handoff.pending_handoffs(),
     }
 
   def extract_tensor_transport_metadata(

@@ -16,19 +16,14 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from rdt_jax import _ray
+from rdt_jax import _limits, _ray
 
 if TYPE_CHECKING:
   import ray
 
   from rdt_jax.transports._base import DlpackTransport
 
-__all__ = ["ACTOR_ANSWER_IDLE_S", "MAX_ACTORS_KNOWN", "ActorCapabilities"]
-
-#: Actors whose answer to `actor_has_tensor_transport` a process keeps at most.
-MAX_ACTORS_KNOWN = 4096
-#: Seconds an actor's answer is kept after its last use (a gone actor's goes then).
-ACTOR_ANSWER_IDLE_S = 600.0
+__all__ = ["ActorCapabilities"]
 
 
 class ActorCapabilities:
@@ -65,9 +60,9 @@ class ActorCapabilities:
   def _forget(self) -> None:
     """Drops answers beyond `MAX_ACTORS_KNOWN`, or unused for
     `ACTOR_ANSWER_IDLE_S` (lock held): a gone actor's answer does not stay."""
-    expired = time.monotonic() - ACTOR_ANSWER_IDLE_S
+    expired = time.monotonic() - _limits.ACTOR_ANSWER_IDLE_S
     answers = self._answers
-    while answers and (len(answers) > MAX_ACTORS_KNOWN or next(iter(answers.values()))[1] < expired):
+    while answers and (len(answers) > _limits.MAX_ACTORS_KNOWN or next(iter(answers.values()))[1] < expired):
       answers.popitem(last=False)
 
 

@@ -2,7 +2,7 @@
 `extract_tensor_transport_metadata` and `send_multiple_tensors`.
 
 `extract` takes back the descriptions the reducers recorded for the leaves
-Ray extracted (`rdt_jax._state`), checks that they share one device kind the
+Ray extracted (`rdt_jax._handoff`), checks that they share one device kind the
 transport moves (`common_device`), builds the object's metadata (naming its
 producer actor, `_lifetime.producer_id`) and routes the object: in band where
 it fits (`rdt_jax.transports._inband`; no backend hook runs for it), otherwise
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-from rdt_jax import _dlpack, _memory, _state
+from rdt_jax import _dlpack, _handoff, _memory
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 
@@ -54,7 +54,7 @@ def extract(t: DlpackTransport, obj_id: str, rdt_object: list[Any]) -> DlpackTra
   """`DlpackTransport.extract_tensor_transport_metadata` (its docstring says
   what it raises)."""
   with _memory.gc_paused(len(rdt_object)):
-    described = _state.take_described(rdt_object)
+    described = _handoff.take_described(rdt_object)
     device = common_device(t, described)
     meta = t.metadata_class(
         tensor_meta=[(d.spec.shape, d.spec.dtype) for d in described],

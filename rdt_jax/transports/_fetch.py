@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, FetchRequest
 
-from rdt_jax import _dlpack, _faults, _memory, _ray, _state, _targets
+from rdt_jax import _dlpack, _faults, _memory, _ray, _receive_mode, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 from rdt_jax.transports._destinations import StageCallerMemory
@@ -91,7 +91,7 @@ def start(
     return fetch_in_band(t, obj_id, meta, target)
   try:
     with _memory.gc_paused(len(meta.leaves)):
-      plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
+      plan = ReceivePlan(meta.leaves, _receive_mode.receive_mode(), target, obj_id)
       t._prepare(plan, stage=not t.receives_synchronously(meta, plan.memory_kinds()))
   except Exception:
     if not t.is_one_sided():
@@ -105,7 +105,7 @@ def start(
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
       except StageCallerMemory:  # nothing was written: plan again, caller memory staged
         plan.return_regions()
-        plan = request.plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
+        plan = request.plan = ReceivePlan(meta.leaves, _receive_mode.receive_mode(), target, obj_id)
         plan.allocate(t.reads_parts, stage=True)
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
   except BaseException as e:
@@ -129,7 +129,7 @@ def fetch_in_band(
 ) -> DlpackFetchRequest:
   """Receives an in-band object from its metadata; no backend hook runs."""
   with _memory.gc_paused(len(meta.leaves)):
-    plan = ReceivePlan(meta.leaves, _state.receive_mode(), target, obj_id)
+    plan = ReceivePlan(meta.leaves, _receive_mode.receive_mode(), target, obj_id)
     plan.allocate(reads_parts=True)
   t._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
   try:

@@ -35,18 +35,12 @@ import time
 
 from ray.exceptions import ActorDiedError
 
-from rdt_jax import _ray
+from rdt_jax import _limits, _ray
 from rdt_jax._error_base import RdtJaxError
 
 __all__ = ["ProducerActorDiedError", "ProducerDiedError", "await_kill", "check_producer", "died", "producer_id"]
 
-#: Seconds a consumer of a two-sided transfer waits, past Ray's own RDT fetch
-#: timeout, for the kill Ray sends after a failed send (`await_kill`).
-KILL_GRACE_S = 10.0
 
-#: Producers known dead, most recent last; at most `MAX_DEAD_REMEMBERED` (a
-#: forgotten one is asked about again, so the bound costs a lookup, not safety).
-MAX_DEAD_REMEMBERED = 4096
 _dead: dict[str, None] = {}
 _lock = threading.Lock()
 
@@ -82,6 +76,12 @@ for _cls in (ProducerDiedError, ProducerActorDiedError):
   _cls.__module__ = "rdt_jax"
 
 
+def dead_remembered() -> tuple[str, ...]:
+  """The producers known dead, oldest first (at most `_limits.MAX_DEAD_REMEMBERED`)."""
+  with _lock:
+    return tuple(_dead)
+
+
 def producer_id() -> str | None:
   """Producer: the id to record in an object's metadata (this actor's, or
   None in a driver or task)."""
@@ -113,7 +113,7 @@ def died(obj_id: str, producer: str | None) -> str | None:
   if not dead and _ray.state.actor_dead(producer):
     with _lock:
       _dead[producer] = None
-      while len(_dead) > MAX_DEAD_REMEMBERED:
+      while len(_dead) > _limits.MAX_DEAD_REMEMBERED:
         del _dead[next(iter(_dead))]
     dead = True
   if not dead:
@@ -132,4 +132,4 @@ def await_kill() -> None:
   the caller to raise the lifetime error) only if no kill came within Ray's
   RDT fetch timeout and `KILL_GRACE_S`.
   """
-  time.sleep(_ray.state.rdt_fetch_timeout_s() + KILL_GRACE_S)
+  time.sleep(_ray.state.rdt_fetch_timeout_s() + _limits.KILL_GRACE_S)

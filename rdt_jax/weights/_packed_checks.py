@@ -6,7 +6,7 @@ bounds, then, against the plan of its structure, its digest, size and count
 of non-array leaves) before anything is read or allocated from it;
 `check_layout` checks a structure's `PackedLayoutInfo` against the published
 array leaves before a plan (`rdt_jax.weights._packed_plan`) is made from it.
-`MAX_SLOTS` and `MAX_NBYTES` bound what a handle may name. The overview is
+`_limits.WEIGHTS_MAX_SLOTS` and `_limits.WEIGHTS_MAX_NBYTES` bound what a handle may name. The overview is
 `rdt_jax.weights._packed`.
 """
 
@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-from rdt_jax import _dlpack, _layout
+from rdt_jax import _dlpack, _layout, _limits
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 
 if TYPE_CHECKING:
   from rdt_jax.weights._packed_plan import PackedPlan
 
-__all__ = ["MAX_NBYTES", "MAX_SLOTS", "check_layout", "check_source"]
-
-#: At most this many slots in a kept-versions table a handle names (a bound on what is trusted).
-MAX_SLOTS: Final = 1 << 16
-#: At most this many bytes in a packed version a handle names.
-MAX_NBYTES: Final = 1 << 46
+__all__ = ["check_layout", "check_source"]
 
 
 def check_source(source: Any, label: str, plan: PackedPlan | None = None, version: int = 0) -> PackedSource:
@@ -43,8 +38,8 @@ def check_source(source: Any, label: str, plan: PackedPlan | None = None, versio
   """
   if not isinstance(source, PackedSource):
     raise MetadataError(label, "packed", f"is a {type(source).__name__}, not a PackedSource")
-  for name, low, high in (("buffer", 1, 2**63 - 1), ("nbytes", 0, MAX_NBYTES), ("table", 1, 2**63 - 1),
-                          ("slots", 1, MAX_SLOTS)):
+  for name, low, high in (("buffer", 1, 2**63 - 1), ("nbytes", 0, _limits.WEIGHTS_MAX_NBYTES), ("table", 1, 2**63 - 1),
+                          ("slots", 1, _limits.WEIGHTS_MAX_SLOTS)):
     value = getattr(source, name)
     if type(value) is not int or not low <= value <= high:
       raise MetadataError(label, f"packed.{name}", f"is {value!r}, outside [{low}, {high}]")
@@ -73,7 +68,7 @@ def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
     if not isinstance(seq, tuple) or len(seq) != n:
       raise MetadataError(label, f"packed layout.{name}", f"has {len(seq) if isinstance(seq, tuple) else '?'} "
                           f"entries for {n} array leaves")
-  if type(layout.total) is not int or not 0 <= layout.total <= MAX_NBYTES:
+  if type(layout.total) is not int or not 0 <= layout.total <= _limits.WEIGHTS_MAX_NBYTES:
     raise MetadataError(label, "packed layout.total", f"is {layout.total!r}")
   end = 0
   for _i, (entry, offset, size, shape) in enumerate(zip(entries, layout.offsets, layout.sizes, info.shapes)):
@@ -97,7 +92,6 @@ def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:
   if any(type(p) is not int for p in positions) or list(positions) != sorted(set(positions)) or (
       positions and not 0 <= positions[0] <= positions[-1] < info.treedef.num_leaves):
     raise MetadataError(label, "packed layout.array_positions", "are not increasing leaf indices of the structure")
-
 
 
 def _check_against(plan: PackedPlan, source: PackedSource, version: int, label: str) -> None:

@@ -21,18 +21,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout, _memory, _state
+from rdt_jax import _dlpack, _layout, _limits, _memory, _receive_mode
 from rdt_jax import _node_local as node_local
 from rdt_jax.weights._packed import PackedLayoutInfo
 
 __all__ = ["PackedPlan", "bucket_runs", "unflatten"]
-
-#: Prepared node-local reads kept per plan (one per publisher buffer seen).
-PREPARED_KEPT: Final = 8
 
 
 @dataclass
@@ -158,7 +155,7 @@ class PackedPlan:
                    framework="copy")
     framework = "jax"
     if isinstance(target, _layout.Slice) and into is None:
-      mode = _state.receive_mode()
+      mode = _receive_mode.receive_mode()
       framework = "jax" if mode == "source" else mode
     if framework == "jax":
       _dlpack.check_x64(dtype, path)
@@ -220,7 +217,7 @@ class PackedPlan:
     found = node_local.Prepared([(local, remote + s, n) for local, s, n in self.pairs(staging)])
     with self._lock:
       self._prepared[key] = found
-      while len(self._prepared) > PREPARED_KEPT:
+      while len(self._prepared) > _limits.WEIGHTS_PREPARED_KEPT:
         self._prepared.popitem(last=False)
     return found
 
@@ -291,7 +288,6 @@ def _put(view: np.ndarray, place: Any) -> Any:
 
 def _finish_jax(x: Any, leaf: _Leaf) -> Any:
   return _dlpack.wrap_prng_key(x, leaf.impl) if leaf.impl is not None else x
-
 
 
 # --------------------------------------------------------------------------

@@ -23,13 +23,12 @@ from typing import Any, Final, Protocol
 
 import ray
 
-from rdt_jax import _ray
+from rdt_jax import _limits, _ray
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, stale_error
 from rdt_jax.weights._packed import PackedLayoutInfo
 
 __all__ = [
-  "MAX_KEPT",
   "Answer",
   "Buckets",
   "ObjectAnswer",
@@ -42,9 +41,6 @@ __all__ = [
   "publishers",
   "query",
 ]
-
-#: At most this many versions in a publisher's answer (a bound on what is trusted).
-MAX_KEPT: Final = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -118,8 +114,11 @@ def object_query(_actor: Any, publisher: str, version: int) -> ObjectAnswer:
 def _check_kept(kept: Any, where: str) -> tuple[int, ...] | None:
   if kept is None:
     return None
-  if not (isinstance(kept, tuple) and len(kept) <= MAX_KEPT and all(type(v) is int for v in kept)):
-    raise MetadataError(where, "kept versions", f"are {type(kept).__name__}, not a tuple of at most {MAX_KEPT} ints")
+  if not (isinstance(kept, tuple) and len(kept) <= _limits.WEIGHTS_MAX_KEPT and all(type(v) is int for v in kept)):
+    raise MetadataError(
+        where, "kept versions",
+        f"are {type(kept).__name__}, not a tuple of at most {_limits.WEIGHTS_MAX_KEPT} ints",
+    )
   return kept
 
 

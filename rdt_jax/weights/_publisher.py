@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _layout, _memory, _ray, _settings
+from rdt_jax import _dlpack, _layout, _limits, _memory, _ray, _settings
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, Stream
@@ -43,7 +43,7 @@ def bucket_bytes() -> int:
   """The bucket size of packed versions read through Ray: the setting
   `RDT_JAX_WEIGHT_BUCKET_BYTES` (default 256 MiB), rounded down to a multiple
   of 64 bytes so every bucket starts aligned."""
-  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _memory.ALIGNMENT * _memory.ALIGNMENT
+  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _limits.HOST_ALIGNMENT * _limits.HOST_ALIGNMENT
 
 
 def _device_copies(tree: Any) -> Any:

@@ -26,12 +26,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _layout, _memory, _ray, _targets
+from rdt_jax import _dlpack, _faults, _layout, _limits, _memory, _ray, _targets
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _lifetime
@@ -45,7 +45,6 @@ from rdt_jax.weights._handle import (
   stale_error,
 )
 from rdt_jax.weights._packed import EMPTY, ForeignTable, KeptTable, PackedSource, table_token
-from rdt_jax.weights._packed_checks import MAX_SLOTS
 from rdt_jax.weights._packed_plan import PackedPlan, bucket_runs
 from rdt_jax.weights._protocol import Published, ask, ask_buckets
 from rdt_jax.weights._publisher import WeightPublisher
@@ -128,7 +127,7 @@ def read_table(source: PackedSource, publisher: str) -> set[int]:
     ProcessLookupError: the publisher's process exited.
     OSError: its memory could not be read.
   """
-  assert source.origin is not None and 0 < source.slots <= MAX_SLOTS
+  assert source.origin is not None and 0 < source.slots <= _limits.WEIGHTS_MAX_SLOTS
   out = np.empty(source.slots + KeptTable.HEADER, np.int64)
   node_local.read(source.origin, [(_memory.host_pointer(out), source.table, out.nbytes)])
   words = out.tolist()
@@ -236,11 +235,6 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
 # Through Ray: packed versions in buckets
 
 
-#: While a bucket's fetch runs, the publisher is asked this often whether it
-#: still keeps the version: a version freed meanwhile has its buckets' memory
-#: deregistered, and a fetch of them would end only at Ray's fetch timeout.
-STALE_CHECK_S: Final = 2.0
-
 _fetch_pool: list[concurrent.futures.ThreadPoolExecutor] = []
 _fetch_lock = threading.Lock()
 
@@ -256,12 +250,12 @@ def _fetcher() -> concurrent.futures.ThreadPoolExecutor:
 
 def _await_bucket(pull: Pull, pending: concurrent.futures.Future[Any]) -> Any:
   """The bucket `pending` fetches. While the fetch runs, every
-  `STALE_CHECK_S` the pull stops if it was cancelled and asks the publisher
+  `_limits.WEIGHTS_STALE_CHECK_S` the pull stops if it was cancelled and asks the publisher
   whether it still keeps the version (`StaleWeightsError` if not: the fetch
   is left to end in its thread, into rdt_jax's memory, never the template)."""
   while True:
     try:
-      return pending.result(timeout=STALE_CHECK_S)
+      return pending.result(timeout=_limits.WEIGHTS_STALE_CHECK_S)
     except concurrent.futures.TimeoutError:
       pull.check_cancelled()
       pull.ask(after_read=True)

@@ -31,17 +31,15 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
-from rdt_jax import _dlpack, _faults, _memory, _process
+from rdt_jax import _dlpack, _faults, _limits, _memory, _process
 from rdt_jax.transports._destinations import memory_kind
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
 
-__all__ = ["PACK_MAX_CHUNK", "Exports", "LiveSerials", "device_chunks_to_copy"]
+__all__ = ["Exports", "LiveSerials", "device_chunks_to_copy"]
 
-#: Chunks up to this size are packed into one staging buffer (per device).
-PACK_MAX_CHUNK: Final = 256 << 10
 
 #: A non-empty chunk to export: (pointer, nbytes, device as NIXL sees it).
 _Chunk = tuple[int, int, _dlpack.Device]
@@ -233,7 +231,7 @@ class Exports:
     Returns, per packed chunk index, its address in the staging buffer and
     the staging buffer's region id (0).
     """
-    small = [i for i, (_, n, d) in enumerate(chunks) if memory_kind(d) == "host" and n <= PACK_MAX_CHUNK]
+    small = [i for i, (_, n, d) in enumerate(chunks) if memory_kind(d) == "host" and n <= _limits.PACK_MAX_CHUNK]
     if not small:
       return {}
     total = sum(_memory.aligned(chunks[i][1]) for i in small)
@@ -312,7 +310,7 @@ def device_chunks_to_copy(sizes: list[int], pool_bytes: int) -> list[int]:
   """
   if sum(_memory.aligned(n) for n in sizes) <= pool_bytes:
     return list(range(len(sizes)))
-  return [i for i, n in enumerate(sizes) if n <= PACK_MAX_CHUNK]
+  return [i for i, n in enumerate(sizes) if n <= _limits.PACK_MAX_CHUNK]
 
 
 _warned_not_ipc = False

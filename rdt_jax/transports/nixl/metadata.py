@@ -6,19 +6,14 @@ from __future__ import annotations
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
+from rdt_jax import _limits
 from rdt_jax._metadata import DlpackTransportMetadata, MetadataError, check_int, check_ints
 
-__all__ = ["ADDRESS_LIMIT", "NixlTransportMetadata", "where_digest"]
-
-#: No buffer of a process ends above this address (user space is below 2**57
-#: on every 64-bit platform NIXL runs on); a larger address or size is refused.
-ADDRESS_LIMIT: Final = 1 << 57
-#: Device indices a chunk may name.
-MAX_DEVICES: Final = 1 << 16
+__all__ = ["NixlTransportMetadata", "where_digest"]
 
 
 @dataclass
@@ -115,9 +110,9 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     sizes = [c.nbytes for leaf in self.leaves for c in leaf.chunks if c.nbytes]
     hosts = [leaf.device == "cpu" for leaf in self.leaves for c in leaf.chunks if c.nbytes]
     n = len(sizes)
-    addresses = check_ints(obj_id, "addresses", self.addresses, n, 1, ADDRESS_LIMIT)
-    device_ids = check_ints(obj_id, "device_ids", self.device_ids, n, 0, MAX_DEVICES)
-    regions = check_ints(obj_id, "regions", self.regions, n, -n, MAX_DEVICES + 1)
+    addresses = check_ints(obj_id, "addresses", self.addresses, n, 1, _limits.NIXL_ADDRESS_LIMIT)
+    device_ids = check_ints(obj_id, "device_ids", self.device_ids, n, 0, _limits.NIXL_MAX_DEVICES)
+    regions = check_ints(obj_id, "regions", self.regions, n, -n, _limits.NIXL_MAX_DEVICES + 1)
     self._check_chunks(obj_id, addresses, sizes, device_ids, regions, hosts, self._spans(obj_id))
     serial = check_int(obj_id, "serial", self.serial, 1, 1 << 63)
     self._check_live(obj_id, serial)
@@ -138,7 +133,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     a, size, region = (np.array(v, np.int64) for v in (addresses, sizes, regions))
     end = a + size
     index = np.arange(len(a))
-    bad = (end > ADDRESS_LIMIT) | (np.array(hosts, bool) & (np.array(device_ids, np.int64) != 0))
+    bad = (end > _limits.NIXL_ADDRESS_LIMIT) | (np.array(hosts, bool) & (np.array(device_ids, np.int64) != 0))
     bad |= (region < 0) & (region != -1 - index)
     known = np.zeros(len(a), bool)
     for rid, (start, nbytes) in spans.items():
@@ -150,7 +145,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       return
     k = int(np.flatnonzero(bad)[0])
     address, n, device, r = addresses[k], sizes[k], device_ids[k], regions[k]
-    if address + n > ADDRESS_LIMIT:
+    if address + n > _limits.NIXL_ADDRESS_LIMIT:
       raise MetadataError(obj_id, f"addresses[{k}]", f"{address:#x} + {n} bytes ends outside user space")
     if hosts[k] and device:
       raise MetadataError(obj_id, f"device_ids[{k}]", f"is {device} for a chunk in host memory (0 expected)")
@@ -173,7 +168,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       if (
           type(span) is not tuple or len(span) != 3 or not all(type(v) is int for v in span)
           or span[0] < 0 or span[0] in out
-          or not (0 < span[1] and 0 < span[2] and span[1] + span[2] <= ADDRESS_LIMIT)
+          or not (0 < span[1] and 0 < span[2] and span[1] + span[2] <= _limits.NIXL_ADDRESS_LIMIT)
       ):
         raise MetadataError(obj_id, f"spans[{i}]", f"is {span!r}, not a (region id, start, nbytes) in user space")
       out[span[0]] = (span[1], span[2])

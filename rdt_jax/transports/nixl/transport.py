@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Final
+from typing import Any
 
-from rdt_jax import _compat, _dlpack, _memory
+from rdt_jax import _compat, _dlpack, _limits, _memory
 from rdt_jax.transports._base import Destination, DlpackTransport
 from rdt_jax.transports._destinations import MemoryKind, memory_kind
 from rdt_jax.transports.nixl import agent as _agent
@@ -44,9 +44,6 @@ from rdt_jax.transports.nixl.staleness import FreedObjects, producer_idle_s
 from rdt_jax.transports.nixl.views import RemoteViews
 
 __all__ = ["NixlTransport"]
-
-#: Seconds between two looks for producers to forget (idle or exited).
-FORGET_CHECK_S: Final = 1.0
 
 
 class NixlTransport(DlpackTransport):
@@ -126,13 +123,13 @@ class NixlTransport(DlpackTransport):
       del error  # a local naming the raised error would hold this frame in a cycle with it
 
   def _forget_producers(self) -> None:
-    """At most every `FORGET_CHECK_S`: forgets each producer idle for
+    """At most every `_limits.NIXL_FORGET_CHECK_S`: forgets each producer idle for
     `producer_idle_s()` or exited (its record of freed objects and its view,
     which disconnects), unless a READ from it is in flight or parked."""
     now = time.monotonic()
     if now < self._next_forget:
       return
-    self._next_forget = now + FORGET_CHECK_S
+    self._next_forget = now + _limits.NIXL_FORGET_CHECK_S
     for remote in self._freed.idle_or_gone(producer_idle_s(), now):
       if self._views.forget(remote):
         self._freed.forget(remote)

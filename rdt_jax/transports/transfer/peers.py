@@ -1,20 +1,20 @@
 """The consumer's connections to producers, and how it asks one for an offer.
 
 * `probe`: a connection to a producer's offer service that fails within
-  `CONNECT_TIMEOUT_S`, saying whether the producer exited (nothing listens
+  `_limits.TRANSFER_CONNECT_TIMEOUT_S`, saying whether the producer exited (nothing listens
   at its address: connection refused) or this node cannot reach it (no
   route, or no answer in time).
 * `Pool`: authenticated offer connections (`protocol.answer_challenge`), each
-  used by one request at a time; at most `POOL_PER_PRODUCER` idle ones are
+  used by one request at a time; at most `_limits.TRANSFER_POOL_PER_PRODUCER` idle ones are
   kept per producer.
 * `Peers`: the pool and the JAX transfer connections to producers' transfer
   servers. `request_offer` asks a producer to offer an object under a uuid,
-  waiting for the answer at most `ANSWER_TIMEOUT_S` (and no lock held
+  waiting for the answer at most `_limits.TRANSFER_ANSWER_TIMEOUT_S` (and no lock held
   meanwhile), and returns the connection the offer was made on: the consumer
   holds it until the pull ends, then says "done" and gives it back to the
   pool, or, after a failure, closes it.
 
-Connections unused for `IDLE_S` are closed and forgotten (`prune`, at each
+Connections unused for `_limits.TRANSFER_IDLE_S` are closed and forgotten (`prune`, at each
 pull), and every connection to a producer that is gone is dropped at once
 (`forget`), so that the next request connects afresh.
 """
@@ -26,25 +26,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
+from rdt_jax import _limits
 from rdt_jax.transports.transfer import protocol
 
 if TYPE_CHECKING:
   from rdt_jax.transports.transfer.metadata import TransferTransportMetadata
   from rdt_jax.transports.transfer.server import TransferServers
 
-#: A consumer gives up connecting to a producer's offer service after this.
-CONNECT_TIMEOUT_S: Final = 10.0
-#: Pooled offer connections and transfer connections unused this long are closed.
-IDLE_S: Final = 60.0
-#: Idle offer connections kept per producer.
-POOL_PER_PRODUCER: Final = 4
-
 
 def probe(address: tuple[str, int], obj_id: str) -> socket.socket:
   """Connects to `address` with a timeout, so that an unreachable producer
-  fails within `CONNECT_TIMEOUT_S` (a plain connect waits for the kernel's,
+  fails within `_limits.TRANSFER_CONNECT_TIMEOUT_S` (a plain connect waits for the kernel's,
   minutes) and the error says which it is. Returns the connection.
 
   Raises:
@@ -53,7 +47,7 @@ def probe(address: tuple[str, int], obj_id: str) -> socket.socket:
   """
   where = f"{address[0]}:{address[1]}"
   try:
-    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+    sock = socket.create_connection(address, timeout=_limits.TRANSFER_CONNECT_TIMEOUT_S)
   except ConnectionRefusedError:
     raise RuntimeError(
         f"Nothing listens at {where}, the offer service of object {obj_id}'s producer: the "
@@ -65,7 +59,7 @@ def probe(address: tuple[str, int], obj_id: str) -> socket.socket:
       raise
     raise RuntimeError(
         f"Cannot reach {where}, the offer service of object {obj_id}'s producer, from this "
-        f"node within {CONNECT_TIMEOUT_S:g}s ({e.strerror or 'timed out'}): the network between "
+        f"node within {_limits.TRANSFER_CONNECT_TIMEOUT_S:g}s ({e.strerror or 'timed out'}): the network between "
         "the two nodes is down or filters the port. jax_transfer needs the producer's node "
         "address reachable on any port from the consumer's node."
     ) from None
@@ -75,7 +69,7 @@ def probe(address: tuple[str, int], obj_id: str) -> socket.socket:
 
 class Pool:
   """The consumer's authenticated connections to producers' offer services,
-  each used by one request at a time; idle ones are closed after `IDLE_S`
+  each used by one request at a time; idle ones are closed after `_limits.TRANSFER_IDLE_S`
   (and forgotten with their producer)."""
 
   def __init__(self) -> None:
@@ -119,7 +113,7 @@ class Pool:
   def give_back(self, address: tuple[str, int], sock: socket.socket) -> None:
     with self._lock:
       idle = self._idle.setdefault(address, [])
-      if len(idle) < POOL_PER_PRODUCER:
+      if len(idle) < _limits.TRANSFER_POOL_PER_PRODUCER:
         idle.append((time.monotonic(), sock))
         return
     sock.close()
@@ -132,8 +126,8 @@ class Pool:
       sock.close()
 
   def prune(self) -> None:
-    """Closes connections idle longer than `IDLE_S`."""
-    cutoff = time.monotonic() - IDLE_S
+    """Closes connections idle longer than `_limits.TRANSFER_IDLE_S`."""
+    cutoff = time.monotonic() - _limits.TRANSFER_IDLE_S
     stale = []
     with self._lock:
       for address in list(self._idle):
@@ -149,7 +143,7 @@ class Pool:
 
 class Peers:
   """The consumer's connections to producers: the offer connections' `pool`,
-  and transfer connections (kept while used, closed after `IDLE_S` unused)
+  and transfer connections (kept while used, closed after `_limits.TRANSFER_IDLE_S` unused)
   under a lock of their own."""
 
   def __init__(self, servers: TransferServers) -> None:
@@ -160,13 +154,13 @@ class Peers:
 
   def __len__(self) -> int:
     """Producers this consumer keeps connections to (pooled offer
-    connections and transfer connections); idle ones go after `IDLE_S`."""
+    connections and transfer connections); idle ones go after `_limits.TRANSFER_IDLE_S`."""
     with self._lock:
       return len(self._connections) + len(self.pool)
 
   def connection(self, platform: str, address: str) -> Any:
     """The transfer connection to the producer's server at `address` (kept
-    while used, closed after `IDLE_S` unused)."""
+    while used, closed after `_limits.TRANSFER_IDLE_S` unused)."""
     self.prune()
     now = time.monotonic()
     with self._lock:
@@ -178,9 +172,9 @@ class Peers:
 
   def prune(self) -> None:
     """Closes offer connections and forgets transfer connections unused for
-    `IDLE_S` (called at each pull)."""
+    `_limits.TRANSFER_IDLE_S` (called at each pull)."""
     self.pool.prune()
-    cutoff = time.monotonic() - IDLE_S
+    cutoff = time.monotonic() - _limits.TRANSFER_IDLE_S
     with self._lock:
       for key in [k for k, (t, _) in self._connections.items() if t < cutoff]:
         del self._connections[key]
@@ -202,7 +196,7 @@ class Peers:
 
     Raises:
       RuntimeError: the producer is gone, did not answer within
-        `ANSWER_TIMEOUT_S`, or cannot offer the object; or `interrupted()`
+        `_limits.TRANSFER_ANSWER_TIMEOUT_S`, or cannot offer the object; or `interrupted()`
         turned True meanwhile (Ray aborted the fetch, or the pull stopped).
     """
     address = (meta.offer_address[0], int(meta.offer_address[1]))  # type: ignore[index]
@@ -210,12 +204,12 @@ class Peers:
     sock = self.pool.take(address, meta.authkey or b"", obj_id, interrupted)
     try:
       protocol.send(sock, {"op": "offer", "obj": obj_id, "uuid": uuid, "cuts": cuts})
-      answer = protocol.receive(sock, time.monotonic() + protocol.ANSWER_TIMEOUT_S, interrupted)
+      answer = protocol.receive(sock, time.monotonic() + _limits.TRANSFER_ANSWER_TIMEOUT_S, interrupted)
     except TimeoutError:
       sock.close()
       raise RuntimeError(
           f"The offer service of object {obj_id}'s producer at {where} did not answer within "
-          f"{protocol.ANSWER_TIMEOUT_S:g}s: the producer process is stopped or overloaded. Retry the "
+          f"{_limits.TRANSFER_ANSWER_TIMEOUT_S:g}s: the producer process is stopped or overloaded. Retry the "
           "fetch, or check the producing actor."
       ) from None
     except InterruptedError:

@@ -1,7 +1,7 @@
 """The offer protocol between a consumer and a producer's offer service.
 
 Messages are length-prefixed JSON (`send` / `receive`): a 4-byte big-endian
-length, then one JSON object of at most `MAX_MESSAGE` bytes. Nothing received
+length, then one JSON object of at most `_limits.TRANSFER_MAX_MESSAGE` bytes. Nothing received
 is unpickled, and every field is checked (`offer_request`); a peer that sends
 anything else gets a `ProtocolError`, and the connection ends.
 
@@ -23,7 +23,7 @@ Then the consumer sends, one at a time:
 * `{"op": "done", "uuid"}`: offer `uuid` was pulled (no answer).
 
 The service waits for the challenge's answer, and the consumer for each of
-the service's answers, at most `ANSWER_TIMEOUT_S`; between requests the
+the service's answers, at most `_limits.TRANSFER_ANSWER_TIMEOUT_S`; between requests the
 service waits as long as the consumer keeps the connection.
 """
 
@@ -37,12 +37,9 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
-#: A consumer gives up waiting for the offer service's answer after this.
-ANSWER_TIMEOUT_S: Final = 30.0
-#: The largest offer-protocol message either side accepts (bytes of JSON).
-MAX_MESSAGE: Final = 1 << 20
+from rdt_jax import _limits
 
 
 class ProtocolError(Exception):
@@ -57,7 +54,7 @@ def send(sock: socket.socket, message: dict[str, Any]) -> None:
 def receive(
     sock: socket.socket, deadline: float | None = None, interrupted: Callable[[], bool] | None = None
 ) -> dict[str, Any]:
-  """One message: a JSON object of at most `MAX_MESSAGE` bytes.
+  """One message: a JSON object of at most `_limits.TRANSFER_MAX_MESSAGE` bytes.
 
   Waits until `deadline` (`time.monotonic()`; None: no limit), checking
   `interrupted` every 0.1 s.
@@ -70,8 +67,8 @@ def receive(
   """
   header = _receive_exactly(sock, 4, deadline, interrupted)
   (n,) = struct.unpack(">I", header)
-  if n > MAX_MESSAGE:
-    raise ProtocolError(f"a message of {n} bytes (at most {MAX_MESSAGE})")
+  if n > _limits.TRANSFER_MAX_MESSAGE:
+    raise ProtocolError(f"a message of {n} bytes (at most {_limits.TRANSFER_MAX_MESSAGE})")
   try:
     message = json.loads(_receive_exactly(sock, n, deadline, interrupted))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -115,11 +112,11 @@ def challenge(conn: socket.socket, key: bytes) -> bool:
 
   Raises:
     EOFError, TimeoutError, ProtocolError: as `receive` (no answer within
-      `ANSWER_TIMEOUT_S`); OSError: the connection failed.
+      `_limits.TRANSFER_ANSWER_TIMEOUT_S`); OSError: the connection failed.
   """
   nonce = secrets.token_hex(32)
   send(conn, {"nonce": nonce})
-  answer = receive(conn, time.monotonic() + ANSWER_TIMEOUT_S)
+  answer = receive(conn, time.monotonic() + _limits.TRANSFER_ANSWER_TIMEOUT_S)
   if not isinstance(answer.get("mac"), str) or not hmac.compare_digest(answer["mac"], mac(key, nonce)):
     return False
   conn.settimeout(None)
@@ -129,7 +126,7 @@ def challenge(conn: socket.socket, key: bytes) -> bool:
 
 def answer_challenge(sock: socket.socket, key: bytes, interrupted: Callable[[], bool] | None = None) -> None:
   """The consumer's side of the challenge: answers it with `key`, waiting for
-  the service at most `ANSWER_TIMEOUT_S` in all.
+  the service at most `_limits.TRANSFER_ANSWER_TIMEOUT_S` in all.
 
   Raises:
     ProtocolError: no challenge came, or the answer was not accepted.
@@ -137,7 +134,7 @@ def answer_challenge(sock: socket.socket, key: bytes, interrupted: Callable[[], 
     EOFError, TimeoutError, InterruptedError: as `receive`; OSError: the
       connection failed.
   """
-  deadline = time.monotonic() + ANSWER_TIMEOUT_S
+  deadline = time.monotonic() + _limits.TRANSFER_ANSWER_TIMEOUT_S
   nonce = receive(sock, deadline, interrupted).get("nonce")
   if not isinstance(nonce, str):
     raise ProtocolError("no challenge")

@@ -22,14 +22,11 @@ import concurrent.futures
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
-from rdt_jax import _dlpack
+from rdt_jax import _dlpack, _limits
 from rdt_jax.transports._destinations import Placement
 from rdt_jax.transports.transfer import boxes
-
-#: Threads making offer requests (each waits for a producer's answer).
-REQUEST_THREADS: Final = 16
 
 
 @dataclass
@@ -58,7 +55,9 @@ def requests() -> concurrent.futures.ThreadPoolExecutor:
   """The threads offer requests run in (created at the first pull)."""
   with _request_pool_lock:
     if not _request_pool:
-      _request_pool.append(concurrent.futures.ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="rdt-jax-offer"))
+      _request_pool.append(
+          concurrent.futures.ThreadPoolExecutor(_limits.TRANSFER_REQUEST_THREADS, thread_name_prefix="rdt-jax-offer")
+      )
     return _request_pool[0]
 
 

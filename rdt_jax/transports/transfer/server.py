@@ -23,6 +23,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
+from rdt_jax import _limits
 from rdt_jax.transports.transfer import protocol
 
 if TYPE_CHECKING:
@@ -30,11 +31,6 @@ if TYPE_CHECKING:
 
 #: Where a process outside Ray binds its servers.
 LOOPBACK: Final = "127.0.0.1"
-#: Bulk-data sockets per transfer server. Every rdt_jax server uses the same
-#: number: in jaxlib 0.10 a pull by a peer with fewer than the producer's
-#: aborts the puller ("Check failed: bind(cfd, ...)"). One is as fast as four
-#: on a 2-core host.
-BULK_SOCKETS: Final = 1
 
 
 def node_address() -> str:
@@ -69,7 +65,7 @@ class TransferServers:
         client = jax.local_devices(backend=platform)[0].client
         host = node_address()
         self._servers[platform] = transfer.start_transfer_server(
-            client, f"{host}:0", [f"{host}:0"] * BULK_SOCKETS
+            client, f"{host}:0", [f"{host}:0"] * _limits.TRANSFER_BULK_SOCKETS
         )
       return self._servers[platform]
 

@@ -27,7 +27,7 @@ A pull that nobody offers would wait forever, so the offer comes first: the
 consumer asks for it in a thread of its own from `start_pull`, then starts
 the pull, which returns at once; `wait_pull` waits for the arrays to be
 ready. Waits are bounded: the producer's answer is awaited at most
-`protocol.ANSWER_TIMEOUT_S` (checking Ray's abort meanwhile), and
+`_limits.TRANSFER_ANSWER_TIMEOUT_S` (checking Ray's abort meanwhile), and
 `wait_pull` waits for the request within the caller's timeout, the one
 `ray.get(ref, timeout=...)` was given: a stopped producer fails the caller's
 `ray.get` when its timeout passes, and the request stops at once. The
@@ -94,7 +94,7 @@ class TransferTransport(WholeArrayTransport):
     offered now), `pending_offers` (offers made to consumers and not pulled
     yet, each holding its arrays) and the consumer's `peers` (producers it
     keeps connections to, pooled offer and transfer connections; idle ones
-    go after `peers.IDLE_S`)."""
+    go after `_limits.TRANSFER_IDLE_S`)."""
     return {
         **super().counters(),
         "offers": self._offers.num_offers(),
@@ -120,7 +120,7 @@ class TransferTransport(WholeArrayTransport):
 
   def prune(self) -> None:
     """Closes offer connections and forgets transfer connections unused for
-    `peers.IDLE_S` (called at each pull)."""
+    `_limits.TRANSFER_IDLE_S` (called at each pull)."""
     self._peers.prune()
 
   def _request_offer(

@@ -1,14 +1,12 @@
-"""Process state shared by the serializer, the transports and the public API.
+"""The hand-off from rdt_jax's serializer to the transport's extract.
 
-Two things, kept apart from both the Ray wiring (`_ray`) and the transports
-so that neither imports the other:
-
-* the receive mode set by `rdt_jax.receive_as`;
-* the hand-off from the serializer (which sees each leaf with its pytree
-  path) to `DlpackTransport.extract_tensor_transport_metadata` (which gets the
-  leaves Ray extracted): each leaf's `DescribedLeaf`, so it is described once.
-  It is keyed by the leaves, not the thread: Ray may extract on another
-  thread than the one that serialized.
+The serializer sees each leaf with its pytree path;
+`DlpackTransport.extract_tensor_transport_metadata` gets only the leaves Ray
+extracted. This module carries each leaf's `DescribedLeaf` from the one to
+the other, so a leaf is described once and its error names its path. It is
+keyed by the leaves, not the thread: Ray may extract on another thread than
+the one that serialized. Kept apart from the Ray wiring (`_ray`) and the
+transports so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -22,30 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rdt_jax import _dlpack, _memory
-from rdt_jax._dlpack import RECEIVE_MODES
-
-_receive_mode = "source"
-
-
-def set_receive_mode(mode: str) -> None:
-  """Sets the process's receive mode (see `rdt_jax.receive_as`).
-
-  Raises:
-    ValueError: for a mode other than "source", "jax", "torch", "numpy".
-  """
-  global _receive_mode
-  if mode not in RECEIVE_MODES:
-    raise ValueError(
-        f"Unknown receive mode {mode!r}; expected one of "
-        f"{', '.join(repr(m) for m in RECEIVE_MODES)}."
-    )
-  _receive_mode = mode
-
-
-def receive_mode() -> str:
-  """The current process's receive mode (see `rdt_jax.receive_as`)."""
-  return _receive_mode
+from rdt_jax import _dlpack, _limits, _memory
 
 
 class _SerializationState(threading.local):
@@ -91,8 +66,6 @@ def end_serialization() -> None:
     serializing.gc_pause = None
 
 
-#: Structures whose leaf paths are kept (`leaf_path`), most recently used last.
-PATHS_KEPT = 16
 _paths_by_structure: OrderedDict[Any, tuple[str, ...]] = OrderedDict()
 _paths_lock = threading.Lock()
 
@@ -131,13 +104,19 @@ def _paths_of(root: Any) -> dict[int, str]:
       return {}
     with _paths_lock:
       _paths_by_structure[treedef] = names
-      while len(_paths_by_structure) > PATHS_KEPT:
+      while len(_paths_by_structure) > _limits.PATHS_KEPT:
         _paths_by_structure.popitem(last=False)
   paths: dict[int, str] = {}
   setdefault = paths.setdefault
   for name, x in zip(names, flat):
     setdefault(id(x), name)
   return paths
+
+
+def structures_kept() -> int:
+  """How many structures' leaf paths are kept now (at most `_limits.PATHS_KEPT`)."""
+  with _paths_lock:
+    return len(_paths_by_structure)
 
 
 def set_leaf_path(leaf: Any, path: str) -> None:
@@ -160,7 +139,7 @@ def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
   described_now = serializing.described
   described_now[id(leaf)] = (leaf, described)
   if (
-      len(described_now) == _memory.GC_PAUSE_MIN_LEAVES
+      len(described_now) == _limits.GC_PAUSE_MIN_LEAVES
       and serializing.transport is not None
       and serializing.gc_pause is None
   ):
@@ -182,9 +161,6 @@ def record_described(leaf: Any, described: _dlpack.DescribedLeaf) -> None:
 # HANDOFF_TTL_S seconds; at most HANDOFF_MAX are kept. Where an entry's
 # arrays are gone the leaf is described again under the recorded path; where
 # the whole entry is gone, without a path.
-
-HANDOFF_TTL_S = 120.0
-HANDOFF_MAX = 256
 
 
 @dataclass
@@ -212,13 +188,13 @@ def _prune(now: float) -> None:
   for key in list(_handoffs):
     alive = [
         h for h in _handoffs[key]
-        if now - h.created < HANDOFF_TTL_S and all(r() is not None for r in h.leaves)
+        if now - h.created < _limits.HANDOFF_TTL_S and all(r() is not None for r in h.leaves)
     ]
     if alive:
       _handoffs[key] = alive
     else:
       del _handoffs[key]
-  while sum(len(v) for v in _handoffs.values()) > HANDOFF_MAX:
+  while sum(len(v) for v in _handoffs.values()) > _limits.HANDOFF_MAX:
     oldest = min(_handoffs, key=lambda k: _handoffs[k][0].created)
     _handoffs[oldest].pop(0)
     if not _handoffs[oldest]:
