@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
   parser.add_argument("--paths", type=_csv, default=None,
                       help="comma-separated path ids to run: rdt_jax transport names "
-                           "(jax_nixl, ...), ray_nixl_torch, object_store_numpy, "
-                           "object_store_jax, memcpy, plain_without_rdt_jax, plain_with_rdt_jax; "
+                           "(jax_nixl, ...), ray_nixl_torch, ray_rdt_floor, object_store_numpy, "
+                           "object_store_numpy_to_jax, object_store_jax, memcpy, plain_without_rdt_jax, "
+                           "plain_with_rdt_jax; "
                            "device cases only: ray_cuda_ipc_torch, ray_nccl_torch, device_memcpy; "
                            "opt-in (only when named): jax_nixl_oob (in-band off), "
                            "jax_nixl_inband (in-band on up to 100 KiB), jax_nixl_ucx (node-local reads off)")
@@ -131,7 +132,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
   state = _runner.RunState(config, cases, registered=registered)
   state.paths = _runner.select_paths(_runner.make_paths(registered, cases), config.paths)
   ucx = _env.ucx_record(
-      _env.nixl_actor_env(), dict(_paths.GROUP_ENV[p.id] for p in state.paths if p.id in _paths.GROUP_ENV)
+      _env.nixl_actor_env(),
+      {name: env for name, env in (_paths.GROUP_ENV.get(p.id, ('', None)) for p in state.paths) if env},
   )
   stem = pathlib.Path(config.out) / f"bench-{config.file_label()}"
   load_start = _runner.loadavg()

@@ -180,6 +180,17 @@ class BenchActor:
     checksum = _cases.value_checksum(value)
     return checksum, time.perf_counter() - t0
 
+  def consume_as_jax(self, value: Any) -> tuple[int, float]:
+    """Makes every NumPy leaf of `value` a `jax.Array` (`_cases.numpy_to_jax`),
+    then reads every byte: (checksum, seconds both took)."""
+    t0 = time.perf_counter()
+    checksum = _cases.value_checksum(_cases.numpy_to_jax(value))
+    return checksum, time.perf_counter() - t0
+
+  def consume_nothing(self, value: Any) -> tuple[None, float]:
+    """Takes `value` and reads none of it (`ray_rdt_floor`: no bytes arrive)."""
+    return None, 0.0
+
   def get_timed(self, refs: list[Any]) -> tuple[int, float, float]:
     """Gets `refs[0]` here and reads it: (checksum, seconds the `ray.get`
     took, seconds the reading took). The get is the consumer's share."""

@@ -310,6 +310,17 @@ def value_leaves(value: Any) -> list[Any]:
   return [value]
 
 
+def numpy_to_jax(value: Any) -> Any:
+  """`value` with every NumPy leaf made a `jax.Array`, one `jnp.asarray` per
+  leaf: what a JAX user of the object store does on the consumer, the
+  fastest way jax offers here (faster than one `jax.device_put` of the list)."""
+  import jax.numpy as jnp
+
+  if isinstance(value, dict):
+    return {k: jnp.asarray(v) for k, v in value.items()}
+  return jnp.asarray(value)
+
+
 def value_checksum(value: Any) -> int:
   """Checksum of a whole benchmark value: its leaves' checksums, leaf i's
   weighted by i + 1 (so leaves swapped change it too), modulo 2**64."""

@@ -8,6 +8,10 @@
   producer's tensor, on the GPU Ray assigned to both);
 * `object_store_numpy` / `object_store_jax`: a method without
   `tensor_transport` returning NumPy arrays / jax.Arrays;
+* `object_store_numpy_to_jax`: the NumPy arrays, each made a `jax.Array` on
+  the consumer (what a JAX user of the object store does);
+* `ray_rdt_floor`: torch tensors over a Ray transport that moves no bytes
+  (`_floor`): Ray's own cost of an RDT object, the floor of every transport;
 * `memcpy`: NumPy copies of the same bytes in the driver, into buffers that
   are already faulted in (the limit for any path on one host);
 * `device_memcpy`: on cuda, torch copies of the same bytes between two
@@ -46,12 +50,17 @@ RAY_CUDA_IPC: Final = "ray_cuda_ipc_torch"
 RAY_TORCH_PATHS: Final = (RAY_NIXL, RAY_NCCL, RAY_CUDA_IPC)
 OS_NUMPY: Final = "object_store_numpy"
 OS_JAX: Final = "object_store_jax"
+#: The object store with NumPy, each leaf made a `jax.Array` on the consumer
+#: (`_cases.numpy_to_jax`): the alternative a JAX user of Ray has.
+OS_NUMPY_JAX: Final = "object_store_numpy_to_jax"
+#: Ray's floor: torch tensors over a Ray transport that moves nothing (`_floor`).
+RAY_FLOOR: Final = "ray_rdt_floor"
 MEMCPY: Final = "memcpy"
 DEVICE_MEMCPY: Final = "device_memcpy"
 PLAIN_WITHOUT: Final = "plain_without_rdt_jax"
 PLAIN_WITH: Final = "plain_with_rdt_jax"
 #: Paths every other path's ratios are computed against, where both ran.
-BASELINES: Final = (OS_NUMPY, OS_JAX, RAY_NIXL, MEMCPY, RAY_CUDA_IPC, DEVICE_MEMCPY)
+BASELINES: Final = (OS_NUMPY, OS_NUMPY_JAX, OS_JAX, RAY_NIXL, RAY_FLOOR, MEMCPY, RAY_CUDA_IPC, DEVICE_MEMCPY)
 #: The actor group of the paths that move torch tensors (Ray's transports,
 #: and the device copy, which shares their prepared tensors).
 TORCH_GROUP: Final = "ray_nixl"
@@ -86,6 +95,7 @@ NIXL_VARIANTS: Final = {
 OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_INBAND, NIXL_UCX)
 #: Actor group name and environment of the paths whose actors need their own.
 GROUP_ENV: Final = {
+    RAY_FLOOR: (TORCH_GROUP, None),
     NIXL_TCP: ("tcp", TCP_ENV),
     NIXL_OOB: ("oob", OOB_ENV),
     NIXL_INBAND: ("inband", INBAND_ENV),
@@ -418,6 +428,7 @@ class ActorPath(Path):
       devices: tuple[str, ...] = ("cpu",),
       refs_getter: str | None = None,
       refs_skip: str | None = None,
+      reader: str = "consume",
   ):
     """See the attributes of `Path`; besides them:
 
@@ -429,6 +440,9 @@ class ActorPath(Path):
       refs_getter: for "refs" cases, why a getter actor gets the refs
         instead of the driver (None: the driver gets them).
       refs_skip: why the path cannot run "refs" cases at all (None: it can).
+      reader: the consumer's BenchActor method ("consume": reads every byte;
+        "consume_as_jax": makes NumPy leaves jax.Arrays first;
+        "consume_nothing": reads nothing, and the data is not checked).
     """
     super().__init__(id, label, kind)
     self.framework = framework
@@ -436,6 +450,7 @@ class ActorPath(Path):
     self.devices = devices
     self.refs_getter = refs_getter
     self.refs_skip = refs_skip
+    self.reader = reader
     self.one_sided = True
     self.transport_class: type | None = None
 
@@ -485,11 +500,12 @@ class ActorPath(Path):
     baseline = _reset_peaks(sides) if memory else None
     t0 = time.perf_counter()
     ref = send.remote(key)
-    out = ray.get([c.consume.remote(ref) for c in readers], timeout=timeout)
+    out = ray.get([getattr(c, self.reader).remote(ref) for c in readers], timeout=timeout)
     seconds = time.perf_counter() - t0
     del ref
     for checksum, _ in out:
-      _check(checksum, expected[0])
+      if checksum is not None:
+        _check(checksum, expected[0])
     return Measurement(seconds, max(s for _, s in out), _peaks(sides, baseline) if memory else None)
 
   def splits(self) -> bool:
@@ -535,7 +551,7 @@ class ActorPath(Path):
       refs = [send.remote(key, i) for i in range(case.count)]
       values = ray.get(refs, timeout=timeout) if batch else [ray.get(r, timeout=timeout) for r in refs]
       t1 = time.perf_counter()
-      sums = [_cases.value_checksum(v) for v in values]
+      sums = [self._driver_read(v) for v in values]
       seconds = time.perf_counter() - t0
       read = time.perf_counter() - t1
       mem = None
@@ -554,8 +570,17 @@ class ActorPath(Path):
       seconds = time.perf_counter() - t0
       mem = _peaks(sides, baseline) if memory else None
     for got, want in zip(sums, expected):
-      _check(got, want)
+      if got is not None:
+        _check(got, want)
     return Measurement(seconds, read, mem)
+
+  def _driver_read(self, value: Any) -> int | None:
+    """What `reader` does, done in the driver (refs cases)."""
+    if self.reader == "consume_nothing":
+      return None
+    if self.reader == "consume_as_jax":
+      value = _cases.numpy_to_jax(value)
+    return _cases.value_checksum(value)
 
 
 class MemcpyPath(Path):

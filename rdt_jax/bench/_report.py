@@ -15,7 +15,8 @@ from rdt_jax.bench import _cases, _env, _paths
 
 #: Column order of the tables: our transports first, then the baselines.
 _BASELINE_ORDER: Final = (
-    _paths.RAY_NIXL, _paths.RAY_CUDA_IPC, _paths.OS_NUMPY, _paths.OS_JAX, _paths.MEMCPY, _paths.DEVICE_MEMCPY,
+    _paths.RAY_NIXL, _paths.RAY_FLOOR, _paths.RAY_CUDA_IPC, _paths.OS_NUMPY, _paths.OS_NUMPY_JAX, _paths.OS_JAX,
+    _paths.MEMCPY, _paths.DEVICE_MEMCPY,
 )
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from rdt_jax.bench import _cases, _paths
+from rdt_jax.bench import _cases, _floor, _paths
 from rdt_jax.bench._paths import ActorGroup, ActorPath, Path
 
 #: Seconds allowed for all actors to start.
@@ -288,6 +288,16 @@ def make_paths(registered: list[str], cases: list[_cases.Case]) -> list[Path]:
   ))
   paths += _ray_cuda_paths()
   paths.append(ActorPath(_paths.OS_NUMPY, "object store (NumPy)", "baseline", "numpy", None, ("cpu",)))
+  paths.append(ActorPath(
+      _paths.OS_NUMPY_JAX, "object store (NumPy, made jax.Array)", "baseline", "numpy", None, ("cpu",),
+      reader="consume_as_jax",
+  ))
+  floor = ActorPath(
+      _paths.RAY_FLOOR, "Ray RDT floor (no bytes moved)", "baseline", "torch", _floor.NAME, ("cpu",),
+      reader="consume_nothing",
+  )
+  floor.skip_reason = _floor.register()
+  paths.append(floor)
   paths.append(ActorPath(_paths.OS_JAX, "object store (jax.Array)", "baseline", "jax", None, ("cpu", "cuda")))
   paths.append(_paths.MemcpyPath())
   paths.append(_paths.DeviceMemcpyPath())
