@@ -74,7 +74,7 @@ MAX_DEAD_REMEMBERED: Final = 4096
 
 #: Seconds a consumer of a two-sided transfer waits, past Ray's RDT fetch timeout, for the
 #: kill Ray sends after a failed send.
-#: Why: Ray's kill arrives within a second or two; ten leave room on a loaded host.
+#: Why: room for Ray's kill to arrive on a loaded host, and a bound on a wait that finds none.
 KILL_GRACE_S: Final = 10.0
 
 #: How many aborted objects a process remembers.
@@ -136,7 +136,7 @@ TRANSFER_CONNECT_TIMEOUT_S: Final = 10.0
 TRANSFER_IDLE_S: Final = 60.0
 
 #: Idle offer connections kept per producer.
-#: Why: enough for the concurrent fetches one consumer makes of one producer.
+#: Why: a bound on idle sockets; concurrent fetches open more, which close when idle.
 TRANSFER_POOL_PER_PRODUCER: Final = 4
 
 #: Bulk-data sockets per transfer server.
