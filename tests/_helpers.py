@@ -216,3 +216,21 @@ def process_rss() -> int:
 
   gc.collect()
   return psutil.Process().memory_info().rss
+
+
+# ---- scripts
+
+
+def load_script(name: str):
+  """scripts/NAME.py as a module (registered in `sys.modules`, so its dataclasses resolve)."""
+  import importlib.util
+  import pathlib
+
+  spec = importlib.util.spec_from_file_location(
+      f"scripts_{name}", pathlib.Path(__file__).parent.parent / "scripts" / f"{name}.py"
+  )
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module

@@ -80,7 +80,7 @@ import pytest
 
 import rdt_jax
 import test_examples
-from _helpers import clean_env
+from _helpers import clean_env, load_script
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -374,15 +374,6 @@ def test_pyobject_selection_includes_decorators():
 
 
 # ---- every page reads completely as a file
-
-
-def load_script(name: str):
-  """scripts/NAME.py as a module."""
-  spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def all_tokens(tokens):

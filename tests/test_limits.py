@@ -9,11 +9,10 @@ place.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import re
-import sys
 
+from _helpers import load_script
 from rdt_jax import _limits
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -29,16 +28,6 @@ FACTS = {
     ("_settings.py", "_GIB"): "a unit",
     ("_settings.py", "_TIB"): "a unit",
 }
-
-
-def load_script(name: str):
-  """scripts/NAME.py as a module (registered, so its dataclasses resolve)."""
-  spec = importlib.util.spec_from_file_location(f"scripts_{name}", REPO / "scripts" / f"{name}.py")
-  assert spec is not None and spec.loader is not None
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def _is_number(node: ast.AST) -> bool:
