@@ -121,6 +121,38 @@ def describe(x: Any, path: str) -> DescribedLeaf:
   return single_chunk(shape, path, "jax", dtype, dev.kind, dev.index, pointer(x), x)
 
 
+def describe_packable(x: Any, path: str, max_nbytes: int) -> DescribedLeaf | None:
+  """`x` described as `describe` would, if it may travel packed with other
+  leaves in one host buffer (a copy taken now); None if it must travel as a
+  leaf of its own (where `describe` says what is wrong with it, if anything).
+
+  Packable: a live, unsharded `jax.Array` (not a PRNG key) on one cpu device
+  this process can address, in the default layout, of a dtype rdt_jax moves,
+  of at most `max_nbytes` bytes. Does not wait for the array: the caller
+  waits for every packed leaf at once (`block_until_ready`) before copying.
+  """
+  devices_set = x.sharding.device_set
+  if len(devices_set) != 1 or x.is_deleted():
+    return None
+  device = next(iter(devices_set))
+  known = _LOCAL_DEVICES.get(device)
+  if known is None:
+    if device.platform != "cpu" or not x.is_fully_addressable:
+      return None
+    known = _LOCAL_DEVICES[device] = parse_device(device)
+  if known.kind != "cpu":
+    return None
+  try:
+    dtype = check_dtype(np.dtype(x.dtype), path)
+  except (UnsupportedLeafError, TypeError):
+    return None
+  shape = x.shape
+  if math.prod(shape) * dtype.itemsize > max_nbytes or _layout_problem(x) is not None:
+    return None
+  address = 0 if 0 in shape else int(x.unsafe_buffer_pointer())
+  return single_chunk(shape, path, "jax", dtype, "cpu", known.index, address, x)
+
+
 def placement_problem(x: Any) -> str | None:
   """What keeps `x`'s buffers from being sent as plain row-major bytes of its
   device kind, or None.

@@ -51,6 +51,19 @@ def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
   ])
 
 
+def copy_leaves_into(buffer: np.ndarray, offsets: list[list[int]], leaves: list[DescribedLeaf]) -> None:
+  """Copies every chunk of host `leaves` into `buffer` at `offsets` (as
+  `host_layout` places them); the leaves' buffers hold their final values."""
+  import ctypes
+
+  base = int(buffer.__array_interface__["data"][0])
+  move = ctypes.memmove
+  for leaf, leaf_offsets in zip(leaves, offsets):
+    for pointer, chunk, offset in zip(leaf.pointers, leaf.spec.chunks, leaf_offsets):
+      if chunk.nbytes:
+        move(base + offset, pointer, chunk.nbytes)
+
+
 def pack_layout(specs: list[LeafSpec], alignment: int = _limits.DEVICE_ALIGNMENT) -> tuple[list[list[int]], int]:
   """Packs every chunk of `specs` into one region.
 

@@ -1,0 +1,102 @@
+"""The consumer's side of a pack: many small jax leaves received as one buffer.
+
+A producer may send the small host jax leaves of a value as one host buffer
+(`rdt_jax._leaf_pack`; the metadata's `packed` names the buffer's leaf, each
+packed leaf's spec and its position among the value's leaves). The fetch
+receives that buffer like any leaf, as raw host bytes (`ReceivePlan`'s
+`raw`), and `unpack` makes the packed leaves from it for Ray's deserializer,
+which finds the k-th one at the buffer's index (`_ray.serialization`):
+
+* without a target, the leaves are views of the received buffer, laid out
+  as a `ReceivePlan` would lay out its own (`adopt_host`), made in one call
+  per device as every host jax leaf is: no copy;
+* with a target (arrays to write into, a device, a `Slice`, a sharding), the
+  packed leaves get a `ReceivePlan` of their own with their share of it and
+  their bytes are copied from the buffer into what it took, so a target
+  means the same for a packed leaf as for any other.
+
+`split_target` shares a target between the pack's leaves and the others: a
+positional target (a list, as with Ray's own function) counts every leaf of
+the value in the order the producer's serializer met them, packed or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rdt_jax import _layout, _memory
+from rdt_jax._dlpack import LeafSpec
+from rdt_jax._metadata import DlpackTransportMetadata
+from rdt_jax._targets import Target, align_targets
+from rdt_jax.transports._destinations import memory_kind
+from rdt_jax.transports._plan import ReceivePlan
+
+__all__ = ["Split", "split_target", "unpack"]
+
+
+class Split:
+  """A target shared between a pack's leaves and the value's other leaves.
+
+  Attributes:
+    outer: each of the metadata's leaves' targets (None for the pack buffer
+      and for leaves without one), or None for no targets by leaf.
+    inner: the packed leaves' target, or None.
+    device: a device every leaf is received to, or None.
+  """
+
+  def __init__(self, outer: list[Any] | None, inner: Target | None, device: Any) -> None:
+    self.outer, self.inner, self.device = outer, inner, device
+
+
+def split_target(meta: DlpackTransportMetadata, target: Target | None) -> Split:
+  """Shares `target` between the pack of `meta` and its other leaves.
+
+  Raises:
+    ValueError, UnsupportedLeafError: as `align_targets`, for a target that
+      does not fit the value (naming the leaf).
+  """
+  if target is None:
+    return Split(None, None, None)
+  if target.buffers is None:
+    return Split(None, Target(device=target.device), target.device)
+  order = meta.value_leaves()
+  aligned = align_targets(target.buffers, [spec for spec, _ in order])
+  outer: list[Any] = [None] * len(meta.leaves)
+  inner: dict[str, Any] = {}
+  for (spec, i), t in zip(order, aligned):
+    if i < 0:
+      inner[spec.path] = t
+    else:
+      outer[i] = t
+  return Split(outer, Target(buffers=inner), None)
+
+
+def unpack(
+    buffer: np.ndarray, specs: list[LeafSpec], target: Target | None, mode: str, obj_id: str
+) -> tuple[Any, ...]:
+  """The packed leaves, rebuilt from the received pack `buffer` (uint8, host)
+  as `mode` and `target` ask, in pack order.
+
+  Raises:
+    MetadataError: if the specs lay out more bytes than `buffer` holds.
+    ValueError, UnsupportedLeafError: for a target that does not fit.
+  """
+  plan = ReceivePlan(specs, mode, target, obj_id)
+  if target is None and all(memory_kind(p.device) == "host" for p in plan.plans):
+    plan.adopt_host(buffer)
+    return tuple(plan.build())
+  try:
+    destinations = plan.allocate()
+    offsets, _ = _layout.host_layout(specs)
+    starts = [offset for leaf_offsets in offsets for offset in leaf_offsets]
+    view = memoryview(buffer.data)
+    for d in destinations:
+      if d.nbytes:
+        begin = starts[d.source] + d.source_offset
+        _memory.copy_from_host(d.pointer, view[begin : begin + d.nbytes], d.device)
+  except BaseException:
+    plan.quarantine()
+    raise
+  return tuple(plan.build())
