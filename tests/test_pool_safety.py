@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 
 import numpy as np
@@ -116,6 +117,31 @@ def test_untrusted_use_count_means_never_reuse(monkeypatch):
 
 # --------------------------------------------------------------------------
 # Eviction: listeners run while the memory is alive; a failing one strands it.
+
+
+def test_a_fresh_host_buffer_is_in_use_before_another_thread_can_see_it():
+  # Two threads that each allocate a fresh buffer must never share one: the
+  # second acquire runs in the window after the first put its new buffer in
+  # the pool and released the lock, before it returned (where the listeners
+  # of evicted buffers are told).
+  pool = _memory.HostBufferPool(max_bytes=1 << 20)
+  other: dict[str, np.ndarray] = {}
+  tell = pool._notify
+
+  def notify(evicted, listeners):
+    if "started" not in other:  # the first acquire only
+      other["started"] = True
+      t = threading.Thread(target=lambda: other.setdefault("view", pool.acquire(4096)))
+      t.start()
+      t.join(timeout=30)
+    tell(evicted, listeners)
+
+  pool._notify = notify  # type: ignore[method-assign]
+  first = pool.acquire(4096)
+  assert _memory.host_pointer(first) != _memory.host_pointer(other["view"])
+  first[:] = 1
+  other["view"][:] = 2
+  assert (first == 1).all()
 
 
 def test_host_pool_tells_listeners_while_the_buffer_is_alive():

@@ -122,13 +122,19 @@ class HostBufferPool:
         self._buffers.append(buf)  # most recently used last
         return buf[:nbytes]
       buf = aligned_host_buffer(nbytes)
+      # The caller's view exists before the lock is released: from the moment
+      # another thread can see the buffer in the pool, it is in use. (A view
+      # made after the lock, as before, left a window in which a concurrent
+      # acquire found the fresh buffer free and handed it out a second time:
+      # two exports on one staging buffer, one object's bytes read as another's.)
+      view = buf[:nbytes]
       evicted = []
       if 0 < nbytes <= self.max_bytes:
         self._buffers.append(buf)
         evicted = self._evict(self.max_bytes)
       listeners = list(self._listeners)
     self._notify(evicted, listeners)
-    return buf[:nbytes]
+    return view
 
   def _best_free(self, nbytes: int) -> int | None:
     """The index of the smallest free buffer of `nbytes` to 2x `nbytes`, if any."""

@@ -3,9 +3,9 @@
 Producers put values mixing jax, torch and numpy leaves (sizes drawn per
 step, a few bytes to several MiB) over the transport and report a sha256
 digest of each value's ordered bytes (and of the value with its large leaf
-sliced). Consumers fetch random live refs, a third into a new value, a third
-into targets (numpy and torch arrays, `rdt_jax.set_target_for_ref`) and a
-third with the large leaf sliced into a numpy buffer (`rdt_jax.Slice(into=)`),
+sliced). Consumers fetch random live refs, in turn into a new value, into
+targets (numpy and torch arrays, `rdt_jax.set_target_for_ref`) and with the
+large leaf sliced into a numpy buffer (`rdt_jax.Slice(into=)`),
 and return the digest of what arrived; every arrival is compared. Meanwhile
 refs are freed at random, a producer or a consumer is killed at random (and
 replaced), some gets carry a short timeout while the consumers' waits are
@@ -196,7 +196,9 @@ def _fetch_round(
   for c in consumers:
     item = rng.choice(live)
     timeout = SHORT_TIMEOUT_S if rng.random() < 0.2 else None
-    mode = rng.choice(MODES)
+    # Kinds in turn, not at random: a short run on a loaded host still fetches
+    # each kind once in its first three fetches.
+    mode = MODES[sum(stats["fetches_" + m] for m in MODES) % len(MODES)]
     stats["fetches_" + mode] += 1
     calls.append((item, mode, c.fetch.remote(item[0], timeout, mode, item[3]), time.monotonic()))
   for (_refs, wants, nbytes, _shapes), mode, call, t0 in calls:

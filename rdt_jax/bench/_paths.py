@@ -95,7 +95,9 @@ NIXL_VARIANTS: Final = {
 OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_INBAND, NIXL_UCX)
 #: Actor group name and environment of the paths whose actors need their own.
 GROUP_ENV: Final = {
-    RAY_FLOOR: (TORCH_GROUP, None),
+    # Its own actors: the Ray nixl group's actors hold NIXL agents whose
+    # progress threads spin, which would be measured as Ray's floor.
+    RAY_FLOOR: ("floor", None),
     NIXL_TCP: ("tcp", TCP_ENV),
     NIXL_OOB: ("oob", OOB_ENV),
     NIXL_INBAND: ("inband", INBAND_ENV),
