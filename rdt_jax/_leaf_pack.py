@@ -4,7 +4,7 @@ A value of many leaves would otherwise cost per leaf everywhere: Ray's
 pickler calls a reducer for each, Ray keeps each as a tensor of the RDT
 object, the transport describes, exports, plans and rebuilds each. On the
 producer, while Ray's serializer runs (`begin` ... `finish`, called by
-`rdt_jax._ray.serialization`), each packable leaf (`_dlpack.describe_packable`:
+`rdt_jax._ray.serialization`), each packable leaf (`_dlpack.packable`:
 an unsharded host `jax.Array` of at most `_limits.PACK_MAX_CHUNK` bytes) is
 taken here instead of becoming a tensor of its own: the pickle holds
 `(slot, k)`, the k-th leaf of the pack in Ray's tensor `slot`. At the end
@@ -63,11 +63,14 @@ class _Packing(threading.local):
   """The pack of the serialization running on this thread, if any."""
 
   def __init__(self) -> None:
-    self.decided = False  # whether this value packs was decided (at its first packable leaf)
+    self.decided = False  # whether this value packs was decided (at its first jax leaf)
     self.active = False
     self.slot = -1  # the pack buffer's index in Ray's tensors, once reserved
-    self.leaves: list[_dlpack.DescribedLeaf] = []
+    self.leaves: list[Any] = []  # the packed jax arrays, in pack order
+    self.kinds: list[_dlpack.PackKind] = []
+    self.addresses: list[int] = []
     self.positions: list[int] = []
+    self.nbytes = 0  # the pack buffer's size so far (each leaf aligned, as `host_layout`)
 
 
 _packing = _Packing()
@@ -75,61 +78,67 @@ _packing = _Packing()
 
 def begin() -> None:
   """Starts a serialization on this thread (nothing packed yet)."""
-  _packing.decided, _packing.active, _packing.slot = False, False, -1
-  _packing.leaves, _packing.positions = [], []
+  _packing.__init__()  # type: ignore[misc]
 
 
 def end() -> None:
   """Ends what `begin` started; what was not finished is dropped."""
-  begin()
+  _packing.__init__()  # type: ignore[misc]
 
 
-def _decide() -> bool:
-  """At the first packable leaf: whether this value packs (enough leaves)."""
+def _decide(leaf: Any) -> bool:
+  """At the value's first jax leaf: whether this value packs (enough leaves)."""
   _packing.decided = True
   minimum = _settings.value("RDT_JAX_PACK_MIN_LEAVES")
-  # The serializer's leaf paths hold every leaf of the value (computed once per structure).
-  leaves = len(_handoff.serializing.paths or ())
-  _packing.active = minimum > 0 and leaves >= minimum
+  if minimum <= 0:
+    return False
+  _handoff.leaf_path(leaf)  # the value's leaf paths, computed once per structure
+  _packing.active = len(_handoff.serializing.paths or ()) >= minimum
   return _packing.active
 
 
-def take(leaf: Any, path: str, tensors: list[Any]) -> tuple[int, int] | None:
+def take(leaf: Any, tensors: list[Any]) -> tuple[int, int] | None:
   """Packs jax leaf `leaf` if it may be packed: returns `(slot, k)`, where the
   consumer finds it (the k-th leaf of the pack in Ray's tensor `slot`); None
   if it travels as a tensor of its own. `tensors` is Ray's list of the
   value's tensors so far; the first packed leaf reserves the pack's slot."""
-  if not (_packing.active or (not _packing.decided and _decide())):
+  p = _packing
+  if not (p.active or (not p.decided and _decide(leaf))):
     return None
-  described = _dlpack.describe_packable(leaf, path, _limits.PACK_MAX_CHUNK)
-  if described is None:
+  found = _dlpack.packable(leaf, _limits.PACK_MAX_CHUNK)
+  if found is None:
     return None
-  if _packing.slot < 0:
+  if p.slot < 0:
     tensors.append(None)  # the pack buffer's place, filled by `finish`
-    _packing.slot = len(tensors) - 1
-  k = len(_packing.leaves)
-  _packing.leaves.append(described)
+    p.slot = len(tensors) - 1
+  k = len(p.leaves)
+  p.leaves.append(leaf)
+  p.kinds.append(found[0])
+  p.addresses.append(found[1])
+  p.nbytes += _memory.aligned(found[0].chunks[0].nbytes)
   # Leaves met before this one: k packed, and every tensor but the pack's slot.
-  _packing.positions.append(k + len(tensors) - 1)
-  return _packing.slot, k
+  p.positions.append(k + len(tensors) - 1)
+  return p.slot, k
 
 
 def finish(tensors: list[Any]) -> None:
   """Copies this serialization's packed leaves into one pooled host buffer
   and puts it in the pack's slot of `tensors` (Ray's list, as serialized),
   described for the transport's extract under `PACKED_PATH`."""
-  leaves = _packing.leaves
-  if not leaves:
+  p = _packing
+  if not p.leaves:
     return
-  _dlpack.block_until_ready([d.arrays[0] for d in leaves])
-  specs = [d.spec for d in leaves]
-  offsets, total = _layout.host_layout(specs)
-  buffer = _memory.host_pool.acquire(max(total, 1))
-  _layout.copy_leaves_into(buffer, offsets, leaves)
-  tensors[_packing.slot] = buffer
+  _dlpack.block_until_ready(p.leaves)
+  buffer = _memory.host_pool.acquire(max(p.nbytes, 1))
+  _layout.copy_packed_into(buffer, p.addresses, p.kinds)
+  paths = _handoff.serializing.paths or {}
+  specs = [
+      _dlpack.packed_spec(paths.get(id(leaf), ""), kind) for leaf, kind in zip(p.leaves, p.kinds)
+  ]
+  tensors[p.slot] = buffer
   _handoff.record_described(buffer, _dlpack.describe(buffer, PACKED_PATH))
-  _remember(buffer, PackTable(specs, _packing.positions))
-  _packing.leaves, _packing.positions = [], []
+  _remember(buffer, PackTable(specs, p.positions))
+  end()
 
 
 # --------------------------------------------------------------------------

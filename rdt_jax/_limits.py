@@ -109,6 +109,10 @@ NIXL_FORGET_CHECK_S: Final = 1.0
 #: Why: a registration and a descriptor cost more than copying a chunk this small.
 PACK_MAX_CHUNK: Final = 256 << 10
 
+#: Kinds of packable leaf (device, shape, dtype) whose checks are remembered.
+#: Why: a model has a few hundred distinct shapes; past this, kinds are checked per leaf.
+PACK_KINDS_MAX: Final = 4096
+
 #: No buffer of a process ends above this address; a larger address or size is refused.
 #: Why: user space is below 2**57 on every 64-bit platform NIXL runs on.
 NIXL_ADDRESS_LIMIT: Final = 1 << 57

@@ -56,7 +56,7 @@ def _take_jax_leaf(leaf: Any) -> tuple[Callable[..., Any], tuple[int, ...]]:
   """Moves jax leaf `leaf` out of band: into the value's pack if it may be
   packed (`rdt_jax._leaf_pack`), else as a tensor of its own (`_take_leaf`)."""
   tensors = _handoff.serializing.context._thread_local.rdt_tensors
-  packed = _leaf_pack.take(leaf, _handoff.leaf_path(leaf), tensors)
+  packed = _leaf_pack.take(leaf, tensors)
   if packed is None:
     return _take_leaf(leaf)
   return _leaf_from_pack, packed
