@@ -287,3 +287,36 @@ def test_a_slice_of_a_packed_leaf(producer):
   want = np.asarray(many_leaves()["small"]["s009"])[1:3]
   assert np.asarray(got["small"]["s009"]).shape == (2, 3)
   np.testing.assert_array_equal(np.asarray(got["small"]["s009"]), want)
+
+
+def _with_deleted_leaf():
+  value = many_leaves()
+  value["small"]["s040"].delete()
+  return value
+
+
+def test_a_deleted_leaf_in_a_packed_value_is_refused_by_name(producer):
+  ref = producer.make.remote(_with_deleted_leaf)
+  with pytest.raises(Exception, match=r"\['small'\]\['s040'\].*deleted"):
+    ray.get(ref)
+
+
+def test_which_jax_leaves_may_pack():
+  """`_dlpack.packable`: unsharded live host leaves up to the size limit, in
+  the default layout; the kind is checked once, the address read per leaf."""
+  from rdt_jax import _dlpack
+
+  small = jnp.arange(6, dtype=jnp.int16).reshape(2, 3)
+  kind, address = _dlpack.packable(small, 1 << 10)
+  assert address == small.unsafe_buffer_pointer()
+  assert kind.dtype == np.int16 and kind.chunks[0].shape == (2, 3) and kind.chunks[0].nbytes == 12
+  other = jnp.ones((2, 3), jnp.int16)
+  assert _dlpack.packable(other, 1 << 10) == (kind, other.unsafe_buffer_pointer())
+  assert _dlpack.packable(jnp.ones((2, 3), jnp.int16), 8) is None  # too large
+  empty = jnp.zeros((0, 4))
+  assert _dlpack.packable(empty, 1 << 10)[1] == 0
+  deleted = jnp.ones((3,))
+  deleted.delete()
+  assert _dlpack.packable(deleted, 1 << 10) is None
+  spec = _dlpack.packed_spec("['a']", kind)
+  assert (spec.path, spec.shape, spec.dtype, spec.framework, spec.device) == ("['a']", (2, 3), np.int16, "jax", "cpu")

@@ -144,7 +144,7 @@ def packed_spec(path: str, kind: PackKind) -> LeafSpec:
   return tuple.__new__(LeafSpec, (path, chunks[0].shape, kind.dtype, "jax", "cpu", chunks, None))
 
 
-#: (device, shape, dtype, max bytes) -> its `PackKind`, or None where such a
+#: (sharding, shape, dtype, max bytes) -> its `PackKind`, or None where such a
 #: leaf is never packable; bounded by `_limits.PACK_KINDS_MAX`.
 _PACK_KINDS: dict[tuple[Any, ...], PackKind | None] = {}
 
@@ -157,18 +157,18 @@ def packable(x: Any, max_nbytes: int) -> tuple[PackKind, int] | None:
 
   Packable: a live, unsharded `jax.Array` (not a PRNG key) on one cpu device
   this process can address, in the default layout, of a dtype rdt_jax moves,
-  of at most `max_nbytes` bytes. The checks are made once per device, shape
-  and dtype (`PackKind`); per leaf only the buffer's layout and address are
-  read. Does not wait for the array: the caller waits for every packed leaf
-  at once (`block_until_ready`) before copying.
+  of at most `max_nbytes` bytes. The checks are made once per sharding,
+  shape and dtype (`PackKind`); per leaf only whether it is deleted, its
+  buffer's layout and its address are read. Does not wait for the array:
+  the caller waits for every packed leaf at once (`block_until_ready`)
+  before copying.
   """
+  if x.is_deleted():  # deleted or donated: `describe` says so (and a deleted
+    return None  # array's buffer layout must not be read: it crashes jaxlib 0.10)
+  key = (x.sharding, x.shape, x.dtype, max_nbytes)
   try:
-    device = x.device  # a Device for a single-device array, else its sharding
-  except RuntimeError:  # deleted or donated: `describe` says so
-    return None
-  key = (device, x.shape, x.dtype, max_nbytes)
-  kind = _PACK_KINDS.get(key, False)
-  if kind is False:
+    kind = _PACK_KINDS[key]
+  except KeyError:
     kind = _pack_kind(x, max_nbytes)
     if len(_PACK_KINDS) < _limits.PACK_KINDS_MAX:
       _PACK_KINDS[key] = kind
@@ -177,12 +177,7 @@ def packable(x: Any, max_nbytes: int) -> tuple[PackKind, int] | None:
   layout = getattr(x, "_pjrt_layout", None)
   if (layout is None or layout != kind.layout) and _layout_problem(x) is not None:
     return None
-  if not kind.chunks[0].nbytes:
-    return kind, 0
-  try:
-    return kind, int(x.unsafe_buffer_pointer())
-  except RuntimeError:  # deleted since
-    return None
+  return kind, (int(x.unsafe_buffer_pointer()) if kind.chunks[0].nbytes else 0)
 
 
 def _pack_kind(x: Any, max_nbytes: int) -> PackKind | None:

@@ -8,8 +8,9 @@ receives that buffer like any leaf, as raw host bytes (`ReceivePlan`'s
 which finds the k-th one at the buffer's index (`_ray.serialization`):
 
 * without a target, the leaves are views of the received buffer, laid out
-  as a `ReceivePlan` would lay out its own (`adopt_host`), made in one call
-  per device as every host jax leaf is: no copy;
+  as `host_layout` lays them out, each arriving as a `ReceivePlan` decides
+  for its dtype, jax leaves made in one call per device as every host jax
+  leaf is: no copy, and no per-leaf plan;
 * with a target (arrays to write into, a device, a `Slice`, a sharding), the
   packed leaves get a `ReceivePlan` of their own with their share of it and
   their bytes are copied from the buffer into what it took, so a target
@@ -26,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from rdt_jax import _layout, _memory
+from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax._dlpack import LeafSpec
-from rdt_jax._metadata import DlpackTransportMetadata
+from rdt_jax._memory import aligned
+from rdt_jax._metadata import DlpackTransportMetadata, MetadataError
 from rdt_jax._targets import Target, align_targets
 from rdt_jax.transports._destinations import memory_kind
 from rdt_jax.transports._plan import ReceivePlan
@@ -83,10 +85,11 @@ def unpack(
     MetadataError: if the specs lay out more bytes than `buffer` holds.
     ValueError, UnsupportedLeafError: for a target that does not fit.
   """
+  if target is None:
+    leaves = _views_as_received(buffer, specs, mode, obj_id)
+    if leaves is not None:
+      return leaves
   plan = ReceivePlan(specs, mode, target, obj_id)
-  if target is None and all(memory_kind(p.device) == "host" for p in plan.plans):
-    plan.adopt_host(buffer)
-    return tuple(plan.build())
   try:
     destinations = plan.allocate()
     offsets, _ = _layout.host_layout(specs)
@@ -100,3 +103,43 @@ def unpack(
     plan.quarantine()
     raise
   return tuple(plan.build())
+
+
+def _views_as_received(buffer: np.ndarray, specs: list[LeafSpec], mode: str, obj_id: str) -> tuple[Any, ...] | None:
+  """The packed leaves without a target: zero-copy views of `buffer` (laid out
+  as `host_layout` places `specs`), each as the framework and device a
+  `ReceivePlan` gives its dtype in `mode` (decided once per dtype, not per
+  leaf); jax leaves made in one call per device. None where some dtype
+  arrives in device memory (the caller plans and copies instead).
+
+  Raises:
+    MetadataError: if the specs lay out more bytes than `buffer` holds.
+    UnsupportedLeafError: for a 64-bit leaf arriving as jax while x64 is off.
+  """
+  first: dict[Any, LeafSpec] = {}
+  for spec in specs:
+    if spec.dtype not in first:
+      first[spec.dtype] = spec
+  plans = dict(zip(first, ReceivePlan(list(first.values()), mode, None, obj_id).plans))
+  if any(memory_kind(p.device) != "host" for p in plans.values()):
+    return None
+  out: list[Any] = []
+  jax_at: dict[Any, list[int]] = {}
+  offset = 0
+  for spec in specs:
+    nbytes = spec.chunks[0].nbytes
+    end = offset + nbytes
+    if end > buffer.nbytes:
+      raise MetadataError(obj_id, "packed", f"lays out past the end of a buffer of {buffer.nbytes} bytes")
+    view = buffer[offset:end].view(spec.dtype).reshape(spec.shape)
+    plan = plans[spec.dtype]
+    if plan.framework == "jax":
+      jax_at.setdefault(plan.device, []).append(len(out))
+    elif plan.framework != "numpy":
+      view = _dlpack.rebuild_view(view, plan.framework, plan.device, spec.path)
+    out.append(view)
+    offset += aligned(nbytes)
+  for device, indices in jax_at.items():
+    for i, array in zip(indices, _dlpack.host_to_jax_many([out[i] for i in indices], device)):
+      out[i] = array
+  return tuple(out)

@@ -203,23 +203,6 @@ class ReceivePlan:
     _memory.settle_targets(p.device for p in self.plans if p.in_place or p.into is not None)
     return self.destinations
 
-  def adopt_host(self, buffer: np.ndarray) -> None:
-    """Takes `buffer`, which already holds every chunk where `allocate` would
-    place it (`_layout.host_layout`), as this plan's host memory: `build`
-    then makes the leaves from it without a copy. Only for plans whose every
-    leaf is host memory without a target.
-
-    Raises:
-      MetadataError: if the layout needs more bytes than `buffer` holds.
-    """
-    assert all(memory_kind(p.device) == "host" and p.target is None and p.layout is None for p in self.plans)
-    offsets, total = _layout.host_layout([p.spec for p in self.plans])
-    if total > buffer.nbytes:
-      raise MetadataError(self.obj_id, "packed", f"lays out {total} bytes in a buffer of {buffer.nbytes}")
-    for plan, leaf_offsets in zip(self.plans, offsets):
-      plan.host_offsets = leaf_offsets
-    self.host = buffer
-
   def _allocate_regions(self) -> None:
     """One pooled region per device for every device chunk not received in place."""
     by_device: dict[Device, list[LeafPlan]] = {}
