@@ -15,6 +15,7 @@ one string, and long integer lists (addresses) as packed bytes
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -23,9 +24,10 @@ from typing import Any
 import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
-from rdt_jax import _limits
+from rdt_jax import _layout, _limits
 from rdt_jax._dlpack import ChunkSpec, LeafSpec, UnsupportedLeafError, spec_problem
 from rdt_jax._error_base import RdtJaxError
+from rdt_jax._leaf_pack import PACKED_PATH
 
 __all__ = ["DlpackTransportMetadata", "MetadataError", "check_int", "check_ints"]
 
@@ -256,6 +258,10 @@ class DlpackTransportMetadata(TensorTransportMetadata):
     producer: the Ray actor id (hex) of the producer, None for an object the
       driver stored: a consumer refuses the object once that actor is dead
       (`rdt_jax.transports._lifetime`).
+    packed: None, or `(slot, specs, positions)` when many small jax leaves
+      of the value travel as one host buffer, leaf `slot` (`rdt_jax._leaf_pack`):
+      each packed leaf's spec, laid out in that buffer as `host_layout` places
+      them, and its position among all the value's leaves.
   """
 
   # Narrows Ray's annotation (torch or numpy pairs) to the numpy pairs rdt_jax writes.
@@ -265,6 +271,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   inline: bytes | None = None
   origin: tuple[str, int, int, int] | None = None
   producer: str | None = None
+  packed: tuple[int, list[LeafSpec], list[int]] | None = None
 
   # Ray compares metadata by identity (its NIXL metadata does the same).
   __eq__ = object.__eq__
@@ -274,6 +281,27 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   def nbytes(self) -> int:
     """Payload bytes of every leaf together."""
     return sum(leaf.nbytes for leaf in self.leaves)
+
+  def value_leaves(self) -> list[tuple[LeafSpec, int]]:
+    """Every leaf of the value in the order the producer's serializer met
+    them (the order a positional target lists them in), each with where it
+    travels: its index in `leaves`, or `-1 - k` for the k-th packed leaf.
+    Without a pack: `leaves`, in order."""
+    leaves = self.leaves
+    if self.packed is None:
+      return [(leaf, i) for i, leaf in enumerate(leaves)]
+    slot, specs, positions = self.packed
+    packed_at = dict(zip(positions, range(len(specs))))
+    others = iter([i for i in range(len(leaves)) if i != slot])
+    out = []
+    for position in range(len(specs) + len(leaves) - 1):
+      k = packed_at.get(position)
+      if k is not None:
+        out.append((specs[k], -1 - k))
+      else:
+        i = next(others)
+        out.append((leaves[i], i))
+    return out
 
   def __getstate__(self) -> dict[str, Any]:
     state = dict(self.__dict__)
@@ -286,6 +314,14 @@ class DlpackTransportMetadata(TensorTransportMetadata):
           t[0] == leaf.shape and t[1] == leaf.dtype for t, leaf in zip(tensor_meta, leaves)
       ):
         state["tensor_meta"] = None  # rebuilt from the leaves
+    pack = state.get("packed")
+    if type(pack) is tuple and len(pack) == 3:
+      specs, positions = pack[1], pack[2]
+      state["packed"] = (
+          pack[0],
+          (_Leaves.encode(specs) if type(specs) is list and specs else None) or specs,
+          (_Ints.encode(positions) if type(positions) is list and positions else None) or positions,
+      )
     for key, value in state.items():
       if type(value) is list and len(value) >= _limits.METADATA_PACK_INTS_MIN and all(type(v) is int for v in value):
         packed_ints = _Ints.encode(value)
@@ -308,6 +344,17 @@ class DlpackTransportMetadata(TensorTransportMetadata):
         state["leaves"], tensor_meta = _Undecodable(str(e)), []
       if state.get("tensor_meta") is None:
         state["tensor_meta"] = tensor_meta
+    pack = state.get("packed")
+    if type(pack) is tuple and len(pack) == 3:
+      specs, positions = pack[1], pack[2]
+      try:
+        if type(specs) is _Leaves:
+          specs = specs.decode()[0]
+        if type(positions) is _Ints:
+          positions = positions.decode()
+      except (ValueError, TypeError, IndexError) as e:
+        specs = _Undecodable(str(e))
+      state["packed"] = (pack[0], specs, positions)
     self.__dict__.update(state)
 
   def validate(self, obj_id: str) -> None:
@@ -364,9 +411,50 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       if type(inline) is not bytes or len(inline) != want:
         raise MetadataError(obj_id, "inline", f"holds {_length(inline)} bytes but the leaves describe {want}")
     self._check_origin(obj_id)
+    if self.packed is not None:
+      self._check_packed(obj_id)
     producer = self.producer
     if producer is not None and not (type(producer) is str and _is_hex(producer)):
       raise MetadataError(obj_id, "producer", f"is {producer!r}, not a Ray actor id in hex")
+
+  def _check_packed(self, obj_id: str) -> None:
+    """The pack's buffer leaf, its leaves' specs (each signature once) and
+    their positions (increasing, within the value's leaves)."""
+    pack = self.packed
+    if type(pack) is not tuple or len(pack) != 3:
+      raise MetadataError(obj_id, "packed", f"is {pack!r}, not (slot, specs, positions)")
+    slot, specs, positions = pack
+    leaves = self.leaves
+    if type(slot) is not int or not 0 <= slot < len(leaves):
+      raise MetadataError(obj_id, "packed[0]", f"is {slot!r}, not a leaf index below {len(leaves)}")
+    buffer = leaves[slot]
+    if buffer.path != PACKED_PATH or buffer.framework != "numpy" or buffer.device != "cpu" or len(buffer.shape) != 1 \
+        or buffer.dtype != np.uint8:
+      raise MetadataError(obj_id, f"leaves[{slot}]", "is not a pack buffer (1-D uint8 numpy in host memory)")
+    if type(specs) is not list or not specs:
+      raise MetadataError(obj_id, "packed[1]", f"is {specs!r}, not a list of leaf specs")
+    first: dict[Any, int] = {}
+    for i, spec in enumerate(specs):
+      if type(spec) is not LeafSpec or tuple.__len__(spec) != 7 or type(spec.path) is not str:
+        raise MetadataError(obj_id, f"packed[1][{i}]", f"is a {type(spec).__name__}, not a LeafSpec")
+      try:
+        first.setdefault(_SIGNATURE(spec), i)
+      except TypeError:
+        raise MetadataError(obj_id, f"packed[1][{i}]", "has an unhashable field", spec.path) from None
+    for i in first.values():
+      spec = specs[i]
+      problem = spec_problem(spec)
+      if problem is not None:
+        raise MetadataError(obj_id, f"packed[1][{i}].{problem[0]}", problem[1], spec.path)
+      if spec.framework != "jax" or spec.device != "cpu" or spec.sharding is not None or len(spec.chunks) != 1:
+        raise MetadataError(obj_id, f"packed[1][{i}]", "is not an unsharded host jax leaf", spec.path)
+    total = len(specs) + len(leaves) - 1
+    check_ints(obj_id, "packed[2]", positions, len(specs), 0, total)
+    if any(a >= b for a, b in itertools.pairwise(positions)):
+      raise MetadataError(obj_id, "packed[2]", "is not increasing")
+    _, need = _layout.host_layout(specs)
+    if need > buffer.nbytes:
+      raise MetadataError(obj_id, "packed[1]", f"lays out {need} bytes in a buffer of {buffer.nbytes}")
 
   @staticmethod
   def _check_leaf(obj_id: str, i: int, leaf: Any) -> None:

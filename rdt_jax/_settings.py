@@ -163,6 +163,13 @@ SETTINGS: Final[dict[str, Setting]] = {
             side="producer", minimum=0, maximum=64 * _MIB,
         ),
         Setting(
+            "RDT_JAX_PACK_MIN_LEAVES", "int", 64,
+            "A returned value of at least this many leaves sends its small host jax.Arrays (each at most "
+            "256 KiB) as one buffer, copied at return: Ray and the transport see one leaf instead of "
+            "many; 0 sends every leaf on its own.",
+            side="producer", minimum=0, maximum=1 << 30,
+        ),
+        Setting(
             "RDT_JAX_NIXL_CMA", "bool", True,
             "jax_nixl: a consumer on the producer's host reads host memory directly "
             "(`process_vm_readv`); 0 sends every read through NIXL.",

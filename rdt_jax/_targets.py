@@ -100,7 +100,8 @@ def set_target_for_ref(ref: ray.ObjectRef, target: Any) -> None:
   check_disjoint(buffers)
   meta = _ray.state.transport_metadata(obj_id)
   if meta is not None:
-    align_targets(buffers, getattr(meta, "leaves", []))
+    order = meta.value_leaves() if hasattr(meta, "value_leaves") else []
+    align_targets(buffers, [spec for spec, _ in order])
   with _lock:
     _prune()
     _targets[obj_id] = Target(buffers=buffers)

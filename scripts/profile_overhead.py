@@ -9,7 +9,13 @@ owner's metadata, the return of the results).
 
 Usage:
   python scripts/profile_overhead.py [--transport jax_nixl] [--leaves 1,1000,10000]
-      [--bytes 67108864] [--reps 7] [--profile] [--top 15]
+      [--bytes 67108864] [--one-bytes 4096] [--reps 7] [--profile] [--top 15]
+
+Columns: the driver's end-to-end time; the producer's `ray.put`; the
+consumer's `ray.get`; the consumer's read of every byte of what it got (a
+checksum, through `np.asarray` per leaf: for a `jax.Array`, jax's cost of
+exposing its buffer); and the rest (two actor calls, the owner's metadata,
+the free of the object).
 
 Wall-clock figures are only comparable within one run (the script interleaves
 leaf counts per repetition); cProfile counts and shares are what to compare
@@ -88,8 +94,9 @@ class Consumer:
     if prof is not None:
       prof.disable()
     dt = time.perf_counter() - t0
+    t1 = time.perf_counter()
     checksum = sum(int(np.asarray(x).astype(np.int64).sum()) for x in value.values())
-    return checksum, dt
+    return checksum, dt, time.perf_counter() - t1
 
   def stats(self, n: int, top: int) -> str:
     return _format(self.prof.get(n), top)
@@ -110,7 +117,8 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--transport", default="jax_nixl")
   p.add_argument("--leaves", default="1,1000,10000")
-  p.add_argument("--bytes", type=int, default=64 << 20)
+  p.add_argument("--bytes", type=int, default=64 << 20, help="payload of the trees of more than one leaf")
+  p.add_argument("--one-bytes", type=int, default=4096, help="payload of the one-leaf object")
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--profile", action="store_true")
   p.add_argument("--top", type=int, default=15)
@@ -130,34 +138,35 @@ def main() -> None:
   remote = ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
   prod = remote(Producer).options(num_cpus=0).remote()
   cons = remote(Consumer).options(num_cpus=0).remote()
-  sizes = {n: (4096 if n == 1 else args.bytes) for n in counts}
+  sizes = {n: (args.one_bytes if n == 1 else args.bytes) for n in counts}
   expected = {n: ray.get(prod.build.remote(n, sizes[n])) for n in counts}
-  rows: dict[int, list[tuple[float, float, float]]] = {n: [] for n in counts}
+  rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in counts}
   for rep in range(-1, args.reps):
     for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
       profile = args.profile and rep >= 0
       t0 = time.perf_counter()
       refs, t_put = ray.get(prod.put.remote(n, args.transport, profile))
-      checksum, t_get = ray.get(cons.get.remote(refs, n, profile))
+      checksum, t_get, t_read = ray.get(cons.get.remote(refs, n, profile))
       e2e = time.perf_counter() - t0
       assert checksum == expected[n], (n, checksum, expected[n])
       del refs
       if rep >= 0:
-        rows[n].append((e2e, t_put, t_get))
-  med = {n: tuple(statistics.median(r[i] for r in rows[n]) for i in range(3)) for n in counts}
+        rows[n].append((e2e, t_put, t_get, t_read))
+  med = {n: tuple(statistics.median(r[i] for r in rows[n]) for i in range(4)) for n in counts}
   print(f"# {args.transport}: medians of {args.reps} reps, load average {os.getloadavg()}")
-  print(f"{'leaves':>7} {'bytes':>10} {'end-to-end':>11} {'producer put':>13} {'consumer get':>13} {'rest (Ray)':>11}")
+  print(f"{'leaves':>7} {'bytes':>10} {'end-to-end':>11} {'producer put':>13} {'consumer get':>13} "
+        f"{'consumer read':>14} {'rest':>11}")
   for n in counts:
-    e2e, tp, tg = med[n]
-    rest = e2e - tp - tg
+    e2e, tp, tg, tr = med[n]
+    rest = e2e - tp - tg - tr
     print(f"{n:>7} {sizes[n]:>10} {e2e * 1e3:>8.2f} ms {tp * 1e3:>10.2f} ms "
-          f"{tg * 1e3:>10.2f} ms {rest * 1e3:>8.2f} ms")
+          f"{tg * 1e3:>10.2f} ms {tr * 1e3:>11.2f} ms {rest * 1e3:>8.2f} ms")
   big = [n for n in counts if sizes[n] == args.bytes]
   if len(big) >= 2:
     a, b = min(big), max(big)
     print(f"per added leaf ({a} -> {b} leaves, same bytes): " + ", ".join(
         f"{name} {(med[b][i] - med[a][i]) / (b - a) * 1e6:.2f} us"
-        for i, name in ((0, "end-to-end"), (1, "producer"), (2, "consumer"))))
+        for i, name in ((0, "end-to-end"), (1, "producer"), (2, "consumer"), (3, "consumer read"))))
   if args.profile:
     for n in counts:
       print(f"\n## producer, {n} leaves, ray.put, cProfile over {args.reps} puts (own time)")

@@ -41,7 +41,10 @@ from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
 from rdt_jax._dlpack._dispatch import to_jax_exact as to_jax_exact
 from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
+from rdt_jax._dlpack._jax import PackKind as PackKind
 from rdt_jax._dlpack._jax import is_prng_key as is_prng_key
+from rdt_jax._dlpack._jax import packable as packable
+from rdt_jax._dlpack._jax import packed_spec as packed_spec
 from rdt_jax._dlpack._jax import prng_key_parts as prng_key_parts
 from rdt_jax._dlpack._jax import wrap_prng_key as wrap_prng_key
 from rdt_jax._dlpack._lazy import importable as importable
@@ -83,6 +86,9 @@ __all__ = [  # noqa: RUF022
     "buffer_pointers",
     "check_x64",
     "describe",
+    "PackKind",
+    "packable",
+    "packed_spec",
     "device_of",
     "dtype_of",
     "framework_of",

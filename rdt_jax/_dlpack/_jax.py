@@ -8,7 +8,7 @@ to other frameworks are in `_interop`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -119,6 +119,90 @@ def describe(x: Any, path: str) -> DescribedLeaf:
   _LOCAL_DEVICES[devices[0]] = dev  # addressable, on a supported platform
   shape = tuple(int(d) for d in x.shape)
   return single_chunk(shape, path, "jax", dtype, dev.kind, dev.index, pointer(x), x)
+
+
+class PackKind(NamedTuple):
+  """What every packable leaf of one (device, shape, dtype) shares.
+
+  Attributes:
+    dtype: the numpy dtype.
+    chunks: the leaf's one chunk (`single_chunk`'s, shared).
+    device_index: the cpu device's index.
+    layout: the buffer layout (jaxlib's `PjRtLayout`, compared, never
+      interpreted) found row-major, or None where jaxlib keeps none.
+  """
+
+  dtype: np.dtype
+  chunks: tuple[ChunkSpec, ...]
+  device_index: int
+  layout: Any
+
+
+def packed_spec(path: str, kind: PackKind) -> LeafSpec:
+  """The spec of a packed leaf of `kind` at pytree path `path`."""
+  chunks = kind.chunks
+  return tuple.__new__(LeafSpec, (path, chunks[0].shape, kind.dtype, "jax", "cpu", chunks, None))
+
+
+#: (sharding, shape, dtype, max bytes) -> its `PackKind`, or None where such a
+#: leaf is never packable; bounded by `_limits.PACK_KINDS_MAX`.
+_PACK_KINDS: dict[tuple[Any, ...], PackKind | None] = {}
+
+
+def packable(x: Any, max_nbytes: int) -> tuple[PackKind, int] | None:
+  """`(kind, address)` if jax array `x` may travel packed with other leaves
+  in one host buffer (a copy taken at return), where `address` is its
+  buffer's first byte (0 if empty); None if it must travel as a leaf of its
+  own (where `describe` says what is wrong with it, if anything).
+
+  Packable: a live, unsharded `jax.Array` (not a PRNG key) on one cpu device
+  this process can address, in the default layout, of a dtype rdt_jax moves,
+  of at most `max_nbytes` bytes. The checks are made once per sharding,
+  shape and dtype (`PackKind`); per leaf only whether it is deleted, its
+  buffer's layout and its address are read. Does not wait for the array:
+  the caller waits for every packed leaf at once (`block_until_ready`)
+  before copying.
+  """
+  if x.is_deleted():  # deleted or donated: `describe` says so (and a deleted
+    return None  # array's buffer layout must not be read: it crashes jaxlib 0.10)
+  key = (x.sharding, x.shape, x.dtype, max_nbytes)
+  try:
+    kind = _PACK_KINDS[key]
+  except KeyError:
+    kind = _pack_kind(x, max_nbytes)
+    if len(_PACK_KINDS) < _limits.PACK_KINDS_MAX:
+      _PACK_KINDS[key] = kind
+  if kind is None:
+    return None
+  layout = getattr(x, "_pjrt_layout", None)
+  if (layout is None or layout != kind.layout) and _layout_problem(x) is not None:
+    return None
+  return kind, (int(x.unsafe_buffer_pointer()) if kind.chunks[0].nbytes else 0)
+
+
+def _pack_kind(x: Any, max_nbytes: int) -> PackKind | None:
+  """The `PackKind` of `x`'s device, shape and dtype, or None if leaves like
+  it are never packable (not on one addressable cpu device, a dtype rdt_jax
+  does not move, or more than `max_nbytes` bytes)."""
+  devices = x.sharding.device_set
+  if len(devices) != 1 or not x.is_fully_addressable:
+    return None
+  device = next(iter(devices))
+  if device.platform != "cpu":
+    return None
+  try:
+    dtype = check_dtype(np.dtype(x.dtype), "")
+  except (UnsupportedLeafError, TypeError):
+    return None
+  shape = tuple(int(d) for d in x.shape)
+  if math.prod(shape) * dtype.itemsize > max_nbytes:
+    return None
+  known = _LOCAL_DEVICES.setdefault(device, parse_device(device))
+  layout = getattr(x, "_pjrt_layout", None)
+  if _layout_problem(x) is not None:
+    layout = None  # this leaf's layout is not row-major; others like it may be
+  chunks = single_chunk(shape, "", "jax", dtype, "cpu", known.index, 0, None).spec.chunks
+  return PackKind(dtype, chunks, known.index, layout)
 
 
 def placement_problem(x: Any) -> str | None:

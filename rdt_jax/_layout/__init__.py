@@ -9,6 +9,7 @@ import its private modules directly. `README.md` beside this file lists the
 modules and the rules.
 """
 
+from rdt_jax._layout._chunks import copy_packed_into as copy_packed_into
 from rdt_jax._layout._chunks import host_chunk as host_chunk
 from rdt_jax._layout._chunks import host_layout as host_layout
 from rdt_jax._layout._chunks import pack_host_chunks as pack_host_chunks
@@ -29,6 +30,7 @@ from rdt_jax._layout._reshard import target_layout as target_layout
 # Grouped by purpose, one comment per group (not sorted as a whole).
 __all__ = [  # noqa: RUF022
     # One object's chunks in one host buffer or device region, and typed views of them.
+    "copy_packed_into",
     "host_chunk",
     "host_layout",
     "pack_host_chunks",

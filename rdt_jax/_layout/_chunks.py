@@ -13,6 +13,7 @@ import numpy as np
 
 from rdt_jax import _limits
 from rdt_jax._dlpack._bytes import host_bytes
+from rdt_jax._dlpack._jax import PackKind
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 from rdt_jax._memory._host import aligned
 
@@ -49,6 +50,23 @@ def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
       for pointer, chunk in zip(leaf.pointers, leaf.spec.chunks)
       if chunk.nbytes
   ])
+
+
+def copy_packed_into(buffer: np.ndarray, addresses: list[int], kinds: list[PackKind]) -> None:
+  """Copies packed host leaves, each of `kinds[i]` at `addresses[i]`, into
+  `buffer` one after another, each at the offset `host_layout` gives it
+  among their specs; the leaves' buffers hold their final values."""
+  import ctypes
+
+  base = int(buffer.__array_interface__["data"][0])
+  move = ctypes.memmove
+  offset = 0
+  for address, kind in zip(addresses, kinds):
+    nbytes = kind.chunks[0].nbytes
+    if nbytes:
+      move(base + offset, address, nbytes)
+    offset += aligned(nbytes)
+  assert offset <= buffer.nbytes
 
 
 def pack_layout(specs: list[LeafSpec], alignment: int = _limits.DEVICE_ALIGNMENT) -> tuple[list[list[int]], int]:

@@ -20,13 +20,13 @@ from rdt_jax import _compat
 from rdt_jax._ray import state, wrapping
 
 if TYPE_CHECKING:
-  from rdt_jax import _dlpack, _handoff
+  from rdt_jax import _dlpack, _handoff, _leaf_pack
 
 __all__ = ["install_reducers", "wrap_serialize_rdt_objects"]
 
 
 def import_layers() -> None:
-  """Binds `_dlpack` and `_handoff` in this module (both import numpy).
+  """Binds `_dlpack`, `_handoff` and `_leaf_pack` in this module (all import numpy).
 
   Deferred to the first `install()` / `install_reducers()`, before which
   nothing here uses them, so that the name check can be installed at
@@ -35,6 +35,7 @@ def import_layers() -> None:
   if "_handoff" not in globals():
     globals()["_dlpack"] = importlib.import_module("rdt_jax._dlpack")
     globals()["_handoff"] = importlib.import_module("rdt_jax._handoff")
+    globals()["_leaf_pack"] = importlib.import_module("rdt_jax._leaf_pack")
 
 
 def _extracting() -> bool:
@@ -49,6 +50,32 @@ def _take_leaf(leaf: Any) -> tuple[Callable[[int], Any], tuple[int]]:
   tensors.append(leaf)
   _handoff.record_described(leaf, described)
   return _leaf_from_transfer, (len(tensors) - 1,)
+
+
+def _take_jax_leaf(leaf: Any) -> tuple[Callable[..., Any], tuple[int, ...]]:
+  """Moves jax leaf `leaf` out of band: into the value's pack if it may be
+  packed (`rdt_jax._leaf_pack`), else as a tensor of its own (`_take_leaf`)."""
+  tensors = _handoff.serializing.context._thread_local.rdt_tensors
+  packed = _leaf_pack.take(leaf, tensors)
+  if packed is None:
+    return _take_leaf(leaf)
+  return _leaf_from_pack, packed
+
+
+def _leaf_from_pack(slot: int, k: int) -> Any:
+  """Deserializer: the k-th leaf of the pack the transport delivered as tensor
+  `slot` (rebuilt there from the pack buffer, `rdt_jax.transports._packed`).
+
+  Touches: `SerializationContext._thread_local.rdt_tensors` (read).
+  Why: as `_leaf_from_transfer`: Ray hands the received tensors to its
+    deserializer by index only.
+  Retire when: Ray lets a transport claim several array types (see
+    `install_reducers`).
+  """
+  import ray
+
+  ctx = ray._private.worker.global_worker.get_serialization_context()
+  return ctx._thread_local.rdt_tensors[slot][k]
 
 
 def _leaf_from_transfer(index: int) -> Any:
@@ -141,7 +168,7 @@ def install_reducers() -> None:
   import_layers()
   _chain(np.ndarray, _default_reduce_ex)
   if "jax" in sys.modules:
-    _chain(_compat.array_impl_type(), _default_reduce)
+    _chain(_compat.array_impl_type(), _default_reduce, take=_take_jax_leaf)
     key_type = _compat.prng_key_array_type()
     if key_type is not None:
       _chain(key_type, _default_reduce, take=_take_prng_key)
@@ -183,11 +210,14 @@ def wrap_serialize_rdt_objects() -> None:
     data_type = util.get_transport_data_type(tensor_transport.upper())
     self._rdt_custom_serializer_registered[data_type] = True
     _handoff.begin_serialization(tensor_transport, self, value)
+    _leaf_pack.begin()
     try:
       serialized, leaves = original(self, _whole(value), tensor_transport)
+      _leaf_pack.finish(leaves)
       _handoff.finish_serialization(leaves)
       return serialized, leaves
     finally:
+      _leaf_pack.end()
       _handoff.end_serialization()
 
   wrapping.mark(serialize_rdt_objects, original)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-from rdt_jax import _dlpack, _handoff, _memory
+from rdt_jax import _dlpack, _handoff, _leaf_pack, _memory
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime
 
@@ -62,6 +62,11 @@ def extract(t: DlpackTransport, obj_id: str, rdt_object: list[Any]) -> DlpackTra
         leaves=[d.spec for d in described],
         producer=_lifetime.producer_id(),
     )
+    for slot, x in enumerate(rdt_object):
+      table = _leaf_pack.take_table(x)
+      if table is not None:
+        meta.packed = (slot, table.specs, table.positions)
+        break
     if described:
       # Queued device work writing the leaves finishes before any read.
       _memory.wait_for_producers(described)

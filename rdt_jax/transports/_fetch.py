@@ -27,14 +27,14 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, 
 
 from rdt_jax import _dlpack, _faults, _memory, _ray, _receive_mode, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
-from rdt_jax.transports import _inband, _lifetime
+from rdt_jax.transports import _inband, _lifetime, _packed
 from rdt_jax.transports._destinations import StageCallerMemory
 from rdt_jax.transports._plan import ReceivePlan
 
 if TYPE_CHECKING:
   from rdt_jax.transports._base import DlpackTransport
 
-__all__ = ["DlpackFetchRequest", "check_producer", "complete", "finish", "start", "wrap_errors"]
+__all__ = ["DlpackFetchRequest", "check_producer", "complete", "finish", "start", "unpack", "wrap_errors"]
 
 
 @dataclass
@@ -51,6 +51,8 @@ class DlpackFetchRequest(FetchRequest):
   done: bool = False
   inline: bool = False
   producer: str | None = None
+  pack: _packed.Split | None = None  # a pack's target, for `finish` (`_packed`)
+  packed: tuple[int, list[Any], list[int]] | None = None
 
   def __post_init__(self) -> None:
     _ray.fetch.track_fetch(self)
@@ -87,25 +89,26 @@ def start(
   target = _targets.pop_target(obj_id)
   if target is None and target_buffers:
     target = _targets.Target(buffers={f"[{i}]": b for i, b in enumerate(target_buffers)})
+  pack = _packed.split_target(meta, target) if meta.packed is not None else None
   if _inband.carried(meta):
-    return fetch_in_band(t, obj_id, meta, target)
+    return fetch_in_band(t, obj_id, meta, target, pack)
   try:
     with _memory.gc_paused(len(meta.leaves)):
-      plan = ReceivePlan(meta.leaves, _receive_mode.receive_mode(), target, obj_id)
+      plan = _plan(meta, target, obj_id, pack)
       t._prepare(plan, stage=not t.receives_synchronously(meta, plan.memory_kinds()))
   except Exception:
     if not t.is_one_sided():
       # The producer is already sending: take its bytes so it does not block.
       drain(t, obj_id, meta, communicator_metadata)
     raise
-  request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=t)
+  request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=t, pack=pack, packed=meta.packed)
   try:
     with _memory.gc_paused(len(plan.plans)):
       try:
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
       except StageCallerMemory:  # nothing was written: plan again, caller memory staged
         plan.return_regions()
-        plan = request.plan = ReceivePlan(meta.leaves, _receive_mode.receive_mode(), target, obj_id)
+        plan = request.plan = _plan(meta, target, obj_id, pack)
         plan.allocate(t.reads_parts, stage=True)
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
   except BaseException as e:
@@ -124,12 +127,28 @@ def start(
     del error  # see finish
 
 
+def _plan(
+    meta: DlpackTransportMetadata, target: _targets.Target | None, obj_id: str, pack: _packed.Split | None
+) -> ReceivePlan:
+  """The receive plan of an object; a pack buffer arrives as raw host bytes,
+  and the other leaves get their share of the target (`_packed.split_target`)."""
+  mode = _receive_mode.receive_mode()
+  if pack is None or meta.packed is None:
+    return ReceivePlan(meta.leaves, mode, target, obj_id)
+  device = _targets.Target(device=pack.device) if pack.device is not None else None
+  return ReceivePlan(meta.leaves, mode, device, obj_id, raw=meta.packed[0], aligned=pack.outer)
+
+
 def fetch_in_band(
-    t: DlpackTransport, obj_id: str, meta: DlpackTransportMetadata, target: _targets.Target | None
+    t: DlpackTransport,
+    obj_id: str,
+    meta: DlpackTransportMetadata,
+    target: _targets.Target | None,
+    pack: _packed.Split | None = None,
 ) -> DlpackFetchRequest:
   """Receives an in-band object from its metadata; no backend hook runs."""
   with _memory.gc_paused(len(meta.leaves)):
-    plan = ReceivePlan(meta.leaves, _receive_mode.receive_mode(), target, obj_id)
+    plan = _plan(meta, target, obj_id, pack)
     plan.allocate(reads_parts=True)
   t._count(fetches=1, bytes=plan.nbytes, destinations=len(plan.destinations))
   try:
@@ -138,7 +157,9 @@ def fetch_in_band(
     plan.quarantine()
     raise
   t._count(inline=1)
-  return DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer)
+  return DlpackFetchRequest(
+      obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer, pack=pack, packed=meta.packed
+  )
 
 
 def drain(
@@ -168,6 +189,8 @@ def finish(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) -> l
     error = e
   else:
     check_producer(t, request.obj_id, request.producer, failed=False)
+    if request.packed is not None:
+      leaves = unpack(request, leaves)
     return leaves
   try:
     check_producer(t, request.obj_id, request.producer, failed=True)  # before the backend's error
@@ -179,6 +202,18 @@ def finish(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) -> l
     # object's refs. Ray would count them held (the producer keeps the
     # object) until Python's cyclic collector ran, seconds or minutes later.
     del error
+
+
+def unpack(request: DlpackFetchRequest, leaves: list[Any]) -> list[Any]:
+  """`leaves` with the pack buffer replaced by the packed leaves made from it
+  (a tuple, which Ray's deserializer indexes: `_ray.serialization`)."""
+  assert request.packed is not None
+  slot, specs, _ = request.packed
+  inner = request.pack.inner if request.pack is not None else None
+  out = list(leaves)
+  with _memory.gc_paused(len(specs)):
+    out[slot] = _packed.unpack(out[slot], specs, inner, _receive_mode.receive_mode(), request.obj_id)
+  return out
 
 
 def complete(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) -> list[Any]:

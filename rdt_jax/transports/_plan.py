@@ -33,7 +33,6 @@ are received into scratch memory and the pieces cut from them on the host.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,44 +42,7 @@ from rdt_jax._dlpack import Device, Framework, LeafSpec
 from rdt_jax._metadata import MetadataError
 from rdt_jax._targets import Target, align_targets, leaf_layout
 from rdt_jax.transports._destinations import Destination, MemoryKind, Placement, memory_kind
-
-
-@dataclass(frozen=True)
-class _JaxPending:
-  """A host view that build() turns into a jax.Array with its batch."""
-
-  view: np.ndarray
-  device: Device
-
-
-@dataclass
-class _LeafPlan:
-  spec: LeafSpec
-  framework: Framework
-  device: Device
-  target: Any = None  # a numpy/torch array received in place, or a jax template
-  host_offsets: list[int] = field(default_factory=list)
-  region: _memory.Region | None = None  # the device region its chunks lie in
-  device_offsets: list[int] = field(default_factory=list)
-  layout: _layout.TargetLayout | None = None  # set when resharded on receive
-  into: Any = None  # a numpy/torch array a resharded leaf lands in
-  piece_offsets: list[int] = field(default_factory=list)
-  staged: bool = False  # caller memory received into rdt_jax's memory, copied after success
-
-  @property
-  def in_place(self) -> bool:
-    """True if the leaf is received straight into a numpy/torch target."""
-    return (
-        not self.staged
-        and self.target is not None
-        and _dlpack.framework_of(self.target) != "jax"
-        and self.spec.sharding is None
-    )
-
-  @property
-  def into_direct(self) -> bool:
-    """True if a resharded leaf's pieces are received straight into `into`."""
-    return self.into is not None and not self.staged
+from rdt_jax.transports._leaf_plan import JaxPending, LeafPlan
 
 
 class ReceivePlan:
@@ -96,23 +58,38 @@ class ReceivePlan:
       source chunk (metadata that skipped `validate`), naming `obj_id`.
   """
 
-  def __init__(self, leaves: list[LeafSpec], mode: str, target: Target | None = None, obj_id: str = ""):
+  def __init__(
+      self,
+      leaves: list[LeafSpec],
+      mode: str,
+      target: Target | None = None,
+      obj_id: str = "",
+      raw: int | None = None,
+      aligned: list[Any] | None = None,
+  ):
+    """`raw`: the index of a leaf received as it was sent, a numpy array in
+    host memory whatever the mode and target (a pack buffer,
+    `rdt_jax.transports._packed`). `aligned`: each leaf's target, already
+    checked by `align_targets` (None: from `target`)."""
     self.obj_id = obj_id
     targets: list[Any] = (
-        align_targets(target.buffers, leaves)
-        if target is not None and target.buffers is not None
+        aligned if aligned is not None
+        else align_targets(target.buffers, leaves) if target is not None and target.buffers is not None
         else [None] * len(leaves)
     )
     device = target.device if target else None
     # Leaves without a target that share (framework, device kind, dtype) get
     # the same plan but their own spec: checked once per object, not per leaf.
-    checked: dict[tuple, _LeafPlan] = {}
+    checked: dict[tuple, LeafPlan] = {}
     self.plans = []
-    for spec, t in zip(leaves, targets):
+    for i, (spec, t) in enumerate(zip(leaves, targets)):
+      if i == raw:
+        self.plans.append(LeafPlan(spec, "numpy", Device("cpu")))
+        continue
       key = (spec.framework, spec.device, spec.dtype) if t is None else None
       hit = checked.get(key) if key is not None else None
       if hit is not None:
-        self.plans.append(_LeafPlan(spec, hit.framework, hit.device))
+        self.plans.append(LeafPlan(spec, hit.framework, hit.device))
         continue
       plan = self._plan_leaf(spec, mode, t, device)
       if key is not None:
@@ -142,7 +119,7 @@ class ReceivePlan:
     ]
 
   @staticmethod
-  def _plan_leaf(spec: LeafSpec, mode: str, target: Any, device: Device | None) -> _LeafPlan:
+  def _plan_leaf(spec: LeafSpec, mode: str, target: Any, device: Device | None) -> LeafPlan:
     layout = None if target is None else leaf_layout(spec, target)
     if layout is not None:
       into = target.into if isinstance(target, _layout.Slice) else None
@@ -155,7 +132,7 @@ class ReceivePlan:
         framework = spec.framework if mode == "source" else mode  # type: ignore[assignment]
       if framework == "jax":
         _dlpack.check_x64(spec.dtype, spec.path)
-      return _LeafPlan(
+      return LeafPlan(
           spec, framework, Device("cpu"), layout=layout,
           into=into if into_fw in ("numpy", "torch") else None,
       )
@@ -170,7 +147,7 @@ class ReceivePlan:
     _dlpack.check_device(device, spec.path)  # cuda:N or an error, never another
     if framework == "jax":
       _dlpack.check_x64(spec.dtype, spec.path)
-    return _LeafPlan(spec, framework, device, target if target_fw else None)
+    return LeafPlan(spec, framework, device, target if target_fw else None)
 
   def allocate(self, reads_parts: bool = True, stage: bool = False) -> list[Destination]:
     """Takes the receive memory of every chunk; returns (and keeps) the
@@ -228,7 +205,7 @@ class ReceivePlan:
 
   def _allocate_regions(self) -> None:
     """One pooled region per device for every device chunk not received in place."""
-    by_device: dict[Device, list[_LeafPlan]] = {}
+    by_device: dict[Device, list[LeafPlan]] = {}
     for p in self.plans:
       if memory_kind(p.device) == "device" and not p.in_place:
         by_device.setdefault(p.device, []).append(p)
@@ -249,7 +226,7 @@ class ReceivePlan:
       region.release()
     self.regions = []
 
-  def _piece_memory(self, plan: _LeafPlan, p: int) -> tuple[int, tuple[int, int], bool, np.ndarray]:
+  def _piece_memory(self, plan: LeafPlan, p: int) -> tuple[int, tuple[int, int], bool, np.ndarray]:
     """(pointer, region, pooled, uint8 view) of piece `p`'s receive buffer."""
     nbytes = _piece_nbytes(plan.layout.pieces[p], plan.spec)  # type: ignore[union-attr]
     if plan.into_direct:
@@ -263,7 +240,7 @@ class ReceivePlan:
       return base + offset, self._host_region, True, view
     return base + offset, (base, self.host.nbytes), False, view
 
-  def _runs(self, plan: _LeafPlan, source: int) -> list[Destination]:
+  def _runs(self, plan: LeafPlan, source: int) -> list[Destination]:
     """A destination per byte run a resharded leaf's pieces need."""
     layout = plan.layout
     assert layout is not None
@@ -299,7 +276,7 @@ class ReceivePlan:
           self.obj_id, f"chunks[{chunk}]", f"plans {end} bytes into {what}, which holds {room}", spec.path
       )
 
-  def _destination(self, plan: _LeafPlan, i: int, nbytes: int) -> Destination:
+  def _destination(self, plan: LeafPlan, i: int, nbytes: int) -> Destination:
     if plan.in_place:
       t = plan.target
       pointer = _dlpack.buffer_pointer(t)
@@ -390,7 +367,7 @@ class ReceivePlan:
         leaves.append(host[offset : offset + chunk.nbytes].view(spec.dtype).reshape(chunk.shape))
         continue
       leaf = self._build_leaf(p)
-      if isinstance(leaf, _JaxPending):
+      if isinstance(leaf, JaxPending):
         batches.setdefault(leaf.device, []).append(len(leaves))
         leaf = leaf.view
       leaves.append(leaf)
@@ -419,7 +396,7 @@ class ReceivePlan:
     _memory.copy_into_many(copies)
     return out
 
-  def _build_resharded(self, plan: _LeafPlan) -> Any:
+  def _build_resharded(self, plan: LeafPlan) -> Any:
     layout, spec = plan.layout, plan.spec
     assert layout is not None
     views = [
@@ -442,7 +419,7 @@ class ReceivePlan:
       return _layout.build_sharded(views, layout, spec.path)
     return _dlpack.rebuild_view(views[0], plan.framework, plan.device, spec.path)
 
-  def _build_leaf(self, plan: _LeafPlan) -> Any:
+  def _build_leaf(self, plan: LeafPlan) -> Any:
     spec = plan.spec
     if plan.layout is not None:
       return self._build_resharded(plan)
@@ -475,7 +452,7 @@ class ReceivePlan:
       _dlpack.mark_written(plan.target)
       return plan.target
     if plan.framework == "jax" and spec.sharding is None:
-      return _JaxPending(views[0], plan.device)  # made in build(), batched
+      return JaxPending(views[0], plan.device)  # made in build(), batched
     leaf = _dlpack.rebuild_host(views, spec, plan.framework, plan.device)
     if plan.target is not None and plan.framework != "jax":
       # A sharded leaf received for a numpy/torch target: one copy into it.
