@@ -105,6 +105,15 @@ def sharded_leaf():
   return jax.device_put(sharded_values(), NamedSharding(mesh, PartitionSpec("a", None)))
 
 
+def many_small_leaves():
+  """A value whose small jax leaves travel packed as one buffer (80 of them,
+  above `RDT_JAX_PACK_MIN_LEAVES`), beside numpy and torch leaves that never pack."""
+  import torch
+
+  small = {f"s{i:03d}": jnp.full((i % 5 + 1, 2), i, (jnp.float32, jnp.int8)[i % 2]) for i in range(80)}
+  return {"small": small, "n": np.arange(4.0), "t": torch.arange(3), "step": 5}
+
+
 def int64_leaf():
   return {"i": jnp.arange(5, dtype=jnp.int64)}
 
@@ -252,6 +261,12 @@ def test_driver_put_to_actor(actors, one_sided):
   value = {"a": jnp.arange(10, dtype=jnp.float32), "n": np.arange(4.0), "t": torch.ones(3)}
   ref = ray.put(value, _tensor_transport=one_sided)
   assert ray.get(wide.fingerprint.remote(ref)) == tree_fingerprint(value)
+
+
+def test_a_value_of_many_small_jax_leaves_arrives_byte_for_byte(actors, transport):
+  producer, _, narrow = actors
+  ref = make(producer, transport, many_small_leaves)
+  assert ray.get(narrow.fingerprint.remote(ref)) == tree_fingerprint(many_small_leaves())
 
 
 # ---- jax_gloo
