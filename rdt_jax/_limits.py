@@ -72,6 +72,10 @@ WATCHED_MAX: Final = 64
 #: Why: a forgotten one is asked about again, so the bound costs a lookup, not safety.
 MAX_DEAD_REMEMBERED: Final = 4096
 
+#: Producers whose latest lookup found them alive, most recent last, remembered at most.
+#: Why: a forgotten one costs the next fetch from it a lookup of its own, not safety.
+MAX_ALIVE_REMEMBERED: Final = 4096
+
 #: Seconds a consumer of a two-sided transfer waits, past Ray's RDT fetch timeout, for the
 #: kill Ray sends after a failed send.
 #: Why: room for Ray's kill to arrive on a loaded host, and a bound on a wait that finds none.

@@ -67,6 +67,15 @@ class Side:
   def alive(self) -> bool:
     return True
 
+  def lookups_to_get(self, refs: list, batched: bool) -> tuple[int, list[str]]:
+    """Gets `refs` in one `ray.get` or one by one: how many times this
+    process asked Ray about their producer, and each value's digest."""
+    from rdt_jax.transports import _lifetime
+
+    before = _lifetime.lookups()
+    values = ray.get(refs) if batched else [ray.get(r) for r in refs]
+    return _lifetime.lookups() - before, [digest(v["x"]) for v in values]
+
   def inline_fetches(self, transport: str) -> int:
     from _helpers import transport_manager
 
@@ -420,3 +429,45 @@ def test_dead_producers_remembered_are_bounded(monkeypatch):
   with pytest.raises(_lifetime.ProducerDiedError):
     _lifetime.check_producer("obj", "a4")  # remembered: no lookup
   assert asked == ["a0", "a1", "a2", "a3", "a4"]
+
+
+def test_one_lookup_serves_a_batched_get(live):
+  """Ray reads every ref of one `ray.get` before it waits for any (node-local
+  reads end inside the trigger), so one lookup after the reads answers for
+  all of them; one by one, each get reads after the last lookup and asks
+  again. Every value arrives either way."""
+  producer, consumer = live({})
+  refs = [_produce(producer, "jax_nixl", 1 << 20) for _ in range(8)]
+  want = [digest(jax_bytes(1 << 20, 1))] * 8
+  batched, got = ray.get(consumer.lookups_to_get.remote(refs, True), timeout=120)
+  assert got == want and batched == 1
+  one_by_one, got = ray.get(consumer.lookups_to_get.remote(refs, False), timeout=120)
+  assert got == want and one_by_one == 8
+
+
+def test_a_lookup_answers_only_for_bytes_in_place_before_it_started(monkeypatch):
+  """`died(..., in_place_at)`: a lookup that found the producer alive serves
+  fetches whose bytes were in place when it started, never later ones; a
+  death, once seen, refuses every fetch."""
+  from rdt_jax import _limits, _ray
+  from rdt_jax.transports import _lifetime
+
+  answers = {"a": False}
+  asked = []
+  monkeypatch.setattr(_limits, "MAX_ALIVE_REMEMBERED", 2)
+  monkeypatch.setattr(_lifetime, "_dead", {})
+  monkeypatch.setattr(_lifetime, "_alive_at", {})
+  monkeypatch.setattr(_ray.state, "actor_dead", lambda actor: asked.append(actor) or answers.get(actor, False))
+  read = time.monotonic()
+  assert _lifetime.died("o1", "a", read) is None and asked == ["a"]
+  assert _lifetime.died("o2", "a", read) is None and asked == ["a"]  # served by the lookup after it
+  later = time.monotonic()
+  assert _lifetime.died("o3", "a", later) is None and asked == ["a", "a"]  # in place after: asks
+  assert _lifetime.died("o4", "a") is None and asked == ["a", "a", "a"]  # no time known: asks
+  for actor in ("b", "c"):  # the oldest alive answer is forgotten past the bound
+    _lifetime.died("o", actor, time.monotonic())
+  assert set(_lifetime._alive_at) == {"b", "c"}
+  answers["b"] = True
+  b_read = time.monotonic()
+  assert "has died" in _lifetime.died("o5", "b", b_read)  # in place after b's last lookup: asks, dead
+  assert "has died" in _lifetime.died("o6", "b", read)  # dead is remembered over any earlier lookup

@@ -19,6 +19,7 @@ the sender never blocks on a receive that will not come.
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ class DlpackFetchRequest(FetchRequest):
   inline: bool = False
   producer: str | None = None
   pack: _packed.Split | None = None  # a pack's target, for `finish` (`_packed`)
+  in_place_at: float | None = None  # when every byte was in place (`time.monotonic`), once known
   packed: tuple[int, list[Any], list[int]] | None = None
 
   def __post_init__(self) -> None:
@@ -111,6 +113,8 @@ def start(
         plan = request.plan = _plan(meta, target, obj_id, pack)
         plan.allocate(t.reads_parts, stage=True)
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
+    if request.handle is None:  # nothing in flight: the backend moved the bytes in `_start`
+      request.in_place_at = time.monotonic()
   except BaseException as e:
     request.done = True  # the backend released (or parked) what it took
     plan.quarantine()
@@ -158,7 +162,8 @@ def fetch_in_band(
     raise
   t._count(inline=1)
   return DlpackFetchRequest(
-      obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer, pack=pack, packed=meta.packed
+      obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer, pack=pack, packed=meta.packed,
+      in_place_at=time.monotonic(),
   )
 
 
@@ -188,7 +193,7 @@ def finish(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) -> l
   except Exception as e:
     error = e
   else:
-    check_producer(t, request.obj_id, request.producer, failed=False)
+    check_producer(t, request.obj_id, request.producer, failed=False, in_place_at=request.in_place_at)
     if request.packed is not None:
       leaves = unpack(request, leaves)
     return leaves
@@ -231,6 +236,7 @@ def complete(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) ->
         request.plan.quarantine()
       raise
     request.done = True
+    request.in_place_at = time.monotonic()
     t.finish_receive(request.handle)
     request.handle = None  # what the backend held for the move is no longer needed
   return build(request)
@@ -244,9 +250,12 @@ def build(request: DlpackFetchRequest) -> list[Any]:
     return request.plan.build()
 
 
-def check_producer(t: DlpackTransport, obj_id: str, producer: str | None, failed: bool) -> None:
+def check_producer(
+    t: DlpackTransport, obj_id: str, producer: str | None, failed: bool, in_place_at: float | None = None
+) -> None:
   """Raises the lifetime error if the producer of `obj_id` has died
-  (`_lifetime.check_producer`); `failed`: the backend's move failed.
+  (`_lifetime.check_producer`); `failed`: the backend's move failed;
+  `in_place_at`: when the move had every byte in place, if it succeeded.
 
   One-sided: `RayDirectTransportError` wrapping `ProducerDiedError`.
   Two-sided: a move fails when its producer died before sending; Ray then
@@ -259,11 +268,11 @@ def check_producer(t: DlpackTransport, obj_id: str, producer: str | None, failed
   if _faults.ON:
     _faults.hit("lifetime.check")
   if t.is_one_sided():
-    wrap_errors(t.name, obj_id, _lifetime.check_producer, obj_id, producer)
+    wrap_errors(t.name, obj_id, _lifetime.check_producer, obj_id, producer, in_place_at)
     return
   if producer is None:
     return  # stored by the driver: no producer actor to outlive
-  message = wrap_errors(t.name, obj_id, _lifetime.died, obj_id, producer)
+  message = wrap_errors(t.name, obj_id, _lifetime.died, obj_id, producer, in_place_at)
   if message is not None:
     if failed:
       _lifetime.await_kill()

@@ -8,6 +8,11 @@ after any failure of the backend, so
 
 * a fetch that finishes after `ray.kill(producer)` returned is refused, even
   while the killed process is still exiting and its memory still readable;
+* one lookup serves every fetch from that producer whose bytes were in place
+  before it started (`in_place_at`): the fetches of one batched `ray.get`
+  read their objects before Ray waits for the first, so they share a lookup
+  instead of paying one each, and the answer is the same: the bytes were
+  read before any death the lookup would have seen;
 * a backend's own account of a dead peer (a refused connection, a closed
   socket, a failed node-local read) gives way to this one error.
 
@@ -38,10 +43,16 @@ from ray.exceptions import ActorDiedError
 from rdt_jax import _limits, _ray
 from rdt_jax._error_base import RdtJaxError
 
-__all__ = ["ProducerActorDiedError", "ProducerDiedError", "await_kill", "check_producer", "died", "producer_id"]
+__all__ = [
+    "ProducerActorDiedError", "ProducerDiedError", "await_kill", "check_producer", "dead_remembered", "died",
+    "lookups", "producer_id",
+]
 
 
 _dead: dict[str, None] = {}
+#: producer -> when (`time.monotonic`) the latest lookup that found it alive started.
+_alive_at: dict[str, float] = {}
+_lookups = 0  # lookups in Ray's actor table this process made
 _lock = threading.Lock()
 
 
@@ -76,6 +87,12 @@ for _cls in (ProducerDiedError, ProducerActorDiedError):
   _cls.__module__ = "rdt_jax"
 
 
+def lookups() -> int:
+  """How many times this process asked Ray whether a producer is dead."""
+  with _lock:
+    return _lookups
+
+
 def dead_remembered() -> tuple[str, ...]:
   """The producers known dead, oldest first (at most `_limits.MAX_DEAD_REMEMBERED`)."""
   with _lock:
@@ -88,40 +105,65 @@ def producer_id() -> str | None:
   return _ray.state.current_actor_id()
 
 
-def check_producer(obj_id: str, producer: str | None) -> None:
+def check_producer(obj_id: str, producer: str | None, in_place_at: float | None = None) -> None:
   """Consumer: refuses object `obj_id` if its producer actor has died.
+
+  `in_place_at`: when (`time.monotonic`) the fetch had every byte in place,
+  if known; a lookup that started since and found the producer alive
+  answers for it (`died`).
 
   Raises:
     ProducerDiedError: naming the object and the producer actor (`died`).
   """
-  message = died(obj_id, producer)
+  message = died(obj_id, producer, in_place_at)
   if message is not None:
     raise ProducerDiedError(message)
 
 
-def died(obj_id: str, producer: str | None) -> str | None:
+def died(obj_id: str, producer: str | None, in_place_at: float | None = None) -> str | None:
   """Consumer: the lifetime error's message if the producer of object
   `obj_id` has died, else None (also for an object with no producer).
 
   A dead actor stays dead: the answer is remembered per actor, so only the
-  first fetch after a death, and fetches from live producers, ask Ray.
+  first fetch after a death, and fetches from live producers, ask Ray. A
+  fetch whose bytes were in place at `in_place_at` asks no more if a lookup
+  that started at or after that time found the producer alive: that lookup
+  came after the read, as the fetch's own would.
   """
   if producer is None:
     return None
   with _lock:
     dead = producer in _dead
-  if not dead and _ray.state.actor_dead(producer):
+    if not dead and in_place_at is not None and _alive_at.get(producer, -1.0) >= in_place_at:
+      return None
+  started = time.monotonic()
+  if not dead and _asked_dead(producer):
     with _lock:
       _dead[producer] = None
+      _alive_at.pop(producer, None)
       while len(_dead) > _limits.MAX_DEAD_REMEMBERED:
         del _dead[next(iter(_dead))]
     dead = True
   if not dead:
+    with _lock:
+      if producer not in _dead and _alive_at.get(producer, -1.0) < started:
+        _alive_at.pop(producer, None)  # most recent last
+        _alive_at[producer] = started
+        while len(_alive_at) > _limits.MAX_ALIVE_REMEMBERED:
+          del _alive_at[next(iter(_alive_at))]
     return None
   return (
       f"The producer of object {obj_id} (actor {producer}) has died: the object died with it. "
       "Keep the producing actor alive until every consumer has fetched the object."
   )
+
+
+def _asked_dead(producer: str) -> bool:
+  """Asks Ray whether actor `producer` is dead (one GCS lookup), counted."""
+  global _lookups
+  with _lock:
+    _lookups += 1
+  return _ray.state.actor_dead(producer)
 
 
 def await_kill() -> None:
