@@ -128,14 +128,11 @@ class PackKind(NamedTuple):
     dtype: the numpy dtype.
     chunks: the leaf's one chunk (`single_chunk`'s, shared).
     device_index: the cpu device's index.
-    layout: the buffer layout (jaxlib's `PjRtLayout`, compared, never
-      interpreted) found row-major, or None where jaxlib keeps none.
   """
 
   dtype: np.dtype
   chunks: tuple[ChunkSpec, ...]
   device_index: int
-  layout: Any
 
 
 def packed_spec(path: str, kind: PackKind) -> LeafSpec:
@@ -174,8 +171,7 @@ def packable(x: Any, max_nbytes: int) -> tuple[PackKind, int] | None:
       _PACK_KINDS[key] = kind
   if kind is None:
     return None
-  layout = getattr(x, "_pjrt_layout", None)
-  if (layout is None or layout != kind.layout) and _layout_problem(x) is not None:
+  if _layout_problem(x) is not None:  # per leaf: one layout compared once known row-major
     return None
   return kind, (int(x.unsafe_buffer_pointer()) if kind.chunks[0].nbytes else 0)
 
@@ -198,11 +194,8 @@ def _pack_kind(x: Any, max_nbytes: int) -> PackKind | None:
   if math.prod(shape) * dtype.itemsize > max_nbytes:
     return None
   known = _LOCAL_DEVICES.setdefault(device, parse_device(device))
-  layout = getattr(x, "_pjrt_layout", None)
-  if _layout_problem(x) is not None:
-    layout = None  # this leaf's layout is not row-major; others like it may be
   chunks = single_chunk(shape, "", "jax", dtype, "cpu", known.index, 0, None).spec.chunks
-  return PackKind(dtype, chunks, known.index, layout)
+  return PackKind(dtype, chunks, known.index)
 
 
 def placement_problem(x: Any) -> str | None:

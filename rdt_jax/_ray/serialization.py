@@ -64,18 +64,9 @@ def _take_jax_leaf(leaf: Any) -> tuple[Callable[..., Any], tuple[int, ...]]:
 
 def _leaf_from_pack(slot: int, k: int) -> Any:
   """Deserializer: the k-th leaf of the pack the transport delivered as tensor
-  `slot` (rebuilt there from the pack buffer, `rdt_jax.transports._packed`).
-
-  Touches: `SerializationContext._thread_local.rdt_tensors` (read).
-  Why: as `_leaf_from_transfer`: Ray hands the received tensors to its
-    deserializer by index only.
-  Retire when: Ray lets a transport claim several array types (see
-    `install_reducers`).
-  """
-  import ray
-
-  ctx = ray._private.worker.global_worker.get_serialization_context()
-  return ctx._thread_local.rdt_tensors[slot][k]
+  `slot` (rebuilt there from the pack buffer, `rdt_jax.transports._packed`),
+  found as `_leaf_from_transfer` finds a leaf."""
+  return _leaf_from_transfer(slot)[k]
 
 
 def _leaf_from_transfer(index: int) -> Any:
