@@ -164,6 +164,12 @@ TRANSFER_REQUEST_THREADS: Final = 16
 #: Why: a publisher keeps a few versions, each in its own buffer; eight covers `keep` up to 8.
 WEIGHTS_PREPARED_KEPT: Final = 8
 
+#: CUDA IPC mappings of other processes' allocations a process keeps open.
+#: Why: a weight publisher keeps `keep` device buffers, each its own allocation, and a
+#: subscriber maps each once; sixteen covers a few publishers of `keep` up to 8, and an
+#: old mapping is closed once more are open than that.
+IPC_MAPPINGS_KEPT: Final = 16
+
 #: Seconds between two checks, while a bucket's fetch runs, that the publisher still keeps
 #: the version.
 #: Why: a freed version's buckets are deregistered, and their fetch would end only at Ray's

@@ -216,6 +216,13 @@ SETTINGS: Final[dict[str, Setting]] = {
             read="once", minimum=0, maximum=1 * _TIB,
         ),
         Setting(
+            "RDT_JAX_WEIGHT_DEVICE_PACK", "bool", True,
+            "Weight sync: a version whose array leaves all live on one CUDA device is packed into device "
+            "memory of the publisher's own, which subscribers on its host copy into their CUDA tensors "
+            "through CUDA IPC (no Ray object); 0 sends such versions as a pytree, one RDT object each.",
+            side="producer",
+        ),
+        Setting(
             "RDT_JAX_WEIGHT_BUCKET_BYTES", "bytes", 256 * _MIB,
             "Weight sync: a packed version read through Ray (a subscriber off the trainer's host) moves "
             "in RDT objects of at most this many bytes, fetched one after the other while the last one "

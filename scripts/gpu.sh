@@ -11,7 +11,8 @@
 #    runs from this checkout;
 # 3. runs, each under its share of --budget seconds (default 480) and in this
 #    order: tests/gpu, `rdt-jax bench --weight-sync --device gpu` (1, 2 and 4
-#    generators; one leaf, 1,000 and 10,000 leaves; given 85% of its share as
+#    generators; one leaf, 1,000 and 10,000 leaves, or WS_LEAVES; the paths
+#    rdt, rdt_donate and store, or WS_PATHS; given 85% of its share as
 #    its own --budget, so it skips the rows that no longer fit and ends with
 #    its outputs written) and the device-to-device cases of
 #    `rdt-jax bench --device gpu` (rdt_jax's one-sided transports, Ray's NIXL
@@ -37,7 +38,10 @@ while [ $# -gt 0 ]; do
 done
 run() { echo "+ $*"; [ "$DRY" = 1 ] || "$@"; }
 # Shares of the budget, in percent, of the steps asked for.
-declare -A WEIGHT=([tests]=25 [weight-sync]=40 [bench]=35)
+declare -A WEIGHT=([tests]=30 [weight-sync]=38 [bench]=32)
+# The weight-sync rows: WS_LEAVES and WS_PATHS override the defaults (rows that
+# no longer fit the step's budget are skipped, the one-leaf rows come first).
+WS_LEAVES=${WS_LEAVES:-1000,10000} WS_PATHS=${WS_PATHS:-rdt,rdt_donate,store}
 TOTAL=0
 for step in ${STEPS//,/ }; do
   [ -n "${WEIGHT[$step]:-}" ] || { echo "gpu.sh: unknown step $step (tests, weight-sync, bench)" >&2; exit 2; }
@@ -100,7 +104,7 @@ if wanted tests; then
 fi
 if wanted weight-sync; then
   run timeout "$(share weight-sync)" "$PY" -m rdt_jax bench --weight-sync --device gpu \
-    --weight-sync-generators 1,2,4 --weight-sync-leaves 1000,10000 --weight-sync-paths rdt,rdt_donate,store \
+    --weight-sync-generators 1,2,4 --weight-sync-leaves "$WS_LEAVES" --weight-sync-paths "$WS_PATHS" \
     --reps 4 --budget "$(own_budget weight-sync)" --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
   status=${PIPESTATUS[0]}
   echo "weight-sync exit $status" | tee -a "$LOG"

@@ -56,5 +56,18 @@ strip "$OUT"/nixl_cu"$CUDA"-*.whl "nixl_ep_cu$CUDA/*" "*/ucx/libucx_perftest*" "
   '*/libplugin_GUSLI.so' '*/libplugin_INFINIA.so' '*/libplugin_LIBFABRIC.so' '*/libplugin_OBJ.so' \
   '*/libtelemetry_exporter_*.so' '*/libtrace_backend_*.so' '*/libaws-cpp-sdk-s3*' '*/libazure-*' \
   '*/libgusli_clnt-*' '*/libpull-*' '*/libxml2-*'
+recompress() {  # recompress WHEEL: the same members, LZMA-compressed
+  if [ "$DRY" = 1 ]; then echo "+ recompress $1"; return; fi
+  python3 - "$1" <<'PY'
+import os, sys, zipfile
+whl = sys.argv[1]
+with zipfile.ZipFile(whl) as src, zipfile.ZipFile(whl + ".tmp", "w", zipfile.ZIP_LZMA) as dst:
+  for info in src.infolist():
+    dst.writestr(info, src.read(info.filename), compress_type=zipfile.ZIP_LZMA)
+os.replace(whl + ".tmp", whl)
+PY
+}
+recompress "$OUT"/ray-"$RAY"-*.whl
+recompress "$OUT"/nixl_cu"$CUDA"-*.whl
 [ "$DRY" = 1 ] || du -sh "$OUT"
 echo "wheels in $OUT; copy the folder to the GPU host and run scripts/gpu.sh --wheels $OUT"

@@ -22,6 +22,9 @@ CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
 #: Numeric module constants allowed outside `_limits`, each a fact, not a choice.
 FACTS = {
     ("_memory/_cuda.py", "_IS_LEGACY_CUDA_IPC_CAPABLE"): "a CUDA driver attribute number",
+    ("_memory/_ipc.py", "_LAZY_ENABLE_PEER_ACCESS"): "a CUDA driver flag",
+    ("_memory/_ipc.py", "_STREAM_NON_BLOCKING"): "a CUDA driver flag",
+    ("_memory/_ipc.py", "HANDLE_BYTES"): "the size of CUDA's IPC handle",
     ("_doctor/judge_setup.py", "XLA_DEFAULT_FRACTION"): "jaxlib's default, which the doctor reports",
     ("_settings.py", "_KIB"): "a unit",
     ("_settings.py", "_MIB"): "a unit",

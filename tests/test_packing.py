@@ -120,7 +120,7 @@ def test_kept_table_is_read_node_locally():
   table.retire()
   with pytest.raises(packed.ForeignTable):
     _routes.read_table(source, publisher)
-  assert _routes._read_table_or_empty(source, publisher) == set()
+  assert _routes.read_table_or_empty(source, publisher) == set()
 
 
 def test_packed_source_digest_covers_every_field():
@@ -129,7 +129,8 @@ def test_packed_source_digest_covers_every_field():
   src = packed.PackedSource(_process.identity(), 4096, 128, 8192, 2)
   digest = src.expected_digest(5)
   assert digest != src.expected_digest(6)
-  for field, value in [("buffer", 4160), ("nbytes", 64), ("table", 8256), ("slots", 3)]:
+  for field, value in [("buffer", 4160), ("nbytes", 64), ("table", 8256), ("slots", 3), ("device", 0),
+                       ("ipc", b"\x01" * 64), ("ipc_offset", 256)]:
     other = packed.PackedSource(**{**src.__dict__, field: value})
     assert other.expected_digest(5) != digest
 

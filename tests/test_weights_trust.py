@@ -395,11 +395,20 @@ def _source(**changes) -> packed.PackedSource:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("slots", 10**12), ("slots", 0), ("nbytes", -1), ("nbytes", 1 << 60), ("buffer", 0), ("table", -5),
-    ("slots", 2.5), ("rest", [1]),
+    ("slots", 2.5), ("rest", [1]), ("device", -2), ("device", 1 << 20), ("device", 0.0), ("ipc", b"\x00" * 64),
+    ("ipc", "x" * 64), ("ipc_offset", 64), ("ipc_offset", -1),
 ])
 def test_a_handle_s_packed_source_is_bounded_before_any_read(field, value):
   with pytest.raises(MetadataError, match=f"packed.{field}"):
     checks.check_source(_source(**{field: value}), "v1 of publisher p")
+
+
+def test_a_device_source_carries_one_ipc_handle():
+  checks.check_source(_source(device=0, ipc=b"\x07" * 64, ipc_offset=512), "v1 of publisher p")
+  with pytest.raises(MetadataError, match=r"packed\.ipc"):
+    checks.check_source(_source(device=0, ipc=b"\x07" * 63), "v1 of publisher p")
+  with pytest.raises(MetadataError, match=r"packed\.ipc"):
+    checks.check_source(_source(device=0), "v1 of publisher p")
 
 
 def _info(offsets=(0, 64), sizes=(16, 32), total=128, shapes=((4,), (8,)), positions=(0, 1), leaves=3):

@@ -63,6 +63,7 @@ from rdt_jax._dlpack._specs import Framework as Framework
 from rdt_jax._dlpack._specs import LeafSpec as LeafSpec
 from rdt_jax._dlpack._specs import ShardingLayout as ShardingLayout
 from rdt_jax._dlpack._torch import bytes_tensor as torch_bytes
+from rdt_jax._dlpack._torch import from_device_bytes as torch_from_device_bytes
 
 # Grouped by purpose, one comment per group (not sorted as a whole).
 __all__ = [  # noqa: RUF022
@@ -122,6 +123,7 @@ __all__ = [  # noqa: RUF022
     # Raw memory as arrays: uint8 views and torch byte tensors over a pointer.
     "host_bytes",
     "torch_bytes",
+    "torch_from_device_bytes",
     # Whether a framework can be imported here (checked without importing it).
     "importable",
 ]

@@ -14,9 +14,12 @@ from rdt_jax._layout._chunks import host_chunk as host_chunk
 from rdt_jax._layout._chunks import host_layout as host_layout
 from rdt_jax._layout._chunks import pack_host_chunks as pack_host_chunks
 from rdt_jax._layout._chunks import pack_layout as pack_layout
+from rdt_jax._layout._packing import DevicePacker as DevicePacker
 from rdt_jax._layout._packing import NotHostMemory as NotHostMemory
+from rdt_jax._layout._packing import NotOnDevice as NotOnDevice
 from rdt_jax._layout._packing import PackedLayout as PackedLayout
 from rdt_jax._layout._packing import Packer as Packer
+from rdt_jax._layout._packing import cuda_device_of as cuda_device_of
 from rdt_jax._layout._packing import is_cpu_sharding as is_cpu_sharding
 from rdt_jax._layout._packing import jax_placement as jax_placement
 from rdt_jax._layout._reshard import Slice as Slice
@@ -43,10 +46,13 @@ __all__ = [  # noqa: RUF022
     "cut",
     "sharded_builder",
     "target_layout",
-    # Many host leaves packed into one buffer at fixed offsets (weight streams).
+    # Many leaves packed into one host or device buffer at fixed offsets (weight streams).
     "NotHostMemory",
+    "NotOnDevice",
     "PackedLayout",
     "Packer",
+    "DevicePacker",
+    "cuda_device_of",
     "is_cpu_sharding",
     "jax_placement",
 ]

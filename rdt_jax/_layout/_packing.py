@@ -1,4 +1,4 @@
-"""Many host leaves in one buffer: the weight stream's per-step copy.
+"""Many leaves in one buffer: the weight stream's per-step copy.
 
 A trainer publishes the same structure (leaf count, shapes, dtypes) every
 step, in new arrays. Describing, registering and planning each leaf anew
@@ -12,6 +12,9 @@ leaf at its position had when it was last checked (jit outputs of one
 function keep theirs from call to call) is copied after a pointer lookup
 alone; any other leaf goes through `describe`, which checks it in full and
 names it in any error.
+
+`DevicePacker` does the same for leaves that all live on one CUDA device,
+into a device buffer, with device-to-device copies (`rdt_jax._memory._ipc`).
 """
 
 from __future__ import annotations
@@ -26,13 +29,22 @@ import numpy as np
 from rdt_jax._dlpack._dispatch import block_until_ready, describe, framework_of
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._sharding import is_sharding
+from rdt_jax._dlpack._specs import DescribedLeaf
+from rdt_jax._memory._cuda import wait_for_producers
 from rdt_jax._memory._host import aligned
+from rdt_jax._memory._ipc import copy_runs
 
-__all__ = ["NotHostMemory", "PackedLayout", "Packer", "is_cpu_sharding", "jax_placement"]
+__all__ = ["DevicePacker", "NotHostMemory", "NotOnDevice", "PackedLayout", "Packer", "cuda_device_of",
+           "is_cpu_sharding", "jax_placement"]
 
 
 class NotHostMemory(UnsupportedLeafError):
   """A leaf to pack lives in device memory; the caller sends it another way."""
+
+
+class NotOnDevice(UnsupportedLeafError):
+  """A leaf to pack on a CUDA device is not one buffer on that device; the
+  caller sends it another way."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,88 @@ class Packer:
         checked[i] = sharding if framework_of(x) == "jax" and keep is x else None
       memmove(base + offset, pointer, size)
       del keep
+
+
+def cuda_device_of(leaves: Sequence[DescribedLeaf]) -> int | None:
+  """The CUDA device index every described leaf lives on, one buffer each,
+  or None if they are not all so (host memory, several devices, sharded,
+  no leaves)."""
+  found: set[int] = set()
+  for leaf in leaves:
+    if leaf.spec.device != "cuda" or len(leaf.pointers) != 1:
+      return None
+    found.update(leaf.device_indices)
+  return found.pop() if len(found) == 1 else None
+
+
+class DevicePacker:
+  """Copies the array leaves of one structure into device buffers, step
+  after step: `Packer`'s twin for leaves that all live on one CUDA device.
+
+  Args:
+    layout: where each leaf goes.
+    paths: each leaf's pytree path, for errors.
+    device: the CUDA device index every leaf lives on.
+  """
+
+  def __init__(self, layout: PackedLayout, paths: Sequence[str], device: int):
+    if len(paths) != len(layout.sizes):
+      raise ValueError(f"{len(paths)} paths for a layout of {len(layout.sizes)} leaves")
+    self.layout = layout
+    self.paths = tuple(paths)
+    self.device = device
+    self._checked: list[Any] = [None] * len(paths)
+    self._nonempty = [(i, o, n) for i, (o, n) in enumerate(zip(layout.offsets, layout.sizes)) if n]
+
+  def pack(self, leaves: Sequence[Any], base: int) -> None:
+    """Copies each leaf's bytes to device address `base` plus its offset
+    (a buffer of at least `layout.total` bytes on the device); returns when
+    every byte is in place. jax leaves are waited for first, and the current
+    streams of torch and cupy leaves.
+
+    Raises:
+      NotOnDevice: a leaf is not one buffer on the structure's device any
+        more (nothing was copied).
+      UnsupportedLeafError: naming the leaf: deleted, or another size.
+    """
+    if len(leaves) != len(self.layout.sizes):
+      raise ValueError(f"{len(leaves)} leaves for a layout of {len(self.layout.sizes)}")
+    try:
+      block_until_ready(list(leaves))
+    except Exception:
+      for x, path in zip(leaves, self.paths):
+        describe(x, path)  # names a deleted leaf
+      raise
+    runs: list[tuple[int, int, int]] = []
+    others: list[DescribedLeaf] = []
+    checked = self._checked
+    for i, offset, size in self._nonempty:
+      x = leaves[i]
+      sharding = getattr(x, "sharding", None)
+      pointer = None
+      if sharding is not None and checked[i] is sharding:
+        try:
+          pointer = x.unsafe_buffer_pointer()
+        except Exception:  # deleted since: describe names it
+          pointer = None
+      if pointer is None:
+        path = self.paths[i]
+        leaf = describe(x, path)
+        if cuda_device_of([leaf]) != self.device:
+          raise NotOnDevice(path, f"is not one buffer on cuda:{self.device}, where its structure was packed",
+                            "Publish every leaf on one device.")
+        if leaf.spec.nbytes != size:
+          raise UnsupportedLeafError(
+              path, f"has {leaf.spec.nbytes} bytes where the structure it was published with has {size}",
+              "Publish leaves of the structure's shapes and dtypes.")
+        pointer = leaf.pointers[0]
+        if leaf.spec.framework == "jax":
+          checked[i] = sharding
+        else:
+          others.append(leaf)
+      runs.append((base + offset, pointer, size))
+    wait_for_producers(others)
+    copy_runs(runs, self.device)
 
 
 def jax_placement(target: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Memory: the host buffer pool, device regions, CUDA stream order, the GC pause.
+"""Memory: the host buffer pool, device regions, CUDA stream order and IPC, the GC pause.
 
 This room of the array layer knows where a transfer's memory comes from and
 when it may be written or reused, not what an array is (`rdt_jax._dlpack`,
@@ -24,6 +24,13 @@ from rdt_jax._memory._host import HostBufferPool as HostBufferPool
 from rdt_jax._memory._host import aligned as aligned
 from rdt_jax._memory._host import host_pointer as host_pointer
 from rdt_jax._memory._host import host_pool as host_pool
+from rdt_jax._memory._ipc import IpcError as IpcError
+from rdt_jax._memory._ipc import allocate as ipc_allocate
+from rdt_jax._memory._ipc import copy_runs as ipc_copy
+from rdt_jax._memory._ipc import export as ipc_export
+from rdt_jax._memory._ipc import free as ipc_free
+from rdt_jax._memory._ipc import mapped as ipc_mapped
+from rdt_jax._memory._ipc import usable as ipc_usable
 from rdt_jax._memory._regions import Region as Region
 from rdt_jax._memory._regions import device_pool as device_pool
 from rdt_jax._memory._regions import region_source as region_source
@@ -50,6 +57,14 @@ __all__ = [  # noqa: RUF022
     "wait_for_copies",
     "wait_for_producers",
     "wait_received",
+    # CUDA IPC: allocations another process maps, mappings of them, copies between them.
+    "IpcError",
+    "ipc_allocate",
+    "ipc_copy",
+    "ipc_export",
+    "ipc_free",
+    "ipc_mapped",
+    "ipc_usable",
     # The GC pause around one object's per-leaf work.
     "gc_paused",
 ]

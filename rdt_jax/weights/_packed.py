@@ -60,7 +60,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout, _memory, _process
+from rdt_jax import _dlpack, _layout, _memory, _process, _settings
 
 __all__ = [
   "EMPTY",
@@ -70,6 +70,7 @@ __all__ = [
   "PackedSource",
   "PublishedStructure",
   "Stream",
+  "device_packing",
   "table_token",
 ]
 
@@ -112,7 +113,14 @@ class PackedSource:
     table: the address of the publisher's `KeptTable`.
     slots: the table's length.
     rest: the value's non-array leaves, in `treedef` order.
-    digest: CRC-32 of the fields above (catches corruption, not forgery).
+    digest: CRC-32 of the fields above and below (catches corruption, not
+      forgery).
+    device: for a version in device memory (`rdt_jax.weights._device`),
+      the index of the CUDA device holding it in the publisher's process;
+      -1 for host memory.
+    ipc: for device memory, the CUDA IPC handle of the allocation holding
+      the buffer (`rdt_jax._memory._ipc.export`).
+    ipc_offset: the buffer's offset in that allocation.
   """
 
   origin: _process.Identity | None
@@ -122,10 +130,13 @@ class PackedSource:
   slots: int
   rest: tuple[Any, ...] = ()
   digest: int = 0
+  device: int = -1
+  ipc: bytes = b""
+  ipc_offset: int = 0
 
   def expected_digest(self, version: int) -> int:
-    values = array("q", (self.buffer, self.nbytes, self.table, self.slots, version))
-    return zlib.crc32(f"{self.origin}".encode(), zlib.crc32(values))
+    values = array("q", (self.buffer, self.nbytes, self.table, self.slots, version, self.device, self.ipc_offset))
+    return zlib.crc32(self.ipc, zlib.crc32(f"{self.origin}".encode(), zlib.crc32(values)))
 
 
 # --------------------------------------------------------------------------
@@ -188,13 +199,21 @@ class KeptTable:
     self._words[: self.HEADER] = 0
 
 
+def device_packing() -> bool:
+  """True if versions in device memory may be packed here: the setting
+  `RDT_JAX_WEIGHT_DEVICE_PACK` is on and the CUDA driver loads."""
+  return bool(_settings.value("RDT_JAX_WEIGHT_DEVICE_PACK")) and _memory.ipc_usable()
+
+
 @dataclass
 class PublishedStructure:
   """What a publisher knows of one structure it publishes packed."""
 
   info: PackedLayoutInfo
-  packer: _layout.Packer
+  packer: Any  # `rdt_jax._layout.Packer`, or for device memory `rdt_jax._layout.DevicePacker`
   key_positions: frozenset[int]  # array positions (indices into the array leaves) holding typed PRNG keys
+  device: int = -1  # the CUDA device index of a structure packed in device memory; -1: host memory
+  frameworks: tuple[str, ...] = ()  # each array leaf's framework when the structure was checked
 
 
 def _signature(arrays: Sequence[Any]) -> list[Any]:
@@ -221,6 +240,8 @@ class Stream:
     self._split_treedef: Any = None
     self._split_types: list[type] = []
     self._positions: list[int] = []
+    #: Whether a structure in device memory may be packed (`no_device`).
+    self.device_ok = True
 
   def split(self, tree: Any) -> tuple[Any, list[Any], list[int], list[Any]]:
     """(treedef, array leaves, their positions, the other leaves) of `tree`.
@@ -245,8 +266,9 @@ class Stream:
   def structure(
       self, tree: Any, digest_of: Callable[[Any], str], paths_of: Callable[[Any], list[str]]
   ) -> tuple[PublishedStructure | None, str, list[Any], tuple[Any, ...]]:
-    """The packed structure of `tree` (None if it cannot be packed: a leaf in
-    device memory), its digest, its array leaves (typed keys as their key
+    """The packed structure of `tree` (None if it cannot be packed: leaves
+    in device memory, unless all on one CUDA device and device packing is
+    on), its digest, its array leaves (typed keys as their key
     data) and its other leaves. Checks a new structure in full; a structure
     seen at the last publish costs a signature comparison.
 
@@ -268,25 +290,42 @@ class Stream:
     data = [_dlpack.prng_key_parts(x)[0] if i in keys else x for i, x in enumerate(arrays)]
     return self._structure, self._digest, data, tuple(rest)
 
-  @staticmethod
-  def _build(treedef: Any, arrays: list[Any], positions: list[int], paths: list[str]) -> PublishedStructure | None:
+  def no_device(self) -> None:
+    """Packs no more structures in device memory (their buffers could not
+    be made here); the structure is checked again at the next publish."""
+    self.device_ok = False
+    self._digest = None
+
+  def _build(self, treedef: Any, arrays: list[Any], positions: list[int],
+             paths: list[str]) -> PublishedStructure | None:
     keys = frozenset(i for i, x in enumerate(arrays) if _dlpack.is_prng_key(x))
-    sizes, shapes = [], []
+    sizes, shapes, described = [], [], []
     for i, x in enumerate(arrays):
       leaf = _dlpack.describe(_dlpack.prng_key_parts(x)[0] if i in keys else x, paths[i])
-      if leaf.spec.device != "cpu":
-        return None
+      described.append(leaf)
       sizes.append(leaf.spec.nbytes)
       shapes.append(leaf.spec.shape)
+    device = -1
+    if any(leaf.spec.device != "cpu" for leaf in described):
+      found = _layout.cuda_device_of(described) if self.device_ok and device_packing() else None
+      if found is None:
+        return None
+      device = found
     layout = _layout.PackedLayout.of(sizes)
     if not layout.total:
       return None
     info = PackedLayoutInfo(layout, treedef, tuple(positions), tuple(shapes))
-    return PublishedStructure(info, _layout.Packer(layout, paths), keys)
+    packer = _layout.Packer(layout, paths) if device < 0 else _layout.DevicePacker(layout, paths, device)
+    return PublishedStructure(info, packer, keys, device, tuple(leaf.spec.framework for leaf in described))
 
-  def source(self, version: int, buffer: np.ndarray, rest: tuple[Any, ...]) -> PackedSource:
-    """The `PackedSource` of a version packed into `buffer`."""
-    src = PackedSource(_process.identity(), _memory.host_pointer(buffer), int(buffer.nbytes),
-                       self.table.address, self.table.slots, rest)
+  def source(self, version: int, buffer: Any, rest: tuple[Any, ...]) -> PackedSource:
+    """The `PackedSource` of a version packed into `buffer` (a host buffer,
+    or a `rdt_jax.weights._device.DeviceBuffer`)."""
+    if isinstance(buffer, np.ndarray):
+      src = PackedSource(_process.identity(), _memory.host_pointer(buffer), int(buffer.nbytes),
+                         self.table.address, self.table.slots, rest)
+    else:
+      src = PackedSource(_process.identity(), buffer.pointer, buffer.nbytes, self.table.address, self.table.slots,
+                         rest, device=buffer.device, ipc=buffer.handle, ipc_offset=buffer.offset)
     return dataclasses.replace(src, digest=src.expected_digest(version))
 

@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rdt_jax import _dlpack, _layout, _limits
+from rdt_jax._memory import _ipc
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 
 if TYPE_CHECKING:
   from rdt_jax.weights._packed_plan import PackedPlan
 
-__all__ = ["check_layout", "check_source"]
+__all__ = ["check_layout", "check_source", "source_kind"]
 
 
 def check_source(source: Any, label: str, plan: PackedPlan | None = None, version: int = 0) -> PackedSource:
@@ -45,9 +46,22 @@ def check_source(source: Any, label: str, plan: PackedPlan | None = None, versio
       raise MetadataError(label, f"packed.{name}", f"is {value!r}, outside [{low}, {high}]")
   if not isinstance(source.rest, tuple):
     raise MetadataError(label, "packed.rest", f"is a {type(source.rest).__name__}, not a tuple")
+  device, ipc, offset = source.device, source.ipc, source.ipc_offset
+  if type(device) is not int or not -1 <= device < _limits.NIXL_MAX_DEVICES:
+    raise MetadataError(label, "packed.device", f"is {device!r}, not -1 (host) or a CUDA device index")
+  want = 0 if device < 0 else _ipc.HANDLE_BYTES
+  if type(ipc) is not bytes or len(ipc) != want:
+    raise MetadataError(label, "packed.ipc", f"is not the {want} bytes a version in {source_kind(source)} carries")
+  if type(offset) is not int or not 0 <= offset < _limits.NIXL_ADDRESS_LIMIT or (device < 0 and offset):
+    raise MetadataError(label, "packed.ipc_offset", f"is {offset!r}")
   if plan is not None:
     _check_against(plan, source, version, label)
   return source
+
+
+def source_kind(source: PackedSource) -> str:
+  """'host memory' or 'device memory (cuda:N)': where a version lies."""
+  return "host memory" if source.device < 0 else f"device memory (cuda:{source.device})"
 
 
 def check_layout(info: Any, entries: Sequence[Any], label: str) -> None:

@@ -6,7 +6,8 @@ Ray's system concurrency group (so a trainer busy with a step still answers):
 * `query`: which versions do you keep, and (at a structure's first pull)
   what is the structure behind this digest? Answered with an `Answer`.
 * `object_query`: the RDT objects of a packed version's buckets (made at the
-  first request). Answered with an `ObjectAnswer`.
+  first request), or of a version packed in device memory the one RDT
+  object of its tree. Answered with an `ObjectAnswer`.
 
 Both run in the publisher's process and find the publisher by id in
 `publishers` (a publisher registers itself there). On the subscriber's side
@@ -36,6 +37,7 @@ __all__ = [
   "Publisher",
   "ask",
   "ask_buckets",
+  "ask_object",
   "check_answer",
   "object_query",
   "publishers",
@@ -181,3 +183,23 @@ def ask_buckets(handle: WeightsHandle, where: str, timeout: float | None, curren
   if size <= 0 or len(refs) != -(-total // size):
     raise MetadataError(where, "buckets", f"are {len(refs)} of {size} bytes, for a version of {total} bytes")
   return Buckets(refs, size)
+
+
+def ask_object(handle: WeightsHandle, where: str, timeout: float | None, current: int | None) -> ray.ObjectRef:
+  """Asks `handle`'s publisher for the RDT object of its version packed in
+  device memory: the version's tree, made at the first request.
+
+  Raises:
+    StaleWeightsError: the version is not kept.
+    MetadataError: for an answer that is not one object.
+  """
+  reply = ray.get(_ray.state.call_on_system_group(handle.actor, object_query, handle.publisher, handle.version),
+                  timeout=timeout)
+  if not (isinstance(reply, ObjectAnswer) and (reply.refs is None or (
+      isinstance(reply.refs, tuple) and len(reply.refs) == 1 and isinstance(reply.refs[0], ray.ObjectRef)
+      and reply.bucket_bytes == 0))):
+    raise MetadataError(where, "publisher answer", "is not the one object of a version in device memory")
+  kept = _check_kept(reply.kept, where)
+  if reply.refs is None:
+    raise stale_error(handle, kept, current, after_read=False)
+  return reply.refs[0]

@@ -9,6 +9,7 @@ be reused; its objects are freed after.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from dataclasses import dataclass
@@ -18,10 +19,14 @@ import numpy as np
 import ray
 
 from rdt_jax import _dlpack, _layout, _limits, _memory, _ray, _settings
+from rdt_jax.weights._device import DeviceBuffer, DeviceBuffers, device_arrays
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
-from rdt_jax.weights._packed import EMPTY, Stream
+from rdt_jax.weights._packed import EMPTY, PublishedStructure, Stream
+from rdt_jax.weights._packed_plan import unflatten
 from rdt_jax.weights._protocol import Answer, ObjectAnswer, Published, publishers
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["WeightPublisher", "bucket_bytes"]
 
@@ -37,6 +42,8 @@ class _Kept:
   buckets: list[Any] | None = None  # a packed version's bucket objects, made at the first request
   bucket_bytes: int = 0  # their size (the last may be shorter)
   value: Any = None  # a pytree version's value, as its RDT object holds it (for subscribers in this process)
+  frameworks: tuple[str, ...] = ()  # a version packed in device memory: each array leaf's framework
+  rest: tuple[Any, ...] = ()  # and its non-array leaves
 
 
 def bucket_bytes() -> int:
@@ -135,6 +142,7 @@ class WeightPublisher:
     self._structures: dict[str, Published] = {}
     self.pack = bool(pack)
     self._stream = Stream(keep, self._id) if transport == "jax_nixl" and self.pack else None
+    self._device_buffers = DeviceBuffers()
     self._closed = False
     publishers[self._id] = self
 
@@ -187,7 +195,9 @@ class WeightPublisher:
     if not EMPTY < version <= np.iinfo(np.int64).max:
       raise ValueError(f"Version {version} is outside the int64 range versions take.")
     packed = None
-    buffer = None
+    buffer: Any = None
+    info: PublishedStructure | None = None
+    rest: tuple[Any, ...] = ()
     if self._stream is not None:
       new_structure: list[tuple[LeafEntry, ...]] = []
 
@@ -199,7 +209,11 @@ class WeightPublisher:
       if new_structure:
         with self._lock:
           self._structures[digest] = Published(new_structure[0], None if info is None else info.info)
-      if info is not None:
+      if info is not None and info.device >= 0:
+        buffer = self._pack_on_device(info, arrays)
+        if buffer is not None:
+          packed = self._stream.source(version, buffer, rest)
+      elif info is not None:
         buffer = _memory.host_pool.acquire(info.info.layout.total)
         try:
           info.packer.pack(arrays, _memory.host_pointer(buffer))
@@ -221,14 +235,47 @@ class WeightPublisher:
     ref = None if value is None else ray.put(value, _tensor_transport=self.transport)
     with self._lock:
       dropped = self._drop_oldest(self.keep - 1)
-      self._kept.append(_Kept(version, ref, digest, buffer, value=value))
+      self._kept.append(_Kept(version, ref, digest, buffer, value=value,
+                              frameworks=info.frameworks if packed is not None and info is not None else (),
+                              rest=rest if packed is not None else ()))
       if self._stream is not None and packed is not None:
         self._stream.table.add(version)
       live = {k.digest for k in self._kept}
       for d in [d for d in self._structures if d not in live]:
         del self._structures[d]
     _free(dropped)
+    self._reuse(dropped)
     return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
+
+  def _pack_on_device(self, info: PublishedStructure, arrays: list[Any]) -> DeviceBuffer | None:
+    """A device buffer holding `arrays` packed, or None where this version
+    goes as a pytree: a leaf left the structure's device, or device buffers
+    cannot be made here (said once; later structures are not packed on a
+    device)."""
+    assert self._stream is not None
+    try:
+      buf = self._device_buffers.acquire(info.info.layout.total, info.device)
+    except _memory.IpcError as e:
+      logger.warning("rdt_jax: WeightPublisher cannot pack versions in device memory here (%s); they are sent "
+                     "as a pytree, one RDT object each.", e)
+      self._stream.no_device()
+      return None
+    try:
+      info.packer.pack(arrays, buf.pointer)
+    except _layout.NotOnDevice:
+      self._device_buffers.release(buf)
+      return None
+    except BaseException:
+      self._device_buffers.release(buf)
+      raise
+    return buf
+
+  def _reuse(self, dropped: list[_Kept]) -> None:
+    """Returns the device buffers of versions that left the window (and
+    the kept-versions table) to be packed into again."""
+    for k in dropped:
+      if isinstance(k.buffer, DeviceBuffer):
+        self._device_buffers.release(k.buffer)
 
   def _object_of(self, version: int) -> ObjectAnswer:
     """`object_query`'s answer for a packed version: the refs of its bucket
@@ -243,6 +290,14 @@ class WeightPublisher:
       entry = next((k for k in self._kept if k.version == version), None)
       if entry is None or entry.buffer is None:
         return ObjectAnswer(None, 0, kept)
+      if isinstance(entry.buffer, DeviceBuffer):
+        if entry.buckets is None:
+          published = self._structures[entry.digest]
+          assert published.packed is not None
+          arrays = device_arrays(published.packed, entry.frameworks, published.entries, entry.buffer)
+          value = unflatten(published.packed, arrays, entry.rest)
+          entry.buckets = [ray.put(value, _tensor_transport=self.transport)]
+        return ObjectAnswer(tuple(entry.buckets), 0, kept)
       if entry.buckets is None:
         size, buffer = bucket_bytes(), entry.buffer
         entry.buckets = [
@@ -270,6 +325,7 @@ class WeightPublisher:
       if self._stream is not None:
         self._stream.table.retire()
     _free(dropped)
+    self._device_buffers.close([k.buffer for k in dropped if isinstance(k.buffer, DeviceBuffer)])
     publishers.pop(self._id, None)
 
   def _answer(self, structure: str | None) -> Answer:

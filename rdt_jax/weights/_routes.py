@@ -3,6 +3,8 @@
 * `pull_node_local`: a packed version on this host, copied straight from the
   publisher's memory (`rdt_jax._node_local`), its kept-versions table read
   before and after the copy;
+* (`rdt_jax.weights._device_route.pull_device_local`: the same for a
+  version packed in device memory, through CUDA IPC);
 * `pull_buckets`: a packed version through Ray, one RDT object per bucket,
   the next fetched while the last is copied out;
 * `pull_pytree`: a version sent as a pytree, `ray.get` into the template
@@ -54,11 +56,14 @@ __all__ = [
   "PullCancelled",
   "can_read_directly",
   "check_structure_once",
+  "dead_publisher_error",
   "pull_buckets",
   "pull_colocated",
   "pull_node_local",
   "pull_pytree",
   "read_table",
+  "read_table_or_empty",
+  "torn",
 ]
 
 
@@ -109,7 +114,7 @@ class Pull:
     return ask(self.handle, self.label, self.left(), want_structure, self.current, after_read)
 
 
-def _torn(error: BaseException, version: int, while_: str) -> None:
+def torn(error: BaseException, version: int, while_: str) -> None:
   error.add_note(f"rdt_jax: the pull of version {version} failed {while_}: the template may hold some of its "
                  "bytes, and the subscriber's version is None until the next successful pull.")
 
@@ -138,7 +143,7 @@ def read_table(source: PackedSource, publisher: str) -> set[int]:
   return kept
 
 
-def _read_table_or_empty(source: PackedSource, publisher: str) -> set[int]:
+def read_table_or_empty(source: PackedSource, publisher: str) -> set[int]:
   """`read_table`, or an empty set where the table cannot be read or is
   foreign (every version then counts as not kept)."""
   try:
@@ -153,7 +158,7 @@ def can_read_directly(source: PackedSource | None) -> bool:
   return source is not None and node_local.can_read(source.origin)
 
 
-def _dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:
+def dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:
   """The error of a node-local pull that failed to read the publisher's
   memory: Ray's `RayDirectTransportError` with the lifetime error if the
   publisher's actor died, else with what the read reported."""
@@ -189,7 +194,7 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
   except ForeignTable:
     raise replaced_error(handle, pull.current) from None
   except OSError as e:
-    raise _dead_publisher_error(obj_id, handle.actor, e) from None
+    raise dead_publisher_error(obj_id, handle.actor, e) from None
   if handle.version not in kept:
     raise pull.stale(kept, after_read=False)
   writes_template = not atomic and plan.writes_in_place
@@ -213,16 +218,16 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
     if isinstance(e, ForeignTable):
       error = replaced_error(handle, pull.current)
     elif isinstance(e, OSError) and not isinstance(e, ProcessLookupError):
-      now = _read_table_or_empty(source, handle.publisher)
+      now = read_table_or_empty(source, handle.publisher)
       # A version larger than the host pool keeps is unmapped when dropped:
       # a read of it then fails instead of reading reused memory.
       error = pull.stale(now, after_read=True) if handle.version not in now else (
-          _dead_publisher_error(obj_id, handle.actor, e))
+          dead_publisher_error(obj_id, handle.actor, e))
     elif isinstance(e, ProcessLookupError):
-      error = _dead_publisher_error(obj_id, handle.actor, e)
+      error = dead_publisher_error(obj_id, handle.actor, e)
     try:
       if writes_template:
-        _torn(error, handle.version, "while it copied into the template")
+        torn(error, handle.version, "while it copied into the template")
       if error is e:
         raise
       raise error from None
@@ -309,7 +314,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
     pull.ask(after_read=True)
   except BaseException as e:
     if began:
-      _torn(e, handle.version, "after it began writing the template")
+      torn(e, handle.version, "after it began writing the template")
     raise
 
 
@@ -337,7 +342,7 @@ def pull_pytree(pull: Pull, target: Any, flat_target: dict[str, Any] | None, ato
     pull.check_cancelled()
   except BaseException as e:
     if not atomic:
-      _torn(e, handle.version, "after it started")
+      torn(e, handle.version, "after it started")
     raise
   return value
 
@@ -391,7 +396,7 @@ def pull_colocated(pull: Pull, pub: WeightPublisher, flat: list[tuple[str, Any]]
     pull.check_cancelled()
   except BaseException as e:
     if not atomic:
-      _torn(e, handle.version, "after it started")
+      torn(e, handle.version, "after it started")
     raise
   return out
 

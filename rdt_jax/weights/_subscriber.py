@@ -19,10 +19,12 @@ import ray
 
 from rdt_jax import _dlpack, _layout, _memory, _targets
 from rdt_jax.weights import _routes
+from rdt_jax.weights._device import DevicePlan
+from rdt_jax.weights._device_route import pull_device_local
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
-from rdt_jax.weights._protocol import publishers
+from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
 
 __all__ = ["WeightSubscriber"]
@@ -118,6 +120,7 @@ class WeightSubscriber:
     self._flat_target: dict[str, Any] = {}
     self._staging: Any = None
     self._plans: dict[str, PackedPlan] = {}  # packed structures pulled, by digest
+    self._device_plans: dict[str, DevicePlan | None] = {}  # structures packed in device memory, by digest
 
   @property
   def version(self) -> int | None:
@@ -234,7 +237,9 @@ class WeightSubscriber:
           handle.version, current,
       )
     pull = _routes.Pull(handle, label(handle), deadline, current, cancel, self._set_version)
-    if handle.packed is not None:
+    if handle.packed is not None and getattr(handle.packed, "device", -1) != -1:
+      value = self._pull_device(pull)
+    elif handle.packed is not None:
       value = self._pull_packed(pull)
     else:
       local = publishers.get(handle.publisher)
@@ -301,6 +306,49 @@ class WeightSubscriber:
       _routes.pull_buckets(pull, plan, staging, self.atomic)
     pull.check_cancelled()
     return unflatten(plan.info, plan.commit(staging), source.rest)
+
+  # ---- versions packed in device memory (rdt_jax.weights._device)
+
+  def _device_plan(self, pull: _routes.Pull) -> DevicePlan | None:
+    """The plan of the pulled structure if the template takes its bytes
+    directly (None: it does not, and versions of it come through Ray):
+    made at the structure's first pull, after the template is checked."""
+    handle = pull.handle
+    if handle.structure in self._device_plans:
+      return self._device_plans[handle.structure]
+    answer = pull.ask(want_structure=True)
+    if answer is None or answer.packed is None:
+      raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
+    check_template(self._flat, answer.entries)
+    check_layout(answer.packed, answer.entries, pull.label)
+    self._checked.add(handle.structure)
+    plan = DevicePlan.make(answer.packed, answer.entries, dict(self._flat), self.atomic)
+    if len(self._device_plans) >= 4:  # structures change rarely: keep the last few
+      self._device_plans.pop(next(iter(self._device_plans)))
+    self._device_plans[handle.structure] = plan
+    return plan
+
+  def _pull_device(self, pull: _routes.Pull) -> Any:
+    """A pull of a version packed in device memory: copied through CUDA
+    IPC into the template's tensors where the template and the host allow
+    it, else the version's tree through Ray (made by the publisher at the
+    first such request)."""
+    handle = pull.handle
+    source = check_source(handle.packed, pull.label)
+    plan = self._device_plan(pull)
+    if plan is not None:
+      check_source(source, pull.label, plan, handle.version)  # type: ignore[arg-type]
+      plan.check_targets()
+      if pull.deadline is not None and time.monotonic() > pull.deadline:
+        raise ray.exceptions.GetTimeoutError(f"The pull of version {handle.version} ran out of time before it began.")
+      pull.check_cancelled()
+      if _routes.can_read_directly(source) and pull_device_local(pull, plan, source):
+        pull.check_cancelled()
+        return unflatten(plan.info, plan.written(), source.rest)
+    ref = ask_object(handle, pull.label, pull.left(), pull.current)
+    through_ray = dataclasses.replace(pull, handle=dataclasses.replace(handle, ref=ref))
+    value = self._pull_pytree(through_ray)
+    return self._commit(value) if self.atomic else value
 
   def _target(self) -> Any:
     if not self.atomic:
