@@ -1,9 +1,10 @@
 """The trainer's side of weight sync: `WeightPublisher` and its kept versions.
 
 A publisher keeps at most `keep` versions readable, each either packed (one
-pooled host buffer, `rdt_jax.weights._packed.Stream`) or as one RDT object of
-the tree, and answers its subscribers' questions (`rdt_jax.weights._protocol`)
-about them. A version leaves the kept-versions table before its memory can
+pooled host buffer, `rdt_jax.weights._packed.Stream`, or one CUDA allocation
+of its own, `rdt_jax.weights._device`) or as one RDT object of the tree,
+and answers its subscribers' questions (`rdt_jax.weights._protocol`) about
+them. A version leaves the kept-versions table before its memory can
 be reused; its objects are freed after.
 """
 
@@ -80,12 +81,16 @@ class WeightPublisher:
   Each `publish` makes the value readable until `keep` newer versions
   exist, in one of two ways:
 
-  * packed (`jax_nixl` with `pack=True`, every array leaf in host memory):
-    the leaves are copied into one pooled host buffer per version (one copy
-    of the parameters per kept version, `keep` buffers in all), read by
-    subscribers without per-leaf work; the trainer's arrays are not held, so
+  * packed (`jax_nixl` with `pack=True`, every array leaf in host memory,
+    or every array leaf on one CUDA device): the leaves are copied into one
+    pooled host buffer, or one CUDA allocation of the publisher's own, per
+    version (one copy of the parameters per kept version), read by
+    subscribers without per-leaf work (device versions: through CUDA IPC by
+    subscribers on this host whose templates are CUDA tensors written in
+    place; through Ray by the others); the trainer's arrays are not held, so
     it may change or donate them at once;
-  * as a pytree (`pack=False`, a leaf in device memory, or `jax_transfer`):
+  * as a pytree (`pack=False`, leaves in device memory on several devices
+    or with `RDT_JAX_WEIGHT_DEVICE_PACK=0`, or `jax_transfer`):
     one RDT object of the tree, held by rdt_jax while the version is kept.
     Host arrays are sent from where they are (nothing copied at publish); a
     held host jax array is not donated (jax copies it into a new buffer,
@@ -163,11 +168,12 @@ class WeightPublisher:
     keys included) as `version`.
 
     Returns once the version is readable; frees the version that leaves the
-    `keep` window. With `jax_nixl` and every array leaf in host memory the
-    version is packed: its leaves are copied into one pooled host buffer
-    (the publisher keeps `keep` such buffers; docs/weight_sync.md). Leaves
-    in device memory, or `jax_transfer`, send the tree as it is, except that
-    jax arrays in device memory are copied on their device.
+    `keep` window. With `jax_nixl` and every array leaf in host memory, or
+    every array leaf on one CUDA device, the version is packed: its leaves
+    are copied into one pooled host buffer or one CUDA allocation of the
+    publisher's own (docs/weight_sync.md). Other versions, or `jax_transfer`,
+    send the tree as it is, except that jax arrays in device memory are
+    copied on their device.
 
     Args:
       tree: the parameters. A packed version is a copy, and so is every jax
@@ -278,7 +284,9 @@ class WeightPublisher:
         self._device_buffers.release(k.buffer)
 
   def _object_of(self, version: int) -> ObjectAnswer:
-    """`object_query`'s answer for a packed version: the refs of its bucket
+    """`object_query`'s answer for a packed version: for one in device
+    memory the ref of its tree's one object (`device_arrays`, made at the
+    first request, bucket size 0); else the refs of its bucket
     objects (consecutive byte ranges of its buffer of `bucket_bytes()` each,
     the last one shorter), put at the first request for the version (under
     the lock, so once) and shared by later ones; or None if it is not kept.
