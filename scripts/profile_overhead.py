@@ -10,6 +10,10 @@ owner's metadata, the return of the results).
 Usage:
   python scripts/profile_overhead.py [--transport jax_nixl] [--leaves 1,1000,10000]
       [--bytes 67108864] [--one-bytes 4096] [--reps 7] [--profile] [--top 15]
+      [--device cpu|gpu]
+
+With `--device gpu` the leaves live on the GPU and both actors hold a share
+of it (the consumer's read then includes a device-to-host copy per leaf).
 
 Columns: the driver's end-to-end time; the producer's `ray.put`; the
 consumer's `ray.get`; the consumer's read of every byte of what it got (a
@@ -36,14 +40,15 @@ import time
 import numpy as np
 
 
-def _tree(n: int, nbytes: int, seed: int = 0) -> dict:
+def _tree(n: int, nbytes: int, device: str, seed: int = 0) -> dict:
   import jax
 
+  where = jax.devices("gpu")[0] if device == "gpu" else jax.devices("cpu")[0]
   leaf = max(8, nbytes // n // 8 * 8)
   out = {}
   for i in range(n):
     x = np.arange(leaf // 4, dtype=np.int32) + (seed + i)
-    out[f"l{i:05d}"] = jax.device_put(x)
+    out[f"l{i:05d}"] = jax.device_put(x, where)
   return jax.block_until_ready(out)
 
 
@@ -55,8 +60,8 @@ class Producer:
     self.trees: dict[int, dict] = {}
     self.prof: dict[int, cProfile.Profile] = {}
 
-  def build(self, n: int, nbytes: int) -> int:
-    self.trees[n] = _tree(n, nbytes)
+  def build(self, n: int, nbytes: int, device: str) -> int:
+    self.trees[n] = _tree(n, nbytes, device)
     return sum(int(np.asarray(x).astype(np.int64).sum()) for x in self.trees[n].values())
 
   def put(self, n: int, transport: str, profile: bool) -> tuple[list, float]:
@@ -122,6 +127,7 @@ def main() -> None:
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--profile", action="store_true")
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
   args = p.parse_args()
   os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
   import ray
@@ -130,16 +136,20 @@ def main() -> None:
 
   rdt_jax.register()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  gpus = 1 if args.device == "gpu" else 0
+  path = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH", "")) if x)
   ray.init(
-      num_cpus=2, include_dashboard=False, log_to_driver=False,
-      runtime_env={"env_vars": {"PYTHONPATH": root, "NIXL_LOG_LEVEL": "WARN"}},
+      num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+      runtime_env={"env_vars": {"PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN",
+                                "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}},
   )
   counts = [int(x) for x in args.leaves.split(",")]
   remote = ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
-  prod = remote(Producer).options(num_cpus=0).remote()
-  cons = remote(Consumer).options(num_cpus=0).remote()
+  share = 0.1 if gpus else 0
+  prod = remote(Producer).options(num_cpus=0, num_gpus=share).remote()
+  cons = remote(Consumer).options(num_cpus=0, num_gpus=share).remote()
   sizes = {n: (args.one_bytes if n == 1 else args.bytes) for n in counts}
-  expected = {n: ray.get(prod.build.remote(n, sizes[n])) for n in counts}
+  expected = {n: ray.get(prod.build.remote(n, sizes[n], args.device)) for n in counts}
   rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in counts}
   for rep in range(-1, args.reps):
     for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
@@ -153,7 +163,7 @@ def main() -> None:
       if rep >= 0:
         rows[n].append((e2e, t_put, t_get, t_read))
   med = {n: tuple(statistics.median(r[i] for r in rows[n]) for i in range(4)) for n in counts}
-  print(f"# {args.transport}: medians of {args.reps} reps, load average {os.getloadavg()}")
+  print(f"# {args.transport} ({args.device}): medians of {args.reps} reps, load average {os.getloadavg()}")
   print(f"{'leaves':>7} {'bytes':>10} {'end-to-end':>11} {'producer put':>13} {'consumer get':>13} "
         f"{'consumer read':>14} {'rest':>11}")
   for n in counts:
