@@ -72,8 +72,9 @@ SECTIONS = (
         "([Weight sync](weight_sync.md)).",
         (
             Entry("WeightPublisher", ("publish", "close", "versions", "version")),
-            Entry("WeightSubscriber", ("pull", "pull_async", "version")),
+            Entry("WeightSubscriber", ("pull", "pull_async", "version", "last_pull")),
             Entry("WeightsHandle"),
+            Entry("PullStats"),
         ),
     ),
     Section("asyncio", "", (Entry("get_async"),)),

@@ -204,6 +204,9 @@ class Generator:
 
     return _faults.injected().get(point, 0)
 
+  def last_pull(self):
+    return self.sub.last_pull
+
   def memory(self) -> dict:
     """The pooled host bytes here, and the plan's staging and version sizes."""
     plan = next(iter(self.sub._plans.values()))
@@ -384,6 +387,33 @@ def test_a_pull_that_fails_between_buckets_is_torn_or_unchanged(atomic):
   ray.get(g.faults.remote(None))
   r = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
   assert r["version"] == 3 and pulled(r) == expected(ray.get(t.shas.remote(3))), r
+  for a in (t, g):
+    ray.kill(a)
+
+
+@pytest.mark.parametrize(("pack", "env", "route"), [
+    (True, {}, "node_local"),
+    (True, {**READ_PATH, "RDT_JAX_WEIGHT_BUCKET_BYTES": str(BUCKET)}, "buckets"),
+    (False, {}, "ray"),
+], ids=["node_local", "buckets", "ray"])
+def test_last_pull_says_what_the_pull_did(pack, env, route):
+  t = trainer(keep=2, pack=pack, RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))
+  g = generator("torch", **env)
+  assert ray.get(g.last_pull.remote()) is None
+  h1, h2 = (ray.get(t.publish.remote(v)) for v in (1, 2))
+  assert ray.get(g.pull.remote(h1))["version"] == 1
+  first = ray.get(g.last_pull.remote())
+  assert isinstance(first, rdt_jax.PullStats)
+  assert (first.version, first.route, first.lag) == (1, route, 1), first  # version 2 was kept too
+  # Array leaves as published: w and b in float32, emb in bfloat16, the key's data.
+  assert first.nbytes >= 256 * 512 * 4 + 512 * 4 + 64 * 32 * 2, first
+  assert first.objects == {"node_local": 0, "buckets": -(-first.nbytes // BUCKET), "ray": 1}[route], first
+  assert 0 < first.seconds < 60, first
+  assert ray.get(g.pull.remote(h2))["version"] == 2
+  second = ray.get(g.last_pull.remote())
+  assert (second.version, second.lag, second.nbytes) == (2, 0, first.nbytes), second
+  assert ray.get(g.try_pull.remote(h1))["stale"]  # a refused pull leaves the record as it was
+  assert ray.get(g.last_pull.remote()) == second
   for a in (t, g):
     ray.kill(a)
 

@@ -19,8 +19,14 @@ Two ways a version travels, chosen by the publisher per structure:
   first subscriber elsewhere asks for them (`rdt_jax.weights._packed`); per
   step each side pays a copy per leaf and no per-leaf registration,
   metadata or plan;
-* as a pytree (device leaves, or `jax_transfer`): one RDT object of the
-  tree, pulled with `rdt_jax.set_target_for_ref` and `ray.get`.
+* packed in device memory (`jax_nixl`, every array leaf on one CUDA
+  device): one CUDA allocation of the publisher's own per version, copied
+  through CUDA IPC by subscribers on its host whose templates are CUDA
+  tensors written in place, and sent to the others as one RDT object of the
+  tree made at the first request (`rdt_jax.weights._device`);
+* as a pytree (leaves on several devices, or `jax_transfer`): one RDT
+  object of the tree, pulled with `rdt_jax.set_target_for_ref` and
+  `ray.get`.
 
 The rules of the stream, in one place:
 
@@ -45,6 +51,9 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
   table and the publisher's stream;
 * `_packed_checks`: the checks of what a publisher sends about a packed
   version (nothing trusted before them);
+* `_device`: versions packed in device memory: the publisher's CUDA
+  allocations, the tree made for pulls through Ray, the subscriber's
+  `DevicePlan`;
 * `_packed_plan`: the subscriber's plan of a packed structure, the pulled
   value, buckets;
 * `_protocol`: the subscriber's questions to the publisher and their typed
@@ -52,12 +61,15 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 * `_publisher`: `WeightPublisher` and its kept versions;
 * `_routes`: the read routes (node-local, buckets through Ray, pytree,
   colocated);
+* `_device_route`: the CUDA IPC route of a version in device memory;
+* `_stats`: `PullStats`, what a pull did (`WeightSubscriber.last_pull`);
 * `_subscriber`: `WeightSubscriber`: pull, pull_async, commit.
 """
 
 from rdt_jax.weights._handle import StaleWeightsError as StaleWeightsError
 from rdt_jax.weights._handle import WeightsHandle as WeightsHandle
 from rdt_jax.weights._publisher import WeightPublisher as WeightPublisher
+from rdt_jax.weights._stats import PullStats as PullStats
 from rdt_jax.weights._subscriber import WeightSubscriber as WeightSubscriber
 
-__all__ = ["StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]
+__all__ = ["PullStats", "StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]

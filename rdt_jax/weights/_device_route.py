@@ -68,6 +68,7 @@ def pull_device_local(pull: Pull, plan: DevicePlan, source: PackedSource) -> boo
       kept = read_table(source, handle.publisher)
       if handle.version not in kept:
         raise pull.stale(kept, after_read=True)
+      pull.route, pull.kept = "cuda_ipc", kept
     except BaseException as e:
       error = e
       if isinstance(e, ForeignTable):

@@ -37,6 +37,7 @@ __all__ = [
   "Publisher",
   "ask",
   "ask_buckets",
+  "ask_kept",
   "ask_object",
   "check_answer",
   "object_query",
@@ -154,12 +155,22 @@ def ask(handle: WeightsHandle, where: str, timeout: float | None, want_structure
     MetadataError: for an answer that does not hold together.
     ray.exceptions.GetTimeoutError, ray.exceptions.RayError: as `ray.get`.
   """
+  return ask_kept(handle, where, timeout, want_structure, current, after_read)[0]
+
+
+def ask_kept(handle: WeightsHandle, where: str, timeout: float | None, want_structure: bool, current: int | None,
+             after_read: bool = False) -> tuple[Published | None, tuple[int, ...]]:
+  """`ask`, returning the versions the publisher keeps as well.
+
+  Raises:
+    As `ask`.
+  """
   ref = _ray.state.call_on_system_group(handle.actor, query, handle.publisher,
                                    handle.structure if want_structure else None)
   kept, structure = check_answer(ray.get(ref, timeout=timeout), where)
   if kept is None or handle.version not in kept:
     raise stale_error(handle, kept, current, after_read)
-  return structure
+  return structure, kept
 
 
 def ask_buckets(handle: WeightsHandle, where: str, timeout: float | None, current: int | None, total: int) -> Buckets:

@@ -48,7 +48,7 @@ from rdt_jax.weights._handle import (
 )
 from rdt_jax.weights._packed import EMPTY, ForeignTable, KeptTable, PackedSource, table_token
 from rdt_jax.weights._packed_plan import PackedPlan, bucket_runs
-from rdt_jax.weights._protocol import Published, ask, ask_buckets
+from rdt_jax.weights._protocol import Published, ask_buckets, ask_kept
 from rdt_jax.weights._publisher import WeightPublisher
 
 __all__ = [
@@ -90,6 +90,10 @@ class Pull:
   current: int | None
   cancel: threading.Event | None
   set_version: Callable[[int | None], None]
+  route: str = "ray"  # the route taken (`PullStats.route`), set by the route
+  objects: int = 0  # RDT objects fetched through Ray
+  kept: Any = None  # the versions the publisher kept at the last check seen
+  nbytes: int = -1  # the version's array bytes where the route knows them (-1: counted from the value)
 
   def left(self) -> float | None:
     """Seconds left before the deadline (None: no deadline)."""
@@ -110,8 +114,10 @@ class Pull:
     return stale_error(self.handle, kept, self.current, after_read)
 
   def ask(self, want_structure: bool = False, after_read: bool = False) -> Published | None:
-    """`rdt_jax.weights._protocol.ask` for this pull's version."""
-    return ask(self.handle, self.label, self.left(), want_structure, self.current, after_read)
+    """`rdt_jax.weights._protocol.ask` for this pull's version (the versions
+    kept are recorded in `kept`)."""
+    structure, self.kept = ask_kept(self.handle, self.label, self.left(), want_structure, self.current, after_read)
+    return structure
 
 
 def torn(error: BaseException, version: int, while_: str) -> None:
@@ -213,6 +219,7 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
     kept = read_table(source, handle.publisher)
     if handle.version not in kept:
       raise pull.stale(kept, after_read=True)
+    pull.route, pull.kept = "node_local", kept
   except BaseException as e:
     error = e
     if isinstance(e, ForeignTable):
@@ -283,6 +290,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
   total = plan.info.layout.total
   buckets = ask_buckets(handle, pull.label, pull.left(), pull.current, total)
   refs, size = buckets.refs, buckets.size
+  pull.route, pull.objects = "buckets", len(refs)
   runs = bucket_runs(plan.pairs(0 if staging is None else _memory.host_pointer(staging)), size, len(refs))
   writes_template = not atomic and plan.writes_in_place
   memmove = ctypes.memmove
@@ -338,6 +346,7 @@ def pull_pytree(pull: Pull, target: Any, flat_target: dict[str, Any] | None, ato
     else:
       _targets.set_target_for_ref(handle.ref, target)
     value = ray.get(handle.ref, timeout=pull.left())
+    pull.route, pull.objects = "ray", 1
     pull.ask(after_read=True)
     pull.check_cancelled()
   except BaseException as e:
@@ -393,6 +402,7 @@ def pull_colocated(pull: Pull, pub: WeightPublisher, flat: list[tuple[str, Any]]
     kept = pub._answer(None).kept
     if kept is None or handle.version not in kept:
       raise pull.stale(kept, after_read=True)
+    pull.route, pull.kept = "colocated", kept
     pull.check_cancelled()
   except BaseException as e:
     if not atomic:

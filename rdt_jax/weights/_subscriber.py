@@ -26,6 +26,7 @@ from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
+from rdt_jax.weights._stats import PullStats, lag_of
 
 __all__ = ["WeightSubscriber"]
 
@@ -121,11 +122,20 @@ class WeightSubscriber:
     self._staging: Any = None
     self._plans: dict[str, PackedPlan] = {}  # packed structures pulled, by digest
     self._device_plans: dict[str, DevicePlan | None] = {}  # structures packed in device memory, by digest
+    self._sizes: dict[str, int] = {}  # array bytes of each structure pulled as a pytree, by digest
+    self._last_pull: PullStats | None = None
 
   @property
   def version(self) -> int | None:
     """The version the template holds, or None (none pulled yet, or torn)."""
     return self._version
+
+  @property
+  def last_pull(self) -> PullStats | None:
+    """What the last successful pull did (`rdt_jax.PullStats`: version,
+    bytes, seconds, route, RDT objects fetched, lag behind the newest kept
+    version), or None before the first. A failed pull leaves it as it was."""
+    return self._last_pull
 
   def pull(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
     """Pulls `handle`'s version into the template.
@@ -236,6 +246,7 @@ class WeightSubscriber:
           f"Version {handle.version} is not newer than {held}; pull a newer handle.",
           handle.version, current,
       )
+    started = time.perf_counter()
     pull = _routes.Pull(handle, label(handle), deadline, current, cancel, self._set_version)
     if handle.packed is not None and getattr(handle.packed, "device", -1) != -1:
       value = self._pull_device(pull)
@@ -250,7 +261,21 @@ class WeightSubscriber:
       if self.atomic:
         value = self._commit(value)
     self._version = handle.version
+    nbytes = pull.nbytes if pull.nbytes >= 0 else self._size_of(handle.structure, value)
+    self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
+                                lag_of(handle.version, pull.kept))
     return value
+
+  def _size_of(self, structure: str, value: Any) -> int:
+    """The array bytes of a value pulled as a pytree, counted once per structure."""
+    size = self._sizes.get(structure)
+    if size is None:
+      leaves = flatten(value)
+      size = self._sizes[structure] = sum(int(getattr(x, "nbytes", 0) or 0) for _, x in leaves
+                                          if _dlpack.is_array(x))
+      if len(self._sizes) > 4:  # structures change rarely: keep the last few
+        self._sizes.pop(next(iter(self._sizes)))
+    return size
 
   def _set_version(self, version: int | None) -> None:
     self._version = version
@@ -297,6 +322,7 @@ class WeightSubscriber:
     handle = pull.handle
     plan = self._plan(pull)
     source = check_source(handle.packed, pull.label, plan, handle.version)
+    pull.nbytes = plan.info.layout.total
     plan.check_targets()
     staging = _memory.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if pull.deadline is not None and time.monotonic() > pull.deadline:
@@ -335,6 +361,7 @@ class WeightSubscriber:
     first such request)."""
     handle = pull.handle
     source = check_source(handle.packed, pull.label)
+    pull.nbytes = source.nbytes
     plan = self._device_plan(pull)
     if plan is not None:
       check_source(source, pull.label, plan, handle.version)  # type: ignore[arg-type]
@@ -348,6 +375,7 @@ class WeightSubscriber:
     ref = ask_object(handle, pull.label, pull.left(), pull.current)
     through_ray = dataclasses.replace(pull, handle=dataclasses.replace(handle, ref=ref))
     value = self._pull_pytree(through_ray)
+    pull.route, pull.objects, pull.kept = through_ray.route, through_ray.objects, through_ray.kept
     return self._commit(value) if self.atomic else value
 
   def _target(self) -> Any:
