@@ -52,6 +52,7 @@ if TYPE_CHECKING:
   from rdt_jax.transports._whole_array import WholeArrayTransport as WholeArrayTransport
   from rdt_jax.transports.nixl.registrations import NixlError as NixlError
   from rdt_jax.transports.nixl.views import DeviceViewBusy as DeviceViewBusy
+  from rdt_jax.weights import PublishStats as PublishStats
   from rdt_jax.weights import PullStats as PullStats
   from rdt_jax.weights import StaleWeightsError as StaleWeightsError
   from rdt_jax.weights import WeightPublisher as WeightPublisher
@@ -73,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "NixlError": "rdt_jax.transports.nixl.registrations",
     "Placement": "rdt_jax.transports._destinations",
     "ProducerActorDiedError": "rdt_jax.transports._lifetime",
+    "PublishStats": "rdt_jax.weights",
     "PullStats": "rdt_jax.weights",
     "ProducerDiedError": "rdt_jax.transports._lifetime",
     "RdtJaxError": "rdt_jax._error_base",

@@ -71,10 +71,11 @@ SECTIONS = (
         "A trainer publishes versions, generators pull them into live parameters\n"
         "([Weight sync](weight_sync.md)).",
         (
-            Entry("WeightPublisher", ("publish", "close", "versions", "version")),
+            Entry("WeightPublisher", ("publish", "close", "versions", "version", "stats")),
             Entry("WeightSubscriber", ("pull", "pull_async", "version", "last_pull")),
             Entry("WeightsHandle"),
             Entry("PullStats"),
+            Entry("PublishStats"),
         ),
     ),
     Section("asyncio", "", (Entry("get_async"),)),

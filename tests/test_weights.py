@@ -104,6 +104,9 @@ class Trainer:
 
     return get_tensor_transport_manager("JAX_NIXL").counters()["objects"]
 
+  def stats(self):
+    return self.pub.stats
+
   def bad_publish(self, version: int) -> str:
     try:
       self.pub.publish(make_params(version), version=version)
@@ -414,6 +417,17 @@ def test_last_pull_says_what_the_pull_did(pack, env, route):
   assert (second.version, second.lag, second.nbytes) == (2, 0, first.nbytes), second
   assert ray.get(g.try_pull.remote(h1))["stale"]  # a refused pull leaves the record as it was
   assert ray.get(g.last_pull.remote()) == second
+  st = ray.get(t.stats.remote())
+  assert isinstance(st, rdt_jax.PublishStats)
+  assert (st.published, st.last_version, st.last_kind) == (2, 2, "packed" if pack else "pytree"), st
+  assert st.last_nbytes >= 256 * 512 * 4 + 512 * 4 + 64 * 32 * 2 and 0 < st.last_seconds < 60, st
+  if pack:
+    assert st.last_nbytes == second.nbytes, (st, second)
+  # Subscribers off the host (buckets) ask for the versions' bucket objects; pytree versions are
+  # objects from their publish; node-local pulls ask nothing.
+  assert st.objects == {"node_local": 0, "buckets": 2 * first.objects, "ray": 2}[route], st
+  # A node-local subscriber asks once, for the structure at its first pull; the others ask each pull.
+  assert st.answered == 1 if route == "node_local" else st.answered >= 4, st
   for a in (t, g):
     ray.kill(a)
 

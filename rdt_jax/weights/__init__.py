@@ -62,14 +62,16 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 * `_routes`: the read routes (node-local, buckets through Ray, pytree,
   colocated);
 * `_device_route`: the CUDA IPC route of a version in device memory;
-* `_stats`: `PullStats`, what a pull did (`WeightSubscriber.last_pull`);
+* `_stats`: `PullStats`, what a pull did (`WeightSubscriber.last_pull`), and
+  `PublishStats`, what a publisher did (`WeightPublisher.stats`);
 * `_subscriber`: `WeightSubscriber`: pull, pull_async, commit.
 """
 
 from rdt_jax.weights._handle import StaleWeightsError as StaleWeightsError
 from rdt_jax.weights._handle import WeightsHandle as WeightsHandle
 from rdt_jax.weights._publisher import WeightPublisher as WeightPublisher
+from rdt_jax.weights._stats import PublishStats as PublishStats
 from rdt_jax.weights._stats import PullStats as PullStats
 from rdt_jax.weights._subscriber import WeightSubscriber as WeightSubscriber
 
-__all__ = ["PullStats", "StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]
+__all__ = ["PublishStats", "PullStats", "StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]

@@ -10,8 +10,10 @@ be reused; its objects are freed after.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, PublishedStructure, Stream
 from rdt_jax.weights._packed_plan import unflatten
 from rdt_jax.weights._protocol import Answer, ObjectAnswer, Published, publishers
+from rdt_jax.weights._stats import PublishStats
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ class WeightPublisher:
     self.pack = bool(pack)
     self._stream = Stream(keep, self._id) if transport == "jax_nixl" and self.pack else None
     self._device_buffers = DeviceBuffers()
+    self._stats = PublishStats()
+    self._sizes: dict[str, int] = {}  # array bytes of each pytree structure published, by digest
     self._closed = False
     publishers[self._id] = self
 
@@ -162,6 +167,14 @@ class WeightPublisher:
     """The newest published version, or None before the first."""
     with self._lock:
       return self._kept[-1].version if self._kept else None
+
+  @property
+  def stats(self) -> PublishStats:
+    """What this publisher did since it was created (`rdt_jax.PublishStats`:
+    versions published; the newest one's version, kind, size and publish
+    time; questions answered; RDT objects made)."""
+    with self._lock:
+      return self._stats
 
   def publish(self, tree: Any, version: int) -> WeightsHandle:
     """Publishes `tree` (a pytree of jax, torch or numpy arrays, typed PRNG
@@ -192,6 +205,7 @@ class WeightPublisher:
       UnsupportedLeafError: naming the leaf, for a leaf the transport cannot
         send (nothing is published).
     """
+    started = time.perf_counter()
     version = int(version)
     newest = self.version
     if self._closed:
@@ -249,9 +263,36 @@ class WeightPublisher:
       live = {k.digest for k in self._kept}
       for d in [d for d in self._structures if d not in live]:
         del self._structures[d]
+      for d in [d for d in self._sizes if d not in live]:
+        del self._sizes[d]
+      kind = "pytree" if packed is None else ("packed" if packed.device < 0 else "packed_device")
+      nbytes = self._size_of(digest, tree, info.info.layout if packed is not None and info is not None else None)
+      st = self._stats
+      self._stats = dataclasses.replace(
+          st, published=st.published + 1, last_version=version, last_kind=kind, last_nbytes=nbytes,
+          last_seconds=time.perf_counter() - started, objects=st.objects + (ref is not None))
     _free(dropped)
     self._reuse(dropped)
     return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
+
+  def _count(self, answered: int = 0, objects: int = 0) -> None:
+    """Adds to `stats` (lock held)."""
+    st = self._stats
+    self._stats = dataclasses.replace(st, answered=st.answered + answered, objects=st.objects + objects)
+
+  def _size_of(self, digest: str, tree: Any, layout: Any) -> int:
+    """The array bytes of a version, counted once per structure (lock
+    held): from its packed `layout`, or from the tree's array leaves."""
+    size = self._sizes.get(digest)
+    if size is None:
+      import jax
+
+      if layout is not None:
+        size = sum(layout.sizes)
+      else:
+        size = sum(int(getattr(x, "nbytes", 0) or 0) for x in jax.tree_util.tree_leaves(tree) if _dlpack.is_array(x))
+      self._sizes[digest] = size
+    return size
 
   def _pack_on_device(self, info: PublishedStructure, arrays: list[Any]) -> DeviceBuffer | None:
     """A device buffer holding `arrays` packed, or None where this version
@@ -295,6 +336,7 @@ class WeightPublisher:
       if self._closed:
         return ObjectAnswer(None, 0, None)
       kept = tuple(k.version for k in self._kept)
+      self._count(answered=1)
       entry = next((k for k in self._kept if k.version == version), None)
       if entry is None or entry.buffer is None:
         return ObjectAnswer(None, 0, kept)
@@ -305,12 +347,14 @@ class WeightPublisher:
           arrays = device_arrays(published.packed, entry.frameworks, published.entries, entry.buffer)
           value = unflatten(published.packed, arrays, entry.rest)
           entry.buckets = [ray.put(value, _tensor_transport=self.transport)]
+          self._count(objects=1)
         return ObjectAnswer(tuple(entry.buckets), 0, kept)
       if entry.buckets is None:
         size, buffer = bucket_bytes(), entry.buffer
         entry.buckets = [
             ray.put(buffer[at : at + size], _tensor_transport=self.transport) for at in range(0, buffer.nbytes, size)
         ]
+        self._count(objects=len(entry.buckets))
         entry.bucket_bytes = size
       return ObjectAnswer(tuple(entry.buckets), entry.bucket_bytes, kept)
 
@@ -342,6 +386,7 @@ class WeightPublisher:
     with self._lock:
       if self._closed:
         return Answer(None)
+      self._count(answered=1)
       return Answer(tuple(k.version for k in self._kept),
                      None if structure is None else self._structures.get(structure))
 

@@ -93,7 +93,7 @@ class Pull:
   route: str = "ray"  # the route taken (`PullStats.route`), set by the route
   objects: int = 0  # RDT objects fetched through Ray
   kept: Any = None  # the versions the publisher kept at the last check seen
-  nbytes: int = -1  # the version's array bytes where the route knows them (-1: counted from the value)
+  layout: Any = None  # the packed layout of the version, where the route had one (its bytes are counted from it)
 
   def left(self) -> float | None:
     """Seconds left before the deadline (None: no deadline)."""

@@ -1,4 +1,5 @@
-"""What a pull did: `PullStats`, which `WeightSubscriber.last_pull` reports.
+"""What a pull did (`PullStats`, which `WeightSubscriber.last_pull` reports)
+and what a publisher did (`PublishStats`, `WeightPublisher.stats`).
 
 A pull's route records its name and the RDT objects it fetched on the pull
 in progress (`rdt_jax.weights._routes.Pull`), and the last check of the
@@ -14,7 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["ROUTES", "PullStats", "lag_of"]
+__all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "lag_of"]
+
+#: How a version travels, as `PublishStats.last_kind` names it.
+KINDS: Final = ("packed", "packed_device", "pytree")
 
 #: The routes a pull can take, as `PullStats.route` names them.
 ROUTES: Final = ("node_local", "cuda_ipc", "buckets", "ray", "colocated")
@@ -54,3 +58,32 @@ def lag_of(version: int, kept: Iterable[int] | None) -> int | None:
   """`PullStats.lag` of `version` given the versions kept at the last check."""
   newest = max(kept, default=None) if kept is not None else None
   return None if newest is None else max(0, newest - version)
+
+
+@dataclass(frozen=True)
+class PublishStats:
+  """What a `WeightPublisher` did since it was created (its `stats`).
+
+  Attributes:
+    published: versions published.
+    last_version: the newest version published (None before the first).
+    last_kind: how it travels: "packed" (one host buffer), "packed_device"
+      (one CUDA allocation, copied through CUDA IPC on this host) or
+      "pytree" (one RDT object of the tree); None before the first.
+    last_nbytes: its array leaves' size in bytes.
+    last_seconds: wall-clock time its `publish` took.
+    answered: questions subscribers asked (which versions are kept, and for
+      the RDT objects of a version); pulls on the publisher's host through
+      the kept-versions table ask none.
+    objects: RDT objects made: one per pytree version at `publish`, and for
+      packed versions one per bucket or device version's tree, at the first
+      subscriber's request.
+  """
+
+  published: int = 0
+  last_version: int | None = None
+  last_kind: str | None = None
+  last_nbytes: int = 0
+  last_seconds: float = 0.0
+  answered: int = 0
+  objects: int = 0

@@ -261,18 +261,21 @@ class WeightSubscriber:
       if self.atomic:
         value = self._commit(value)
     self._version = handle.version
-    nbytes = pull.nbytes if pull.nbytes >= 0 else self._size_of(handle.structure, value)
+    nbytes = self._size_of(handle.structure, value, pull.layout)
     self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
                                 lag_of(handle.version, pull.kept))
     return value
 
-  def _size_of(self, structure: str, value: Any) -> int:
-    """The array bytes of a value pulled as a pytree, counted once per structure."""
+  def _size_of(self, structure: str, value: Any, layout: Any) -> int:
+    """The array bytes of a pulled version, counted once per structure: from
+    its packed `layout` where the route had one, else from the value."""
     size = self._sizes.get(structure)
     if size is None:
-      leaves = flatten(value)
-      size = self._sizes[structure] = sum(int(getattr(x, "nbytes", 0) or 0) for _, x in leaves
-                                          if _dlpack.is_array(x))
+      if layout is not None:
+        size = sum(layout.sizes)
+      else:
+        size = sum(int(getattr(x, "nbytes", 0) or 0) for _, x in flatten(value) if _dlpack.is_array(x))
+      self._sizes[structure] = size
       if len(self._sizes) > 4:  # structures change rarely: keep the last few
         self._sizes.pop(next(iter(self._sizes)))
     return size
@@ -322,7 +325,7 @@ class WeightSubscriber:
     handle = pull.handle
     plan = self._plan(pull)
     source = check_source(handle.packed, pull.label, plan, handle.version)
-    pull.nbytes = plan.info.layout.total
+    pull.layout = plan.info.layout
     plan.check_targets()
     staging = _memory.host_pool.acquire(plan.staging_bytes) if plan.staging_bytes else None
     if pull.deadline is not None and time.monotonic() > pull.deadline:
@@ -361,8 +364,8 @@ class WeightSubscriber:
     first such request)."""
     handle = pull.handle
     source = check_source(handle.packed, pull.label)
-    pull.nbytes = source.nbytes
     plan = self._device_plan(pull)
+    pull.layout = None if plan is None else plan.info.layout
     if plan is not None:
       check_source(source, pull.label, plan, handle.version)  # type: ignore[arg-type]
       plan.check_targets()
