@@ -81,7 +81,8 @@ class Generator:
 
   def pull(self, handle, busy: bool = False):
     """(whether every leaf holds the version, what a side-stream read queued
-    before the pull saw change, the subscriber's version, IPC mappings open)."""
+    before the pull saw change, the subscriber's version, IPC mappings open,
+    the pull's route)."""
     import torch
 
     from rdt_jax._memory import _ipc
@@ -100,7 +101,7 @@ class Generator:
     got = {k: np.asarray(v.cpu() if hasattr(v, "cpu") else v) for k, v in value.items()}
     want = _values(handle.version)
     same = all(np.array_equal(got[k], want[k]) for k in want)
-    return same, seen, self.subscriber.version, _ipc.mappings()
+    return same, seen, self.subscriber.version, _ipc.mappings(), self.subscriber.last_pull.route
 
   def pull_error(self, handle) -> str:
     try:
@@ -131,8 +132,8 @@ def test_in_place_cuda_tensors_pull_through_cuda_ipc_after_queued_work(gpu_ray):
     for version in (1, 2, 3, 4):
       handle, device_packed = ray.get(trainer.publish.remote(version), timeout=120)
       assert device_packed, "a version of leaves on one GPU was not packed in device memory"
-      same, seen, pulled, mappings = ray.get(generator.pull.remote(handle, busy=version == 2), timeout=120)
-      assert same and pulled == version
+      same, seen, pulled, mappings, route = ray.get(generator.pull.remote(handle, busy=version == 2), timeout=120)
+      assert same and pulled == version and route == "cuda_ipc"
       assert seen == 0.0, "the pull wrote the template before work queued against it on another stream ran"
       assert 1 <= mappings <= 3, f"{mappings} IPC mappings open after {version} versions of keep=2"
   finally:
@@ -146,8 +147,8 @@ def test_other_templates_pull_the_device_version_through_ray(gpu_ray, kind):
   try:
     for version in (1, 2, 3):
       handle, _ = ray.get(trainer.publish.remote(version), timeout=120)
-      same, _, pulled, _ = ray.get(generator.pull.remote(handle), timeout=120)
-      assert same and pulled == version
+      same, _, pulled, _, route = ray.get(generator.pull.remote(handle), timeout=120)
+      assert same and pulled == version and route == "ray"
   finally:
     ray.kill(trainer)
     ray.kill(generator)
