@@ -58,16 +58,18 @@ def test_gpu_wheels_rejects_unknown_arguments():
 
 def _bench_commands() -> dict[str, list[str]]:
   """The arguments gpu.sh passes to `rdt_jax bench`, by step ("weight-sync",
-  "bench"), shell expansions replaced by 1."""
+  "bench"): a variable with a default in the script (`${NAME:-default}`)
+  replaced by its default, other shell expansions by 1."""
   import re
   import shlex
 
   text = (REPO / "scripts" / "gpu.sh").read_text().replace("\\\n", " ")
+  defaults = dict(re.findall(r"(\w+)=\$\{\1:-([^}]*)\}", text))
   out = {}
   for line in text.splitlines():
     m = re.search(r"-m rdt_jax bench (.*?) 2>&1", line)
     if m:
-      args = ["1" if "$" in token else token for token in shlex.split(m.group(1))]
+      args = [defaults.get(token.lstrip("$"), "1") if "$" in token else token for token in shlex.split(m.group(1))]
       out["weight-sync" if "--weight-sync" in args else "bench"] = args
   return out
 
