@@ -72,7 +72,7 @@ SECTIONS = (
         "([Weight sync](weight_sync.md)).",
         (
             Entry("WeightPublisher", ("publish", "close", "versions", "version", "stats")),
-            Entry("WeightSubscriber", ("pull", "pull_async", "version", "last_pull")),
+            Entry("WeightSubscriber", ("pull", "pull_async", "pull_named", "version", "last_pull")),
             Entry("WeightsHandle"),
             Entry("PullStats"),
             Entry("PublishStats"),

@@ -217,6 +217,41 @@ class Generator:
             "total": plan.info.layout.total}
 
 
+@ray.remote(enable_tensor_transport=True)
+class NamedLoader:
+  """An engine that loads weights by name, with no template."""
+
+  def __init__(self):
+    self.sub = rdt_jax.WeightSubscriber(None)
+
+  def load(self, handle, rename=None, stop_after=None, framework="torch", publish_after_first=None) -> dict:
+    shas, kinds, peak, error = {}, set(), 0, None
+    it = self.sub.pull_named(handle, rename=rename, framework=framework)
+    try:
+      for i, (name, x) in enumerate(it):
+        shas[name] = leaf_sha(x)
+        kinds.add(type(x).__module__.split(".")[0])
+        peak = max(peak, rdt_jax._memory.host_pool.pooled_bytes())
+        del x
+        if i == 0 and publish_after_first is not None:
+          publisher, version = publish_after_first
+          ray.get(publisher.publish.remote(version))
+        if stop_after is not None and i + 1 >= stop_after:
+          it.close()
+          break
+    except Exception as e:
+      error = f"{type(e).__name__}: {e}"
+    return {"shas": shas, "kinds": kinds, "version": self.sub.version, "last": self.sub.last_pull, "peak": peak,
+            "error": error}
+
+  def plain_pull(self, handle) -> str:
+    try:
+      self.sub.pull(handle)
+    except ValueError as e:
+      return str(e)
+    return "pulled"
+
+
 def trainer(keep: int = 2, transport: str = "jax_nixl", pack: bool = True, **env: str):
   return Trainer.options(runtime_env=worker_env(XLA_FLAGS=FOUR, **env)).remote(keep, transport, pack)
 
@@ -428,6 +463,60 @@ def test_last_pull_says_what_the_pull_did(pack, env, route):
   assert st.objects == {"node_local": 0, "buckets": 2 * first.objects, "ray": 2}[route], st
   # A node-local subscriber asks once, for the structure at its first pull; the others ask each pull.
   assert st.answered == 1 if route == "node_local" else st.answered >= 4, st
+  for a in (t, g):
+    ray.kill(a)
+
+
+@pytest.mark.parametrize(("pack", "env", "route"), [
+    (True, {}, "node_local"),
+    (True, {**READ_PATH}, "buckets"),
+    (False, {}, "ray"),
+], ids=["node_local", "buckets", "ray"])
+def test_pull_named_yields_every_leaf_by_name_a_bucket_at_a_time(pack, env, route):
+  t = trainer(keep=2, pack=pack, RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))
+  g = NamedLoader.options(runtime_env=worker_env(
+      XLA_FLAGS=FOUR, RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET), **env)).remote()
+  want = expected(ray.get(t.shas.remote(1)))
+  r = ray.get(g.load.remote(ray.get(t.publish.remote(1))))
+  assert r["error"] is None and r["shas"] == want and r["kinds"] == {"torch"}, r
+  assert (r["version"], r["last"].version, r["last"].route) == (1, 1, route), r
+  assert r["last"].nbytes >= 256 * 512 * 4 + 512 * 4 + 64 * 32 * 2, r
+  if pack:  # one bucket (and the one leaf larger than it) at a time
+    assert r["peak"] <= 256 * 512 * 4 + 3 * BUCKET, r
+  # The engine's names; a leaf mapped to None is skipped; numpy arrays.
+  r = ray.get(g.load.remote(ray.get(t.publish.remote(2)), rename=lambda p: None if "emb" in p else "model" + p,
+                            framework="numpy"))
+  assert r["error"] is None and r["kinds"] == {"numpy"} and r["version"] == 2, r
+  assert r["shas"] == {"model" + p: v for p, v in expected(ray.get(t.shas.remote(2))).items() if "emb" not in p}
+  # Stopped early: the engine holds part of version 3, so no version; the next pull runs.
+  r = ray.get(g.load.remote(ray.get(t.publish.remote(3)), stop_after=1))
+  assert r["error"] is None and len(r["shas"]) == 1 and r["version"] is None, r
+  assert r["last"].version == 2, r  # the record of the last pull that ended
+  r = ray.get(g.load.remote(ray.get(t.publish.remote(4))))
+  assert r["error"] is None and r["version"] == 4 and r["shas"] == expected(ray.get(t.shas.remote(4))), r
+  assert "no template" in ray.get(g.plain_pull.remote(ray.get(t.publish.remote(5))))
+  for a in (t, g):
+    ray.kill(a)
+
+
+@pytest.mark.parametrize(("env", "route"), [({}, "node_local"), ({**READ_PATH}, "buckets")],
+                         ids=["node_local", "buckets"])
+def test_pull_named_of_a_version_freed_meanwhile_stops_before_its_next_bucket(env, route):
+  t = trainer(keep=1, RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))
+  g = NamedLoader.options(runtime_env=worker_env(
+      XLA_FLAGS=FOUR, RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET), **env)).remote()
+  old = ray.get(t.publish.remote(1))
+  # Refused before anything moves once a newer version replaced it (keep=1).
+  ray.get(t.publish.remote(2))
+  r = ray.get(g.load.remote(old))
+  assert r["error"].startswith("StaleWeightsError") and not r["shas"] and r["version"] is None, r
+  # Freed after the first pair was taken: the next bucket's pairs never come.
+  h = ray.get(t.publish.remote(3))
+  want = expected(ray.get(t.shas.remote(3)))
+  r = ray.get(g.load.remote(h, publish_after_first=(t, 4)))
+  assert r["error"].startswith("StaleWeightsError"), r
+  assert 1 <= len(r["shas"]) < len(want) and all(want[p] == v for p, v in r["shas"].items()), r
+  assert r["version"] is None, r
   for a in (t, g):
     ray.kill(a)
 

@@ -62,6 +62,8 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 * `_routes`: the read routes (node-local, buckets through Ray, pytree,
   colocated);
 * `_device_route`: the CUDA IPC route of a version in device memory;
+* `_named`: `pull_named`'s reads, a version's `(name, array)` pairs a bucket
+  at a time;
 * `_stats`: `PullStats`, what a pull did (`WeightSubscriber.last_pull`), and
   `PublishStats`, what a publisher did (`WeightPublisher.stats`);
 * `_subscriber`: `WeightSubscriber`: pull, pull_async, commit.

@@ -205,6 +205,20 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
 
 
 
+def check_newer(handle: WeightsHandle, current: int | None, reached: int | None) -> None:
+  """Raises `StaleWeightsError` if `handle`'s version is not newer than the
+  newest one a subscriber's pulls reached (`reached`, else the version it
+  holds, `current`)."""
+  newest = reached if reached is not None else current
+  if newest is not None and handle.version <= newest:
+    held = f"version {current}, which this subscriber holds" if current == newest else (
+        f"version {newest}, which a pull of this subscriber reached (it holds {current})")
+    raise StaleWeightsError(
+        f"Version {handle.version} is not newer than {held}; pull a newer handle.",
+        handle.version, current,
+    )
+
+
 def stale_error(handle: WeightsHandle, kept: Iterable[int] | None, current: int | None,
                 after_read: bool) -> StaleWeightsError:
   """The error of a pull whose version its publisher does not keep.

@@ -54,9 +54,11 @@ from rdt_jax.weights._publisher import WeightPublisher
 __all__ = [
   "Pull",
   "PullCancelled",
+  "await_bucket",
   "can_read_directly",
   "check_structure_once",
   "dead_publisher_error",
+  "fetcher",
   "pull_buckets",
   "pull_colocated",
   "pull_node_local",
@@ -251,7 +253,7 @@ _fetch_pool: list[concurrent.futures.ThreadPoolExecutor] = []
 _fetch_lock = threading.Lock()
 
 
-def _fetcher() -> concurrent.futures.ThreadPoolExecutor:
+def fetcher() -> concurrent.futures.ThreadPoolExecutor:
   """The threads that fetch a pull's next bucket while the caller copies the
   last one out (created at the first bucketed pull)."""
   with _fetch_lock:
@@ -260,7 +262,7 @@ def _fetcher() -> concurrent.futures.ThreadPoolExecutor:
     return _fetch_pool[0]
 
 
-def _await_bucket(pull: Pull, pending: concurrent.futures.Future[Any]) -> Any:
+def await_bucket(pull: Pull, pending: concurrent.futures.Future[Any]) -> Any:
   """The bucket `pending` fetches. While the fetch runs, every
   `_limits.WEIGHTS_STALE_CHECK_S` the pull stops if it was cancelled and asks the publisher
   whether it still keeps the version (`StaleWeightsError` if not: the fetch
@@ -296,10 +298,10 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
   memmove = ctypes.memmove
   began = False  # a bucket was copied into the template
   try:
-    pending: concurrent.futures.Future[Any] = _fetcher().submit(ray.get, refs[0], timeout=pull.left())
+    pending: concurrent.futures.Future[Any] = fetcher().submit(ray.get, refs[0], timeout=pull.left())
     for i, ref in enumerate(refs):
       try:
-        bucket: Any = _await_bucket(pull, pending)
+        bucket: Any = await_bucket(pull, pending)
       except (ray.exceptions.GetTimeoutError, StaleWeightsError, PullCancelled):
         raise
       except Exception:
@@ -307,7 +309,7 @@ def pull_buckets(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomi
         raise
       pull.check_cancelled()
       if i + 1 < len(refs):
-        pending = _fetcher().submit(ray.get, refs[i + 1], timeout=pull.left())
+        pending = fetcher().submit(ray.get, refs[i + 1], timeout=pull.left())
       if _dlpack.framework_of(bucket) != "numpy" or bucket.nbytes != min(size, total - i * size):
         raise MetadataError(ref.hex(), "value", f"is not bucket {i} of the version's packed buffer")
       if writes_template:

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -21,7 +22,15 @@ from rdt_jax import _dlpack, _layout, _memory, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._device_route import pull_device_local
-from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, check_template, flatten, is_template_leaf, label
+from rdt_jax.weights._handle import (
+  WeightsHandle,
+  check_newer,
+  check_template,
+  flatten,
+  is_template_leaf,
+  label,
+)
+from rdt_jax.weights._named import named_leaves, renamed
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import ask_object, publishers
@@ -91,7 +100,8 @@ class WeightSubscriber:
       receives one index range, a typed PRNG key receives a typed key of its
       implementation. Checked against a version's structure at its first
       pull (errors name the leaf path); later pulls of the same structure
-      skip the check.
+      skip the check. None: no template, for a subscriber that only pulls
+      by name (`pull_named`).
     atomic: False (default): pulls write into the template's arrays in
       place, with no extra memory. A pull that fails once its fetch started
       raises and leaves `version` None (the template is torn: some leaves may
@@ -110,8 +120,8 @@ class WeightSubscriber:
   def __init__(self, template: Any, atomic: bool = False):
     self.template = template
     self.atomic = bool(atomic)
-    self._flat = flatten(template)
-    if not self._flat:
+    self._flat = [] if template is None else flatten(template)
+    if template is not None and not self._flat:
       raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
     self._version: int | None = None
     self._reached: int | None = None  # the newest version a pull reached (see `pull`)
@@ -213,6 +223,84 @@ class WeightSubscriber:
         future.exception()  # retrieved: the pull's own error is superseded by the cancellation
       raise
 
+  def pull_named(self, handle: WeightsHandle, timeout: float | None = None,
+                 rename: Callable[[str], str | None] | None = None,
+                 framework: str = "torch") -> Iterator[tuple[str, Any]]:
+    """The version's array leaves as `(name, array)` pairs, a bucket at a
+    time, for an engine that loads weights by name (vLLM's `load_weights`).
+    Needs no template (a subscriber made with `template=None` can only pull
+    this way).
+
+    Nothing happens until the first pair is asked for. From then the
+    iteration holds this subscriber's pulls (another `pull` waits, so do
+    not call one while iterating), and `version` is None (the engine holds
+    part of a version) until the last pair has been taken: then it is
+    `handle.version` and `last_pull` describes the pull. Stopping early
+    (`close()`, or dropping the iterator) leaves `version` None.
+
+    Memory: a packed version comes in buckets of `RDT_JAX_WEIGHT_BUCKET_BYTES`
+    (consecutive leaves; a larger leaf alone), each pair's array a view of
+    its bucket's host buffer, valid while referenced: extra memory stays at
+    about one bucket while the caller copies each array and drops it before
+    asking for the next bucket's. A version sent as a pytree, or packed in
+    device memory, arrives whole, its arrays as they arrived (then
+    converted to `framework`). A typed PRNG key comes as its key data.
+
+    Every pair yielded holds the version's bytes: a bucket's pairs come only
+    once the publisher still kept the version after the bucket arrived.
+
+    Args:
+      handle: a `WeightsHandle` from `WeightPublisher.publish`.
+      timeout: seconds the whole iteration may take to fetch, waiting for a
+        pull running in another thread included (None: no limit).
+      rename: the engine's name for a published path (as
+        `jax.tree_util.keystr` prints it); a leaf it maps to None is
+        skipped. None: the published paths.
+      framework: "torch" (default) or "numpy": the arrays' type.
+
+    Returns:
+      An iterator of `(name, array)`.
+
+    Raises:
+      TypeError: if `handle` is not a `WeightsHandle`.
+      ValueError: for another `framework`.
+      StaleWeightsError: (from the iteration) as `pull`: not newer, not
+        kept, or freed while it was read; pairs already yielded hold the
+        version's bytes, and `version` stays None.
+      ray.exceptions.GetTimeoutError, ray.exceptions.RayError: as `pull`.
+    """
+    self._check_handle(handle)
+    if framework not in ("torch", "numpy"):
+      raise ValueError(f"framework={framework!r}: pull_named gives 'torch' or 'numpy' arrays.")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return self._named(handle, deadline, rename, framework)
+
+  def _named(self, handle: WeightsHandle, deadline: float | None, rename: Callable[[str], str | None] | None,
+             framework: str) -> Iterator[tuple[str, Any]]:
+    wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+    if not self._lock.acquire(timeout=wait):
+      raise ray.exceptions.GetTimeoutError(
+          f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
+    try:
+      check_newer(handle, self._version, self._reached)
+      started = time.perf_counter()
+      pull = _routes.Pull(handle, label(handle), deadline, self._version, None, self._set_version)
+      structure = pull.ask(want_structure=True)
+      if structure is None:
+        raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+      pull.layout = None if structure.packed is None else structure.packed.layout
+      counted = [0]
+      for name, out in renamed(named_leaves(pull, structure), rename, framework, counted):
+        self._version = None  # the engine holds part of the version from here until the last pair
+        yield name, out
+      nbytes = counted[0]
+      self._version = handle.version
+      self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
+      self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
+                                  lag_of(handle.version, pull.kept))
+    finally:
+      self._lock.release()
+
   @staticmethod
   def _check_handle(handle: Any) -> None:
     if not isinstance(handle, WeightsHandle):
@@ -233,19 +321,14 @@ class WeightSubscriber:
     finally:
       self._lock.release()
 
-
   def _pull(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
     """One pull (`pull`), the subscriber's lock held: refuses a version not
     newer than the newest reached, then takes the handle's route."""
+    if self.template is None:
+      raise ValueError("This WeightSubscriber has no template (template=None): pull with pull_named, or give a "
+                       "template to pull into.")
+    check_newer(handle, self._version, self._reached)
     current = self._version
-    newest = self._reached if self._reached is not None else current
-    if newest is not None and handle.version <= newest:
-      held = f"version {current}, which this subscriber holds" if current == newest else (
-          f"version {newest}, which a pull of this subscriber reached (it holds {current})")
-      raise StaleWeightsError(
-          f"Version {handle.version} is not newer than {held}; pull a newer handle.",
-          handle.version, current,
-      )
     started = time.perf_counter()
     pull = _routes.Pull(handle, label(handle), deadline, current, cancel, self._set_version)
     if handle.packed is not None and getattr(handle.packed, "device", -1) != -1:

@@ -1,0 +1,224 @@
+"""Weights by name: the reads of `WeightSubscriber.pull_named`, bucket by bucket.
+
+An engine that loads weights by name (vLLM's `load_weights`, which takes an
+iterable of `(name, tensor)`) needs no template: it takes each published
+leaf and copies it into its own parameters. `named_leaves` yields a
+version's `(path, array)` pairs a bucket at a time:
+
+* a packed version on the publisher's host: consecutive leaves of at most
+  `bucket_bytes()` in all (a larger leaf alone) are copied from the
+  publisher's memory into one pooled host buffer;
+* a packed version elsewhere: the publisher's bucket objects through Ray,
+  the next one fetched while the last one's pairs are taken; a leaf that
+  crosses a bucket boundary is assembled in a buffer of its own;
+* any other version (a pytree, or packed in device memory): the version's
+  one RDT object through Ray, whole (its memory is then the version's, not
+  a bucket's).
+
+A bucket's leaves are yielded only once the publisher still kept the
+version after the bucket's bytes arrived (the kept-versions table read
+after the copy, or the publisher asked), so every pair holds the version's
+bytes. Each array is a view of its bucket's buffer, valid as long as it is
+referenced (the pool never hands out a buffer a view holds); memory stays
+bounded by the bucket size as long as the caller drops each bucket's arrays
+before it asks for the next ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from rdt_jax import _dlpack, _memory
+from rdt_jax import _node_local as node_local
+from rdt_jax._metadata import MetadataError
+from rdt_jax.weights._handle import StaleWeightsError, flatten, replaced_error
+from rdt_jax.weights._packed import ForeignTable, PackedLayoutInfo, PackedSource
+from rdt_jax.weights._protocol import Published, ask_buckets, ask_object
+from rdt_jax.weights._publisher import bucket_bytes
+from rdt_jax.weights._routes import Pull, await_bucket, can_read_directly, dead_publisher_error, fetcher, read_table
+
+__all__ = ["groups", "named_leaves", "renamed"]
+
+
+def groups(offsets: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, int, list[int]]]:
+  """(first byte, end, leaf indices) of consecutive leaves whose bytes span
+  at most `limit` (a leaf larger than `limit` alone), in layout order."""
+  out: list[tuple[int, int, list[int]]] = []
+  start, end = 0, 0
+  members: list[int] = []
+  for i, (offset, size) in enumerate(zip(offsets, sizes)):
+    if members and offset + size - start > limit:
+      out.append((start, end, members))
+      members = []
+    if not members:
+      start = offset
+    members.append(i)
+    end = offset + size
+  if members:
+    out.append((start, end, members))
+  return out
+
+
+def _typed(raw: np.ndarray, entry: Any, shape: tuple[int, ...]) -> np.ndarray:
+  """A leaf's bytes as its published dtype and shape (a typed key: its
+  uint32 key data)."""
+  _, kind, _, what = entry
+  dtype = np.dtype(np.uint32) if kind == "key" else _dlpack.np_dtype_from_name(what)
+  return raw[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
+  """The `(path, array)` pairs of `pull`'s version, in the published order:
+  host numpy arrays for a packed version, the arrays as they arrived (a
+  typed key as its key data) otherwise.
+
+  Raises (from the iteration):
+    StaleWeightsError: the version was not kept before a bucket was read, or
+      was freed while it was read (no pair of that bucket is yielded).
+    MetadataError: for a handle, layout or bucket that does not hold
+      together.
+    RayDirectTransportError: the publisher's memory could not be read.
+  """
+  handle = pull.handle
+  source, info = handle.packed, published.packed
+  if source is None or info is None or getattr(source, "device", -1) != -1:
+    yield from _whole(pull)
+    return
+  if not isinstance(source, PackedSource) or source.nbytes != info.layout.total:
+    raise MetadataError(pull.label, "packed", "does not match its structure's layout")
+  if can_read_directly(source):
+    reader = _node_local(pull, info, published.entries, source)
+    try:
+      first = next(reader)
+    except StopIteration:
+      return
+    except PermissionError:  # the kernel refused the first read: nothing was yielded
+      reader = iter(())
+    else:
+      yield first
+      yield from reader
+      return
+  yield from _buckets(pull, info, published.entries)
+
+
+def _checked_table(pull: Pull, source: PackedSource, after_read: bool) -> set[int]:
+  handle = pull.handle
+  try:
+    kept = read_table(source, handle.publisher)
+  except ForeignTable:
+    raise replaced_error(handle, pull.current) from None
+  except PermissionError:
+    raise
+  except OSError as e:
+    raise dead_publisher_error(pull.label, handle.actor, e) from None
+  if handle.version not in kept:
+    raise pull.stale(kept, after_read=after_read)
+  return kept
+
+
+def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
+                source: PackedSource) -> Iterator[tuple[str, Any]]:
+  layout = info.layout
+  after = False
+  origin = source.origin
+  assert origin is not None  # can_read_directly said so
+  for start, end, members in groups(layout.offsets, layout.sizes, bucket_bytes()):
+    _checked_table(pull, source, after_read=after)
+    buf = _memory.host_pool.acquire(max(1, end - start))
+    if end > start:
+      try:
+        node_local.read(origin, [(_memory.host_pointer(buf), source.buffer + start, end - start)])
+      except PermissionError:
+        raise  # before the first pair: the caller reads through Ray instead
+      except OSError as e:
+        raise dead_publisher_error(pull.label, pull.handle.actor, e) from None
+    pull.kept = _checked_table(pull, source, after_read=True)
+    pull.route = "node_local"
+    after = True
+    for i in members:
+      at = layout.offsets[i] - start
+      yield entries[i][0], _typed(buf[at : at + layout.sizes[i]], entries[i], info.shapes[i])
+    del buf
+
+
+def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any]) -> Iterator[tuple[str, Any]]:
+  layout = info.layout
+  buckets = ask_buckets(pull.handle, pull.label, pull.left(), pull.current, layout.total)
+  refs, size = buckets.refs, buckets.size
+  pull.route, pull.objects = "buckets", len(refs)
+  n, j = len(layout.sizes), 0
+  pending: np.ndarray | None = None  # a leaf crossing a bucket boundary, assembled here
+  pending_fetch = fetcher().submit(ray.get, refs[0], timeout=pull.left())
+  for i, ref in enumerate(refs):
+    try:
+      bucket = await_bucket(pull, pending_fetch)  # asks every few seconds whether the version is kept
+    except (ray.exceptions.GetTimeoutError, StaleWeightsError):
+      raise
+    except Exception:
+      pull.ask(after_read=True)  # a bucket freed with its version: StaleWeightsError
+      raise
+    if i + 1 < len(refs):
+      pending_fetch = fetcher().submit(ray.get, refs[i + 1], timeout=pull.left())
+    if _dlpack.framework_of(bucket) != "numpy" or bucket.nbytes != min(size, layout.total - i * size):
+      raise MetadataError(ref.hex(), "value", f"is not bucket {i} of the version's packed buffer")
+    pull.ask(after_read=True)  # the bucket holds the version's bytes: it was still kept once they arrived
+    b0, b1 = i * size, i * size + bucket.nbytes
+    raw = bucket.view(np.uint8).reshape(-1)
+    while j < n and layout.offsets[j] < b1:
+      offset, nbytes = layout.offsets[j], layout.sizes[j]
+      if pending is None and offset >= b0 and offset + nbytes <= b1:
+        yield entries[j][0], _typed(raw[offset - b0 : offset - b0 + nbytes], entries[j], info.shapes[j])
+        j += 1
+        continue
+      if pending is None:
+        pending = np.empty(nbytes, np.uint8)
+      lo, hi = max(offset, b0), min(offset + nbytes, b1)
+      pending[lo - offset : hi - offset] = raw[lo - b0 : hi - b0]
+      if offset + nbytes > b1:
+        break  # the rest of this leaf is in the next bucket
+      yield entries[j][0], _typed(pending, entries[j], info.shapes[j])
+      pending = None
+      j += 1
+    del bucket, raw
+  while j < n and not layout.sizes[j]:  # empty leaves at the end of the buffer
+    yield entries[j][0], _typed(np.empty(0, np.uint8), entries[j], info.shapes[j])
+    j += 1
+  if j != n:
+    raise MetadataError(pull.label, "buckets", f"held {j} of the version's {n} array leaves")
+
+
+def _whole(pull: Pull) -> Iterator[tuple[str, Any]]:
+  handle = pull.handle
+  ref = handle.ref
+  if ref is None:  # packed in device memory: its tree, made by the publisher at the first request
+    ref = ask_object(handle, pull.label, pull.left(), pull.current)
+  value = ray.get(ref, timeout=pull.left())
+  pull.ask(after_read=True)
+  pull.route, pull.objects = "ray", 1
+  for path, x in flatten(value):
+    if _dlpack.is_prng_key(x):
+      yield path, _dlpack.prng_key_parts(x)[0]
+    elif _dlpack.is_array(x):
+      yield path, x
+
+
+def renamed(pairs: Iterable[tuple[str, Any]], rename: Callable[[str], str | None] | None, framework: str,
+            counted: list[int]) -> Iterator[tuple[str, Any]]:
+  """`pairs` under the engine's names (`rename`; a leaf it maps to None is
+  skipped) as `framework`'s arrays ("torch" or "numpy"); `counted[0]` adds
+  up every leaf's bytes, skipped ones included."""
+  cpu = _dlpack.Device("cpu")
+  for path, x in pairs:
+    counted[0] += int(x.nbytes)
+    name = path if rename is None else rename(path)
+    if name is None:
+      continue
+    if isinstance(x, np.ndarray):
+      yield name, x if framework == "numpy" else _dlpack.rebuild_view(x, "torch", cpu, path)
+    else:
+      yield name, _dlpack.convert_leaf(x, framework, path)  # type: ignore[arg-type]
