@@ -495,6 +495,11 @@ def test_pull_named_yields_every_leaf_by_name_a_bucket_at_a_time(pack, env, rout
   r = ray.get(g.load.remote(ray.get(t.publish.remote(4))))
   assert r["error"] is None and r["version"] == 4 and r["shas"] == expected(ray.get(t.shas.remote(4))), r
   assert "no template" in ray.get(g.plain_pull.remote(ray.get(t.publish.remote(5))))
+  with_template = rdt_jax.WeightSubscriber({"w": np.zeros(4, np.float32)})
+  with pytest.raises(ValueError, match="has a template"):
+    with_template.pull_named(ray.get(t.publish.remote(6)))
+  with pytest.raises(ValueError, match="'torch' or 'numpy'"):
+    rdt_jax.WeightSubscriber(None).pull_named(ray.get(t.publish.remote(7)), framework="jax")
   for a in (t, g):
     ray.kill(a)
 

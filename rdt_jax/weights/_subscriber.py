@@ -228,8 +228,8 @@ class WeightSubscriber:
                  framework: str = "torch") -> Iterator[tuple[str, Any]]:
     """The version's array leaves as `(name, array)` pairs, a bucket at a
     time, for an engine that loads weights by name (vLLM's `load_weights`).
-    Needs no template (a subscriber made with `template=None` can only pull
-    this way).
+    For a subscriber made with `template=None` (its `version` is what the
+    engine holds; a subscriber with a template pulls into it with `pull`).
 
     Nothing happens until the first pair is asked for. From then the
     iteration holds this subscriber's pulls (another `pull` waits, so do
@@ -263,7 +263,7 @@ class WeightSubscriber:
 
     Raises:
       TypeError: if `handle` is not a `WeightsHandle`.
-      ValueError: for another `framework`.
+      ValueError: for another `framework`, or a subscriber with a template.
       StaleWeightsError: (from the iteration) as `pull`: not newer, not
         kept, or freed while it was read; pairs already yielded hold the
         version's bytes, and `version` stays None.
@@ -272,6 +272,9 @@ class WeightSubscriber:
     self._check_handle(handle)
     if framework not in ("torch", "numpy"):
       raise ValueError(f"framework={framework!r}: pull_named gives 'torch' or 'numpy' arrays.")
+    if self.template is not None:
+      raise ValueError("pull_named is for a WeightSubscriber(None), whose version is what the engine loaded; "
+                       "this subscriber has a template: pull into it with pull(), or make one with template=None.")
     deadline = None if timeout is None else time.monotonic() + timeout
     return self._named(handle, deadline, rename, framework)
 
