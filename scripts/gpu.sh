@@ -19,7 +19,10 @@
 #    `rdt-jax bench --device gpu` (rdt_jax's one-sided transports, Ray's NIXL
 #    and CUDA_IPC with torch, the object store, the device memcpy limit); after
 #    a step that ran out of time, the end of Ray's logs. --steps picks some of
-#    them (comma-separated: tests, weight-sync, bench); the budget is shared by those.
+#    them (comma-separated: tests, weight-sync, bench, and profile, which is
+#    not run unless asked: scripts/profile_overhead.py --device gpu, the
+#    per-side split of one 256 MiB array and of 1,000 leaves); the budget is
+#    shared by those.
 # Logs and benchmark files go to --out (default docs/benchmarks/gpu).
 # --dry-run prints the plan and checks only the host.
 set -uo pipefail
@@ -33,19 +36,19 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET=$2; shift 2 ;;
     --steps) STEPS=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 run() { echo "+ $*"; [ "$DRY" = 1 ] || "$@"; }
 # Shares of the budget, in percent, of the steps asked for.
-declare -A WEIGHT=([tests]=36 [weight-sync]=34 [bench]=30)
+declare -A WEIGHT=([tests]=36 [weight-sync]=34 [bench]=30 [profile]=30)
 # The weight-sync rows: WS_LEAVES and WS_PATHS override the defaults (rows that
 # no longer fit the step's budget are skipped, the one-leaf rows come first).
 WS_LEAVES=${WS_LEAVES:-1000,10000} WS_PATHS=${WS_PATHS:-rdt,rdt_donate,store}
 TOTAL=0
 for step in ${STEPS//,/ }; do
-  [ -n "${WEIGHT[$step]:-}" ] || { echo "gpu.sh: unknown step $step (tests, weight-sync, bench)" >&2; exit 2; }
+  [ -n "${WEIGHT[$step]:-}" ] || { echo "gpu.sh: unknown step $step (tests, weight-sync, bench, profile)" >&2; exit 2; }
   TOTAL=$(( TOTAL + WEIGHT[$step] ))
 done
 LOG=/dev/null
@@ -110,6 +113,11 @@ if wanted weight-sync; then
   status=${PIPESTATUS[0]}
   echo "weight-sync exit $status" | tee -a "$LOG"
   [ "$status" != 124 ] || ray_logs >> "$LOG" 2>&1
+fi
+if wanted profile; then  # not a default step: where the plain device path's time goes, per side
+  run timeout "$(share profile)" "$PY" scripts/profile_overhead.py --device gpu --leaves 1,1000 \
+    --one-bytes 268435456 --bytes 67108864 --reps 5 --profile --top 25 2>&1 | tee "$OUT_DIR/profile-gpu.txt"
+  echo "profile exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 fi
 if wanted bench; then
   run timeout "$(share bench)" "$PY" -m rdt_jax bench --device gpu --label gpu --reps 5 --no-pause \
