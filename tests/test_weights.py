@@ -15,6 +15,7 @@ as pytrees.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -494,12 +495,17 @@ def test_pull_named_yields_every_leaf_by_name_a_bucket_at_a_time(pack, env, rout
   assert r["last"].version == 2, r  # the record of the last pull that ended
   r = ray.get(g.load.remote(ray.get(t.publish.remote(4))))
   assert r["error"] is None and r["version"] == 4 and r["shas"] == expected(ray.get(t.shas.remote(4))), r
-  assert "no template" in ray.get(g.plain_pull.remote(ray.get(t.publish.remote(5))))
+  if pack:  # a handle changed on the way is refused before anything is read
+    h = ray.get(t.publish.remote(5))
+    bad = dataclasses.replace(h, packed=dataclasses.replace(h.packed, buffer=h.packed.buffer + 64))
+    r = ray.get(g.load.remote(bad))
+    assert r["error"].startswith("MetadataError") and not r["shas"] and r["version"] == 4, r
+  assert "no template" in ray.get(g.plain_pull.remote(ray.get(t.publish.remote(6))))
   with_template = rdt_jax.WeightSubscriber({"w": np.zeros(4, np.float32)})
   with pytest.raises(ValueError, match="has a template"):
-    with_template.pull_named(ray.get(t.publish.remote(6)))
+    with_template.pull_named(ray.get(t.publish.remote(7)))
   with pytest.raises(ValueError, match="'torch' or 'numpy'"):
-    rdt_jax.WeightSubscriber(None).pull_named(ray.get(t.publish.remote(7)), framework="jax")
+    rdt_jax.WeightSubscriber(None).pull_named(ray.get(t.publish.remote(8)), framework="jax")
   for a in (t, g):
     ray.kill(a)
 

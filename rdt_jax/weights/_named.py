@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import StaleWeightsError, flatten, replaced_error
 from rdt_jax.weights._packed import ForeignTable, PackedLayoutInfo, PackedSource
+from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._protocol import Published, ask_buckets, ask_object
 from rdt_jax.weights._publisher import bucket_bytes
 from rdt_jax.weights._routes import Pull, await_bucket, can_read_directly, dead_publisher_error, fetcher, read_table
@@ -89,8 +91,11 @@ def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
   if source is None or info is None or getattr(source, "device", -1) != -1:
     yield from _whole(pull)
     return
-  if not isinstance(source, PackedSource) or source.nbytes != info.layout.total:
-    raise MetadataError(pull.label, "packed", "does not match its structure's layout")
+  # Nothing the publisher sent is used before it is checked: the layout
+  # against the published leaves, the handle against its bounds, the layout
+  # and its digest.
+  check_layout(info, published.entries, pull.label)
+  source = check_source(source, pull.label, SimpleNamespace(info=info), handle.version)  # type: ignore[arg-type]
   if can_read_directly(source):
     reader = _node_local(pull, info, published.entries, source)
     try:
