@@ -17,7 +17,7 @@ default, whatever the rdt_jax settings), and only then does the pull raise
 `StaleWeightsError` ("was freed while it was being read"): about 62 s after it
 began, where a freed version found by the subscriber's own checks is refused at
 once. Since the pull asks its publisher every 2 s while a bucket's fetch runs
-(`rdt_jax.weights._routes._await_bucket`), it raises `StaleWeightsError` within
+(`rdt_jax.weights._routes.await_bucket`), it raises `StaleWeightsError` within
 seconds (4.2 s here, 2 of them the injected delay).
 
 `--object` shows the same below weight sync: a plain jax_nixl RDT object freed
