@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "lag_of"]
+from rdt_jax import _dlpack
+from rdt_jax.weights._handle import flatten
+
+__all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "lag_of", "version_bytes"]
 
 #: How a version travels, as `PublishStats.last_kind` names it.
 KINDS: Final = ("packed", "packed_device", "pytree")
@@ -87,3 +90,19 @@ class PublishStats:
   last_seconds: float = 0.0
   answered: int = 0
   objects: int = 0
+
+
+def version_bytes(cache: dict[str, int], structure: str, value: Any, layout: Any) -> int:
+  """The array bytes of a pulled version of `structure`, counted once per
+  structure into `cache` (the last few kept): from its packed `layout`
+  where the route had one, else from the pulled `value`."""
+  size = cache.get(structure)
+  if size is None:
+    if layout is not None:
+      size = sum(layout.sizes)
+    else:
+      size = sum(int(getattr(x, "nbytes", 0) or 0) for _, x in flatten(value) if _dlpack.is_array(x))
+    cache[structure] = size
+    if len(cache) > 4:  # structures change rarely: keep the last few
+      cache.pop(next(iter(cache)))
+  return size

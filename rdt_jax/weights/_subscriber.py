@@ -35,7 +35,7 @@ from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
-from rdt_jax.weights._stats import PullStats, lag_of
+from rdt_jax.weights._stats import PullStats, lag_of, version_bytes
 
 __all__ = ["WeightSubscriber"]
 
@@ -280,10 +280,7 @@ class WeightSubscriber:
 
   def _named(self, handle: WeightsHandle, deadline: float | None, rename: Callable[[str], str | None] | None,
              framework: str) -> Iterator[tuple[str, Any]]:
-    wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-    if not self._lock.acquire(timeout=wait):
-      raise ray.exceptions.GetTimeoutError(
-          f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
+    self._acquire(handle, deadline)
     try:
       check_newer(handle, self._version, self._reached)
       started = time.perf_counter()
@@ -309,12 +306,16 @@ class WeightSubscriber:
     if not isinstance(handle, WeightsHandle):
       raise TypeError(f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
 
-  def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
-    """Runs one pull once no other pull of this subscriber runs."""
+  def _acquire(self, handle: WeightsHandle, deadline: float | None) -> None:
+    """Takes this subscriber's pull lock, waiting at most until `deadline`."""
     wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
     if not self._lock.acquire(timeout=wait):
       raise ray.exceptions.GetTimeoutError(
           f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
+
+  def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
+    """Runs one pull once no other pull of this subscriber runs."""
+    self._acquire(handle, deadline)
     try:
       if cancel is not None and cancel.is_set():
         raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
@@ -347,24 +348,10 @@ class WeightSubscriber:
       if self.atomic:
         value = self._commit(value)
     self._version = handle.version
-    nbytes = self._size_of(handle.structure, value, pull.layout)
+    nbytes = version_bytes(self._sizes, handle.structure, value, pull.layout)
     self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
                                 lag_of(handle.version, pull.kept))
     return value
-
-  def _size_of(self, structure: str, value: Any, layout: Any) -> int:
-    """The array bytes of a pulled version, counted once per structure: from
-    its packed `layout` where the route had one, else from the value."""
-    size = self._sizes.get(structure)
-    if size is None:
-      if layout is not None:
-        size = sum(layout.sizes)
-      else:
-        size = sum(int(getattr(x, "nbytes", 0) or 0) for _, x in flatten(value) if _dlpack.is_array(x))
-      self._sizes[structure] = size
-      if len(self._sizes) > 4:  # structures change rarely: keep the last few
-        self._sizes.pop(next(iter(self._sizes)))
-    return size
 
   def _set_version(self, version: int | None) -> None:
     self._version = version
