@@ -91,6 +91,16 @@ def _host_source(x: Any, path: str) -> tuple[int, int, Any]:
   return int(gathered.ctypes.data), int(gathered.nbytes), gathered
 
 
+def _wait_ready(leaves: Sequence[Any], paths: Sequence[str]) -> None:
+  """Waits for the jax leaves' computations; a deleted leaf is named."""
+  try:
+    block_until_ready(list(leaves))
+  except Exception:
+    for x, path in zip(leaves, paths):
+      describe(x, path)  # names a deleted leaf
+    raise
+
+
 class Packer:
   """Copies the array leaves of one structure into host buffers, step after step.
 
@@ -126,12 +136,7 @@ class Packer:
     """
     if len(leaves) != len(self.layout.sizes):
       raise ValueError(f"{len(leaves)} leaves for a layout of {len(self.layout.sizes)}")
-    try:
-      block_until_ready(list(leaves))
-    except Exception:
-      for x, path in zip(leaves, self.paths):
-        describe(x, path)  # names a deleted leaf
-      raise
+    _wait_ready(leaves, self.paths)
     memmove = ctypes.memmove
     checked = self._checked
     for i, offset, size in self._nonempty:
@@ -201,12 +206,7 @@ class DevicePacker:
     """
     if len(leaves) != len(self.layout.sizes):
       raise ValueError(f"{len(leaves)} leaves for a layout of {len(self.layout.sizes)}")
-    try:
-      block_until_ready(list(leaves))
-    except Exception:
-      for x, path in zip(leaves, self.paths):
-        describe(x, path)  # names a deleted leaf
-      raise
+    _wait_ready(leaves, self.paths)
     runs: list[tuple[int, int, int]] = []
     others: list[DescribedLeaf] = []
     checked = self._checked

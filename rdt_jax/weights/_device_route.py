@@ -15,7 +15,7 @@ from rdt_jax import _faults, _memory, _process
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._handle import replaced_error
 from rdt_jax.weights._packed import ForeignTable, PackedSource
-from rdt_jax.weights._routes import Pull, dead_publisher_error, read_table, read_table_or_empty, torn
+from rdt_jax.weights._routes import Pull, dead_publisher_error, kept_table, read_table, read_table_or_empty, torn
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +39,9 @@ def pull_device_local(pull: Pull, plan: DevicePlan, source: PackedSource) -> boo
   handle = pull.handle
   obj_id = pull.label
   try:
-    kept = read_table(source, handle.publisher)
+    kept_table(pull, source)
   except PermissionError:
     return False
-  except ForeignTable:
-    raise replaced_error(handle, pull.current) from None
-  except OSError as e:
-    raise dead_publisher_error(obj_id, handle.actor, e) from None
-  if handle.version not in kept:
-    raise pull.stale(kept, after_read=False)
   own = source.origin == _process.identity()
   mapping = (contextlib.nullcontext(source.buffer - source.ipc_offset) if own
              else _memory.ipc_mapped(source.ipc, plan.device))

@@ -37,12 +37,12 @@ import ray
 from rdt_jax import _dlpack, _memory
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
-from rdt_jax.weights._handle import StaleWeightsError, flatten, replaced_error
-from rdt_jax.weights._packed import ForeignTable, PackedLayoutInfo, PackedSource
+from rdt_jax.weights._handle import StaleWeightsError, flatten
+from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._protocol import Published, ask_buckets, ask_object
 from rdt_jax.weights._publisher import bucket_bytes
-from rdt_jax.weights._routes import Pull, await_bucket, can_read_directly, dead_publisher_error, fetcher, read_table
+from rdt_jax.weights._routes import Pull, await_bucket, can_read_directly, dead_publisher_error, fetcher, kept_table
 
 __all__ = ["groups", "named_leaves", "renamed"]
 
@@ -111,21 +111,6 @@ def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
   yield from _buckets(pull, info, published.entries)
 
 
-def _checked_table(pull: Pull, source: PackedSource, after_read: bool) -> set[int]:
-  handle = pull.handle
-  try:
-    kept = read_table(source, handle.publisher)
-  except ForeignTable:
-    raise replaced_error(handle, pull.current) from None
-  except PermissionError:
-    raise
-  except OSError as e:
-    raise dead_publisher_error(pull.label, handle.actor, e) from None
-  if handle.version not in kept:
-    raise pull.stale(kept, after_read=after_read)
-  return kept
-
-
 def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
                 source: PackedSource) -> Iterator[tuple[str, Any]]:
   layout = info.layout
@@ -133,7 +118,7 @@ def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
   origin = source.origin
   assert origin is not None  # can_read_directly said so
   for start, end, members in groups(layout.offsets, layout.sizes, bucket_bytes()):
-    _checked_table(pull, source, after_read=after)
+    kept_table(pull, source, after_read=after)
     buf = _memory.host_pool.acquire(max(1, end - start))
     if end > start:
       try:
@@ -142,7 +127,7 @@ def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
         raise  # before the first pair: the caller reads through Ray instead
       except OSError as e:
         raise dead_publisher_error(pull.label, pull.handle.actor, e) from None
-    pull.kept = _checked_table(pull, source, after_read=True)
+    pull.kept = kept_table(pull, source, after_read=True)
     pull.route = "node_local"
     after = True
     for i in members:

@@ -59,6 +59,7 @@ __all__ = [
   "check_structure_once",
   "dead_publisher_error",
   "fetcher",
+  "kept_table",
   "pull_buckets",
   "pull_colocated",
   "pull_node_local",
@@ -160,6 +161,30 @@ def read_table_or_empty(source: PackedSource, publisher: str) -> set[int]:
     return set()
 
 
+def kept_table(pull: Pull, source: PackedSource, after_read: bool = False) -> set[int]:
+  """The versions `pull`'s publisher keeps, read from its table on this
+  host, with `pull`'s version among them.
+
+  Raises:
+    PermissionError: the kernel refused the read (nothing was read).
+    StaleWeightsError: the version is not kept (`after_read`: seen once
+      bytes were read), or the publisher was closed or replaced.
+    RayDirectTransportError: the publisher's memory could not be read.
+  """
+  handle = pull.handle
+  try:
+    kept = read_table(source, handle.publisher)
+  except PermissionError:
+    raise
+  except ForeignTable:
+    raise replaced_error(handle, pull.current) from None
+  except OSError as e:
+    raise dead_publisher_error(pull.label, handle.actor, e) from None
+  if handle.version not in kept:
+    raise pull.stale(kept, after_read=after_read)
+  return kept
+
+
 def can_read_directly(source: PackedSource | None) -> bool:
   """True if this process may copy a packed version from its publisher's
   memory itself (same host, node-local reads on: `node_local.can_read`)."""
@@ -196,15 +221,9 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
   assert source is not None and source.origin is not None
   obj_id = pull.label
   try:
-    kept = read_table(source, handle.publisher)
+    kept_table(pull, source)
   except PermissionError:
     return False
-  except ForeignTable:
-    raise replaced_error(handle, pull.current) from None
-  except OSError as e:
-    raise dead_publisher_error(obj_id, handle.actor, e) from None
-  if handle.version not in kept:
-    raise pull.stale(kept, after_read=False)
   writes_template = not atomic and plan.writes_in_place
   if writes_template:
     pull.tear()

@@ -376,20 +376,25 @@ class WeightSubscriber:
     """The plan of the pulled structure: made at its first pull, after the
     publisher says the version is kept and sends the structure's layout, and
     the template is checked against it."""
+    return self._planned(pull, self._plans, PackedPlan)
+
+  def _planned(self, pull: _routes.Pull, plans: dict[str, Any], make: Callable[..., Any]) -> Any:
+    """The plan in `plans` of the pulled packed structure, made at its first
+    pull by `make(layout, entries, template, atomic)` once the publisher
+    sent the layout and the template and layout are checked against it."""
     handle = pull.handle
-    plan = self._plans.get(handle.structure)
-    if plan is not None:
-      return plan
+    if handle.structure in plans:
+      return plans[handle.structure]
     answer = pull.ask(want_structure=True)
     if answer is None or answer.packed is None:
       raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
     check_template(self._flat, answer.entries)
     check_layout(answer.packed, answer.entries, pull.label)
     self._checked.add(handle.structure)
-    plan = PackedPlan(answer.packed, answer.entries, dict(self._flat), self.atomic)
-    if len(self._plans) >= 4:  # structures change rarely: keep the last few
-      self._plans.pop(next(iter(self._plans)))
-    self._plans[handle.structure] = plan
+    plan = make(answer.packed, answer.entries, dict(self._flat), self.atomic)
+    if len(plans) >= 4:  # structures change rarely: keep the last few
+      plans.pop(next(iter(plans)))
+    plans[handle.structure] = plan
     return plan
 
   def _pull_packed(self, pull: _routes.Pull) -> Any:
@@ -415,19 +420,7 @@ class WeightSubscriber:
     """The plan of the pulled structure if the template takes its bytes
     directly (None: it does not, and versions of it come through Ray):
     made at the structure's first pull, after the template is checked."""
-    handle = pull.handle
-    if handle.structure in self._device_plans:
-      return self._device_plans[handle.structure]
-    answer = pull.ask(want_structure=True)
-    if answer is None or answer.packed is None:
-      raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
-    check_template(self._flat, answer.entries)
-    check_layout(answer.packed, answer.entries, pull.label)
-    self._checked.add(handle.structure)
-    plan = DevicePlan.make(answer.packed, answer.entries, dict(self._flat), self.atomic)
-    if len(self._device_plans) >= 4:  # structures change rarely: keep the last few
-      self._device_plans.pop(next(iter(self._device_plans)))
-    self._device_plans[handle.structure] = plan
+    plan: DevicePlan | None = self._planned(pull, self._device_plans, DevicePlan.make)
     return plan
 
   def _pull_device(self, pull: _routes.Pull) -> Any:
