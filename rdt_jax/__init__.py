@@ -52,6 +52,8 @@ if TYPE_CHECKING:
   from rdt_jax.transports._whole_array import WholeArrayTransport as WholeArrayTransport
   from rdt_jax.transports.nixl.registrations import NixlError as NixlError
   from rdt_jax.transports.nixl.views import DeviceViewBusy as DeviceViewBusy
+  from rdt_jax.weights import From as From
+  from rdt_jax.weights import Fuse as Fuse
   from rdt_jax.weights import PublishStats as PublishStats
   from rdt_jax.weights import PullStats as PullStats
   from rdt_jax.weights import StaleWeightsError as StaleWeightsError
@@ -69,6 +71,8 @@ _EXPORTS: dict[str, str] = {
     "DeviceViewBusy": "rdt_jax.transports.nixl.views",
     "DlpackTransport": "rdt_jax.transports._base",
     "DlpackTransportMetadata": "rdt_jax._metadata",
+    "From": "rdt_jax.weights",
+    "Fuse": "rdt_jax.weights",
     "LeafSpec": "rdt_jax._dlpack",
     "MetadataError": "rdt_jax._metadata",
     "NixlError": "rdt_jax.transports.nixl.registrations",

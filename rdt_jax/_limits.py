@@ -188,6 +188,13 @@ WEIGHTS_MAX_NBYTES: Final = 1 << 46
 #: Why: a trust bound on what an answer from another process names.
 WEIGHTS_MAX_KEPT: Final = 1 << 16
 
+# -- Metrics --------------------------------------------------------------------
+
+#: Counted metric events a process queues before the caller adds them up itself.
+#: Why: the flushing thread adds the queue up every few seconds; a burst of a hundred
+#: thousand transfers in between (a few MB of tuples) means it fell behind.
+METRICS_EVENTS_QUEUED: Final = 100_000
+
 # -- Diagnosis and the contract kit ---------------------------------------------
 
 #: A READ of device memory slower than this (GB/s, median of the loopback's timed READs)

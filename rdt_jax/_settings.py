@@ -232,6 +232,19 @@ SETTINGS: Final[dict[str, Setting]] = {
             side="producer", minimum=4 * _KIB, maximum=1 * _TIB,
         ),
         Setting(
+            "RDT_JAX_METRICS", "bool", True,
+            "Ray metrics of rdt_jax's transfers and weight streams (`ray_rdt_jax_*` on Ray's metrics "
+            "endpoint, docs/jax_to_torch.md): counted in each process and flushed to `ray.util.metrics` "
+            "by a background thread; 0 counts nothing.",
+            read="once",
+        ),
+        Setting(
+            "RDT_JAX_METRICS_FLUSH_S", "seconds", 5.0,
+            "Seconds between two flushes of a process's counted metrics to Ray (Ray then exports them "
+            "at its own interval); counts of a process that dies between two flushes are lost.",
+            read="once", minimum=0.05, maximum=3600.0,
+        ),
+        Setting(
             "RDT_JAX_ALLOW_UNTESTED_RAY", "bool", False,
             "1 lets `register()` run on a Ray minor version outside the tested range (with a warning) "
             "when the Ray internals it wraps pass their checks.",

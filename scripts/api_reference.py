@@ -74,6 +74,8 @@ SECTIONS = (
             Entry("WeightPublisher", ("publish", "close", "versions", "version", "stats")),
             Entry("WeightSubscriber", ("pull", "pull_async", "pull_named", "version", "last_pull")),
             Entry("WeightsHandle"),
+            Entry("From"),
+            Entry("Fuse"),
             Entry("PullStats"),
             Entry("PublishStats"),
         ),

@@ -49,6 +49,7 @@ EXAMPLES = [
     Example("shm_transport.py"),
     Example("test_shm_transport.py", pytest=True, timeout_s=300),
     Example("reshard.py"),
+    Example("jax_to_torch.py", timeout_s=300),
 ]
 
 

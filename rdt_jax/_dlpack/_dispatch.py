@@ -19,6 +19,7 @@ from rdt_jax._dlpack import _cupy, _interop, _jax, _numpy, _sharding, _torch
 from rdt_jax._dlpack._devices import Device, jax_device
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
+from rdt_jax._dlpack._sharding import Box
 from rdt_jax._dlpack._specs import DescribedLeaf, Framework, LeafSpec
 
 _MODULES: Final[dict[str, ModuleType]] = {
@@ -237,6 +238,44 @@ def copy_values(pairs: list[tuple[Any, Any]]) -> None:
       _cupy.copy_into(target, convert_leaf(leaf, "cupy"))
     else:
       _torch.copy_into(target, convert_leaf(leaf, "torch"))
+
+
+def target_region(into: Any, axis: int, start: int, n: int) -> Any:
+  """A writable view of the numpy, torch or cupy array `into`: the `n`
+  indices from `start` on `axis` (a fused tensor's part), all of every other
+  axis (`into` itself for a 0-d array). A torch view is outside autograd:
+  writing it changes `into` even where `into` requires grad."""
+  if getattr(into, "ndim", 0) == 0:
+    return into.detach() if framework_of(into) == "torch" else into
+  if framework_of(into) == "torch":
+    return into.detach().narrow(axis, start, n)
+  return into[(slice(None),) * axis + (slice(start, start + n),)]
+
+
+def copy_transformed(region: Any, source: np.ndarray, perm: tuple[int, ...] | None, shape: tuple[int, ...] | None,
+                     box: Box | None, path: str) -> None:
+  """Writes host array `source`, transposed by `perm`, reshaped to `shape`
+  and cut to `box` (each optional, in that order), into `region` (from
+  `target_region`, of the result's shape), cast to its dtype.
+
+  Queued on the current stream of a CUDA region, after a host copy where
+  torch needs a contiguous source; callers wait as `copy_values` says.
+  """
+  fw = framework_of(region)
+  if fw == "torch":
+    _torch.copy_transformed(region, _torch.from_host(source, path), perm, shape, box)
+    return
+  v = source
+  if perm is not None:
+    v = v.transpose(perm)
+  if shape is not None:
+    v = v.reshape(shape)
+  if box is not None:
+    v = v[tuple(slice(a, b) for a, b in box)]
+  if fw == "numpy":
+    np.copyto(region, v.reshape(region.shape), casting="unsafe")
+  else:
+    region[...] = convert_leaf(np.ascontiguousarray(v.astype(dtype_of(region), copy=False)), "cupy")
 
 
 # --------------------------------------------------------------------------

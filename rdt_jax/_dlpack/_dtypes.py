@@ -7,6 +7,7 @@ bytes.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 import ml_dtypes
@@ -40,6 +41,7 @@ SUB_BYTE_DTYPE_NAMES: Final = frozenset({"int2", "uint2", "int4", "uint4", "floa
 BFLOAT16: Final = np.dtype(ml_dtypes.bfloat16)
 
 
+@functools.lru_cache(maxsize=256)
 def np_dtype_from_name(name: str) -> np.dtype:
   """The numpy dtype for a dtype name (`"float32"`, `"bfloat16"`, ...).
 

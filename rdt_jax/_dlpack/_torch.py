@@ -30,15 +30,25 @@ def available() -> bool:
   return importable("torch")
 
 
+#: `torch_dtype`'s answers, by numpy dtype (numpy's `dtype.name` costs
+#: microseconds: a per-leaf step asks once per dtype).
+_TORCH_DTYPES: dict[np.dtype, Any] = {}
+
+
 def torch_dtype(dtype: np.dtype, path: str) -> Any:
   """The `torch.dtype` for a numpy dtype.
 
   Raises:
     UnsupportedLeafError: if torch has no such type, naming the leaf.
   """
+  found = _TORCH_DTYPES.get(dtype)
+  if found is not None:
+    return found
   import torch
 
   tdt = getattr(torch, dtype.name, None)
+  if isinstance(tdt, torch.dtype) and len(_TORCH_DTYPES) < 256:
+    _TORCH_DTYPES[dtype] = tdt
   if not isinstance(tdt, torch.dtype):
     raise UnsupportedLeafError(
         path,
@@ -225,7 +235,25 @@ def byte_view(t: Any) -> Any:
 
 
 def copy_into(target: Any, values: Any) -> None:
-  target.copy_(values)
+  """`target.copy_(values)`, outside autograd (a parameter that requires
+  grad is written like any tensor)."""
+  import torch
+
+  with torch.no_grad():
+    target.copy_(values)
+
+
+def copy_transformed(region: Any, t: Any, perm: tuple[int, ...] | None, shape: tuple[int, ...] | None,
+                     box: Any) -> None:
+  """Writes cpu tensor `t`, transposed, reshaped and cut (each optional),
+  into `region` (a tensor outside autograd, of the result's shape)."""
+  if perm is not None:
+    t = t.permute(perm)
+  if shape is not None:
+    t = t.reshape(shape)
+  if box is not None:
+    t = t[tuple(slice(a, b) for a, b in box)]
+  region.copy_(t.reshape(region.shape) if region.dim() == 0 else t)
 
 
 def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:

@@ -57,10 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="do not SIGSTOP the actors of paths not being measured")
   parser.add_argument("--label", default=None,
                       help="output file suffix (default: quick, full or custom)")
-  from rdt_jax.bench import _reshard, _twohost, _weights
+  from rdt_jax.bench import _mapped, _reshard, _twohost, _weights
 
   _reshard.add_arguments(parser)
   _weights.add_arguments(parser)
+  _mapped.add_arguments(parser)
   _twohost.add_arguments(parser)
 
 
@@ -278,6 +279,11 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
       _twohost.run(args)
     except (ValueError, RuntimeError) as e:
       parser.error(str(e))
+    return 0
+  if getattr(args, "weight_sync_mapped", False):
+    from rdt_jax.bench import _mapped
+
+    _mapped.run(args)
     return 0
   if getattr(args, "weight_sync", False):
     from rdt_jax.bench import _weights

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, FetchRequest
 
-from rdt_jax import _dlpack, _faults, _memory, _ray, _receive_mode, _targets
+from rdt_jax import _dlpack, _faults, _memory, _metrics, _ray, _receive_mode, _targets
 from rdt_jax._metadata import DlpackTransportMetadata
 from rdt_jax.transports import _inband, _lifetime, _packed
 from rdt_jax.transports._destinations import StageCallerMemory
@@ -55,6 +55,8 @@ class DlpackFetchRequest(FetchRequest):
   pack: _packed.Split | None = None  # a pack's target, for `finish` (`_packed`)
   in_place_at: float | None = None  # when every byte was in place (`time.monotonic`), once known
   packed: tuple[int, list[Any], list[int]] | None = None
+  started: float = field(default_factory=time.perf_counter)  # for rdt_jax's metrics
+  nbytes: int = 0  # bytes the plan receives, for rdt_jax's metrics
 
   def __post_init__(self) -> None:
     _ray.fetch.track_fetch(self)
@@ -103,7 +105,8 @@ def start(
       # The producer is already sending: take its bytes so it does not block.
       drain(t, obj_id, meta, communicator_metadata)
     raise
-  request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=t, pack=pack, packed=meta.packed)
+  request = DlpackFetchRequest(obj_id=obj_id, tensors=[], plan=plan, transport=t, pack=pack, packed=meta.packed,
+                               nbytes=plan.nbytes)
   try:
     with _memory.gc_paused(len(plan.plans)):
       try:
@@ -163,6 +166,7 @@ def fetch_in_band(
   t._count(inline=1)
   return DlpackFetchRequest(
       obj_id=obj_id, tensors=[], plan=plan, inline=True, producer=meta.producer, pack=pack, packed=meta.packed,
+      nbytes=plan.nbytes,
       in_place_at=time.monotonic(),
   )
 
@@ -196,7 +200,9 @@ def finish(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) -> l
     check_producer(t, request.obj_id, request.producer, failed=False, in_place_at=request.in_place_at)
     if request.packed is not None:
       leaves = unpack(request, leaves)
+    _metrics.count_transfer(t.name, request.nbytes, time.perf_counter() - request.started, True)
     return leaves
+  _metrics.count_transfer(t.name, 0, 0.0, False)
   try:
     check_producer(t, request.obj_id, request.producer, failed=True)  # before the backend's error
     raise error

@@ -62,6 +62,9 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 * `_routes`: the read routes (node-local, buckets through Ray, pytree,
   colocated);
 * `_device_route`: the CUDA IPC route of a version in device memory;
+* `_staging`: a template's staging arrays (`atomic=True`);
+* `_mapping`: `From`, `Fuse`: a template of the engine's names and layouts
+  (`source=`), its plan and its pull;
 * `_named`: `pull_named`'s reads, a version's `(name, array)` pairs a bucket
   at a time;
 * `_stats`: `PullStats`, what a pull did (`WeightSubscriber.last_pull`), and
@@ -71,9 +74,14 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 
 from rdt_jax.weights._handle import StaleWeightsError as StaleWeightsError
 from rdt_jax.weights._handle import WeightsHandle as WeightsHandle
+from rdt_jax.weights._mapping import From as From
+from rdt_jax.weights._mapping import Fuse as Fuse
 from rdt_jax.weights._publisher import WeightPublisher as WeightPublisher
 from rdt_jax.weights._stats import PublishStats as PublishStats
 from rdt_jax.weights._stats import PullStats as PullStats
 from rdt_jax.weights._subscriber import WeightSubscriber as WeightSubscriber
 
-__all__ = ["PublishStats", "PullStats", "StaleWeightsError", "WeightPublisher", "WeightSubscriber", "WeightsHandle"]
+__all__ = [
+    "From", "Fuse", "PublishStats", "PullStats", "StaleWeightsError", "WeightPublisher", "WeightSubscriber",
+    "WeightsHandle",
+]

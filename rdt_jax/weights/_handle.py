@@ -10,9 +10,10 @@ of pulls that may not take it.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from rdt_jax import _dlpack, _layout
 from rdt_jax._error_base import RdtJaxError
@@ -90,6 +91,8 @@ class WeightsHandle:
     packed: for a packed version (see `rdt_jax.weights._packed`), where its
       bytes lie in the publisher's process and the value's non-array
       leaves; None for a version sent as a pytree.
+    stream: the publisher's `name`, the `stream` tag of the metrics of
+      pulls of this version.
   """
 
   version: int
@@ -98,6 +101,18 @@ class WeightsHandle:
   actor: Any
   structure: str
   packed: PackedSource | None = None
+  stream: str = "weights"
+
+#: A weight stream's name (`WeightPublisher(name=)`).
+STREAM_NAME: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def stream_of(handle: WeightsHandle) -> str:
+  """The stream a pull of `handle` counts under: its `stream`, or "other"
+  for a name no publisher gives (a handle changed on the way)."""
+  stream = handle.stream
+  return stream if isinstance(stream, str) and STREAM_NAME.fullmatch(stream) else "other"
+
 
 def label(handle: WeightsHandle) -> str:
   """How errors name `handle`'s version: its RDT object's id, or for a

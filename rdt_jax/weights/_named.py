@@ -27,7 +27,7 @@ before it asks for the next ones.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,10 +74,11 @@ def _typed(raw: np.ndarray, entry: Any, shape: tuple[int, ...]) -> np.ndarray:
   return raw[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
-def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
+def named_leaves(pull: Pull, published: Published, wanted: Container[str] | None = None) -> Iterator[tuple[str, Any]]:
   """The `(path, array)` pairs of `pull`'s version, in the published order:
   host numpy arrays for a packed version, the arrays as they arrived (a
-  typed key as its key data) otherwise.
+  typed key as its key data) otherwise. With `wanted`, only the leaves at
+  those paths (node-locally only their bytes are read).
 
   Raises (from the iteration):
     StaleWeightsError: the version was not kept before a bucket was read, or
@@ -89,7 +90,7 @@ def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
   handle = pull.handle
   source, info = handle.packed, published.packed
   if source is None or info is None or getattr(source, "device", -1) != -1:
-    yield from _whole(pull)
+    yield from _whole(pull, wanted)
     return
   # Nothing the publisher sent is used before it is checked: the layout
   # against the published leaves, the handle against its bounds, the layout
@@ -97,7 +98,7 @@ def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
   check_layout(info, published.entries, pull.label)
   source = check_source(source, pull.label, SimpleNamespace(info=info), handle.version)  # type: ignore[arg-type]
   if can_read_directly(source):
-    reader = _node_local(pull, info, published.entries, source)
+    reader = _node_local(pull, info, published.entries, source, wanted)
     try:
       first = next(reader)
     except StopIteration:
@@ -106,18 +107,22 @@ def named_leaves(pull: Pull, published: Published) -> Iterator[tuple[str, Any]]:
       reader = iter(())
     else:
       yield first
+      del first  # its bucket's buffer goes back to the pool once the caller drops it
       yield from reader
       return
-  yield from _buckets(pull, info, published.entries)
+  yield from _buckets(pull, info, published.entries, wanted)
 
 
-def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
-                source: PackedSource) -> Iterator[tuple[str, Any]]:
+def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], source: PackedSource,
+                wanted: Container[str] | None) -> Iterator[tuple[str, Any]]:
   layout = info.layout
   after = False
   origin = source.origin
   assert origin is not None  # can_read_directly said so
-  for start, end, members in groups(layout.offsets, layout.sizes, bucket_bytes()):
+  read = [i for i in range(len(entries)) if wanted is None or entries[i][0] in wanted]
+  for start, end, positions in groups([layout.offsets[i] for i in read], [layout.sizes[i] for i in read],
+                                      bucket_bytes()):
+    members = [read[k] for k in positions]
     kept_table(pull, source, after_read=after)
     buf = _memory.host_pool.acquire(max(1, end - start))
     if end > start:
@@ -136,7 +141,8 @@ def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
     del buf
 
 
-def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any]) -> Iterator[tuple[str, Any]]:
+def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
+             wanted: Container[str] | None) -> Iterator[tuple[str, Any]]:
   layout = info.layout
   buckets = ask_buckets(pull.handle, pull.label, pull.left(), pull.current, layout.total)
   refs, size = buckets.refs, buckets.size
@@ -162,7 +168,13 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any]) -> Iter
     while j < n and layout.offsets[j] < b1:
       offset, nbytes = layout.offsets[j], layout.sizes[j]
       if pending is None and offset >= b0 and offset + nbytes <= b1:
-        yield entries[j][0], _typed(raw[offset - b0 : offset - b0 + nbytes], entries[j], info.shapes[j])
+        if wanted is None or entries[j][0] in wanted:
+          yield entries[j][0], _typed(raw[offset - b0 : offset - b0 + nbytes], entries[j], info.shapes[j])
+        j += 1
+        continue
+      if wanted is not None and entries[j][0] not in wanted:
+        if offset + nbytes > b1:
+          break  # not assembled: skipped in the next bucket too
         j += 1
         continue
       if pending is None:
@@ -176,13 +188,14 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any]) -> Iter
       j += 1
     del bucket, raw
   while j < n and not layout.sizes[j]:  # empty leaves at the end of the buffer
-    yield entries[j][0], _typed(np.empty(0, np.uint8), entries[j], info.shapes[j])
+    if wanted is None or entries[j][0] in wanted:
+      yield entries[j][0], _typed(np.empty(0, np.uint8), entries[j], info.shapes[j])
     j += 1
   if j != n:
     raise MetadataError(pull.label, "buckets", f"held {j} of the version's {n} array leaves")
 
 
-def _whole(pull: Pull) -> Iterator[tuple[str, Any]]:
+def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any]]:
   handle = pull.handle
   ref = handle.ref
   if ref is None:  # packed in device memory: its tree, made by the publisher at the first request
@@ -191,6 +204,8 @@ def _whole(pull: Pull) -> Iterator[tuple[str, Any]]:
   pull.ask(after_read=True)
   pull.route, pull.objects = "ray", 1
   for path, x in flatten(value):
+    if wanted is not None and path not in wanted:
+      continue
     if _dlpack.is_prng_key(x):
       yield path, _dlpack.prng_key_parts(x)[0]
     elif _dlpack.is_array(x):
@@ -209,6 +224,9 @@ def renamed(pairs: Iterable[tuple[str, Any]], rename: Callable[[str], str | None
     if name is None:
       continue
     if isinstance(x, np.ndarray):
-      yield name, x if framework == "numpy" else _dlpack.rebuild_view(x, "torch", cpu, path)
+      out = x if framework == "numpy" else _dlpack.rebuild_view(x, "torch", cpu, path)
     else:
-      yield name, _dlpack.convert_leaf(x, framework, path)  # type: ignore[arg-type]
+      out = _dlpack.convert_leaf(x, framework, path)  # type: ignore[arg-type]
+    del x
+    yield name, out
+    del out  # no view of a bucket is held here once the caller asks for the next pair

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _layout, _limits, _memory, _ray, _settings
+from rdt_jax import _dlpack, _layout, _limits, _memory, _metrics, _ray, _settings
 from rdt_jax.weights._device import DeviceBuffer, DeviceBuffers, device_arrays
-from rdt_jax.weights._handle import LeafEntry, WeightsHandle, array_paths, structure_of
+from rdt_jax.weights._handle import STREAM_NAME, LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, PublishedStructure, Stream
 from rdt_jax.weights._packed_plan import unflatten
@@ -114,13 +114,17 @@ class WeightPublisher:
       window when the `keep`-th newer one is published; its memory is freed
       then, and pulls of it raise `StaleWeightsError`.
     pack: publish host-resident versions packed (`jax_nixl` only).
+    name: the weight stream's name (letters, digits, `_.-`, at most 64):
+      the `stream` tag of rdt_jax's Ray metrics on both sides, and
+      `WeightsHandle.stream`. Give each stream its own (`"policy"`,
+      `"lora"`).
 
   Raises:
-    ValueError: for `keep` < 1 or a two-sided transport.
+    ValueError: for `keep` < 1, a two-sided transport, or another `name`.
     RuntimeError: outside a Ray actor.
   """
 
-  def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True):
+  def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True, name: str = "weights"):
     # jax is imported here, once, rather than at the first publish: the first
     # import of jax from two threads at once (a threaded actor publishing from
     # several) can fail inside jax's own circular imports (`_DeadlockError`).
@@ -129,6 +133,8 @@ class WeightPublisher:
     keep = int(keep)
     if keep < 1:
       raise ValueError(f"keep={keep}: a publisher keeps at least one version readable.")
+    if not (isinstance(name, str) and STREAM_NAME.fullmatch(name)):
+      raise ValueError(f"name={name!r}: a stream's name is 1 to 64 letters, digits, '_', '.' or '-'.")
     if transport in ("jax_gloo", "jax_nccl"):
       raise ValueError(
           f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
@@ -142,6 +148,7 @@ class WeightPublisher:
       )
     self.transport = transport
     self.keep = keep
+    self.name = name
     self._actor = actor
     self._id = uuid.uuid4().hex
     self._lock = threading.Lock()
@@ -273,7 +280,8 @@ class WeightPublisher:
           last_seconds=time.perf_counter() - started, objects=st.objects + (ref is not None))
     _free(dropped)
     self._reuse(dropped)
-    return WeightsHandle(version, ref, self._id, self._actor, digest, packed)
+    _metrics.count_publish(self.name, kind, nbytes, time.perf_counter() - started)
+    return WeightsHandle(version, ref, self._id, self._actor, digest, packed, self.name)
 
   def _count(self, answered: int = 0, objects: int = 0) -> None:
     """Adds to `stats` (lock held)."""

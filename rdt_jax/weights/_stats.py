@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from rdt_jax import _dlpack
-from rdt_jax.weights._handle import flatten
+from rdt_jax import _dlpack, _metrics
+from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, flatten, stream_of
 
-__all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "lag_of", "version_bytes"]
+__all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "count_failed", "count_pulled", "lag_of", "version_bytes"]
 
 #: How a version travels, as `PublishStats.last_kind` names it.
 KINDS: Final = ("packed", "packed_device", "pytree")
@@ -34,7 +34,8 @@ class PullStats:
   Attributes:
     version: the version pulled.
     nbytes: the size of the version's array leaves as published, in bytes
-      (a `Slice` template receives part of them).
+      (a `Slice` template receives part of them); for a subscriber with
+      `source=`, the bytes of the published leaves it read.
     seconds: wall-clock time of the pull, from its first check to its
       return; waiting for another pull of the same subscriber is not counted.
     route: how the bytes came: "node_local" (copied from the publisher's
@@ -106,3 +107,15 @@ def version_bytes(cache: dict[str, int], structure: str, value: Any, layout: Any
     if len(cache) > 4:  # structures change rarely: keep the last few
       cache.pop(next(iter(cache)))
   return size
+
+
+def count_pulled(handle: WeightsHandle, stats: PullStats | None) -> None:
+  """Counts a successful pull in rdt_jax's Ray metrics (`rdt_jax._metrics`)."""
+  if stats is not None:
+    _metrics.count_pull(stream_of(handle), stats.route, "ok", stats.nbytes, stats.seconds, stats.lag)
+
+
+def count_failed(handle: WeightsHandle, error: BaseException) -> None:
+  """Counts a refused or failed pull: "stale" for `StaleWeightsError`,
+  "failed" for any other error (route "none": it may not have begun)."""
+  _metrics.count_pull(stream_of(handle), "none", "stale" if isinstance(error, StaleWeightsError) else "failed")

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _layout, _memory, _targets
+from rdt_jax import _dlpack, _memory, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._device_route import pull_device_local
@@ -30,12 +30,14 @@ from rdt_jax.weights._handle import (
   is_template_leaf,
   label,
 )
+from rdt_jax.weights._mapping import Source, check_source_mapping, pull_mapped
 from rdt_jax.weights._named import named_leaves, renamed
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
-from rdt_jax.weights._stats import PullStats, lag_of, version_bytes
+from rdt_jax.weights._staging import in_place, staged
+from rdt_jax.weights._stats import PullStats, count_failed, count_pulled, lag_of, version_bytes
 
 __all__ = ["WeightSubscriber"]
 
@@ -53,41 +55,6 @@ def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
     return _async_pool[0]
 
 
-def _empty_like(x: Any) -> Any:
-  """A new array of `x`'s framework, shape, dtype and device (atomic staging)."""
-  fw = _dlpack.framework_of(x)
-  if fw == "numpy":
-    import numpy as np
-
-    return np.empty_like(x)
-  if fw == "torch":
-    import torch
-
-    return torch.empty_like(x)
-  import cupy
-
-  return cupy.empty_like(x)
-
-
-def _staged(leaf: Any) -> Any:
-  """The staging counterpart of one template leaf: in-place leaves (numpy,
-  torch, cupy, a Slice's `into` array) get a new array; templates of new
-  arrays (jax, shardings, a Slice without `into`) are their own."""
-  if isinstance(leaf, _layout.Slice):
-    return leaf if leaf.into is None or _dlpack.framework_of(leaf.into) in (None, "jax") else (
-        dataclasses.replace(leaf, into=_empty_like(leaf.into)))
-  fw = _dlpack.framework_of(leaf)
-  return leaf if fw in (None, "jax") else _empty_like(leaf)
-
-
-def _in_place(leaf: Any) -> Any:
-  """The array a template leaf is written into in place, or None."""
-  if isinstance(leaf, _layout.Slice):
-    leaf = leaf.into
-  fw = _dlpack.framework_of(leaf)
-  return None if fw in (None, "jax") else leaf
-
-
 class WeightSubscriber:
   """Pulls published versions into a generator's parameters.
 
@@ -101,7 +68,9 @@ class WeightSubscriber:
       implementation. Checked against a version's structure at its first
       pull (errors name the leaf path); later pulls of the same structure
       skip the check. None: no template, for a subscriber that only pulls
-      by name (`pull_named`).
+      by name (`pull_named`). With `source`: the engine's own tree of
+      numpy or torch tensors (`dict(model.named_parameters())`), written in
+      place.
     atomic: False (default): pulls write into the template's arrays in
       place, with no extra memory. A pull that fails once its fetch started
       raises and leaves `version` None (the template is torn: some leaves may
@@ -111,15 +80,33 @@ class WeightSubscriber:
       reused), and a successful pull then copies them into the template (one
       memcpy of those bytes per pull). A failed pull leaves the template's
       arrays bit for bit as they were and `version` unchanged.
+    source: where each template leaf's bytes come from in the published
+      tree, for a template of the engine's names and layouts: a mapping
+      from each template path (as `jax.tree_util.keystr` prints it:
+      `"['fc.weight']"` for a dict key) to a published path (str),
+      `rdt_jax.From` (with a transpose, reshape or index range),
+      `rdt_jax.Fuse` (several published leaves concatenated), or None (the
+      leaf is left alone); or a function of the template path returning
+      one. Checked at a structure's first pull (errors name the template
+      leaf); published leaves nothing maps to are not read where the route
+      allows (node-locally). A pull reads the version a bucket at a time
+      and writes each leaf's transform into the engine tensors as it
+      arrives: extra memory is about one bucket.
 
   A pull refused before its fetch started (`StaleWeightsError`, a template
   that does not match, a publisher that is gone) changes nothing in either
   mode.
   """
 
-  def __init__(self, template: Any, atomic: bool = False):
+  def __init__(self, template: Any, atomic: bool = False, source: Source | None = None):
     self.template = template
     self.atomic = bool(atomic)
+    if source is not None:
+      check_source_mapping(source)
+      if template is None:
+        raise ValueError("source= maps published leaves into a template's tensors: give the template too.")
+    self.source = source
+    self._mapped: dict[str, tuple[Any, Any]] = {}  # structures pulled with source=, by digest
     self._flat = [] if template is None else flatten(template)
     if template is not None and not self._flat:
       raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
@@ -293,13 +280,18 @@ class WeightSubscriber:
       for name, out in renamed(named_leaves(pull, structure), rename, framework, counted):
         self._version = None  # the engine holds part of the version from here until the last pair
         yield name, out
+        del out  # the caller's copy is the only reference to a bucket's view
       nbytes = counted[0]
       self._version = handle.version
       self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
       self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
                                   lag_of(handle.version, pull.kept))
+    except BaseException as e:
+      count_failed(handle, e)
+      raise
     finally:
       self._lock.release()
+    count_pulled(handle, self._last_pull)
 
   @staticmethod
   def _check_handle(handle: Any) -> None:
@@ -321,9 +313,13 @@ class WeightSubscriber:
         raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
       value = self._pull(handle, deadline, cancel)
       self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
-      return value
+    except BaseException as e:
+      count_failed(handle, e)
+      raise
     finally:
       self._lock.release()
+    count_pulled(handle, self._last_pull)
+    return value
 
   def _pull(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
     """One pull (`pull`), the subscriber's lock held: refuses a version not
@@ -335,7 +331,11 @@ class WeightSubscriber:
     current = self._version
     started = time.perf_counter()
     pull = _routes.Pull(handle, label(handle), deadline, current, cancel, self._set_version)
-    if handle.packed is not None and getattr(handle.packed, "device", -1) != -1:
+    nbytes = None
+    if self.source is not None:
+      nbytes = pull_mapped(pull, self._mapped, self._flat, self.source, self.atomic)
+      value = self.template
+    elif handle.packed is not None and getattr(handle.packed, "device", -1) != -1:
       value = self._pull_device(pull)
     elif handle.packed is not None:
       value = self._pull_packed(pull)
@@ -348,7 +348,8 @@ class WeightSubscriber:
       if self.atomic:
         value = self._commit(value)
     self._version = handle.version
-    nbytes = version_bytes(self._sizes, handle.structure, value, pull.layout)
+    if nbytes is None:
+      nbytes = version_bytes(self._sizes, handle.structure, value, pull.layout)
     self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
                                 lag_of(handle.version, pull.kept))
     return value
@@ -453,7 +454,7 @@ class WeightSubscriber:
     if self._staging is None:
       import jax
 
-      self._staging = jax.tree_util.tree_map(_staged, self.template, is_leaf=is_template_leaf)
+      self._staging = jax.tree_util.tree_map(staged, self.template, is_leaf=is_template_leaf)
     return self._staging
 
   def _commit(self, value: Any) -> Any:
@@ -466,12 +467,12 @@ class WeightSubscriber:
     stream, and holds the version on return."""
     import jax
 
-    in_place = {path: into for path, leaf in self._flat if (into := _in_place(leaf)) is not None}
+    targets = {path: into for path, leaf in self._flat if (into := in_place(leaf)) is not None}
     flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_template_leaf)
     copies: list[tuple[Any, Any]] = []
     out = []
     for p, arrived in flat:
-      into = in_place.get(jax.tree_util.keystr(p)) if _dlpack.is_array(arrived) else None
+      into = targets.get(jax.tree_util.keystr(p)) if _dlpack.is_array(arrived) else None
       if into is None:
         out.append(arrived)
         continue
