@@ -24,7 +24,6 @@ from rdt_jax._dlpack._dispatch import buffer_pointer as buffer_pointer
 from rdt_jax._dlpack._dispatch import buffer_pointers as buffer_pointers
 from rdt_jax._dlpack._dispatch import check_x64 as check_x64
 from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
-from rdt_jax._dlpack._dispatch import copy_transformed as copy_transformed
 from rdt_jax._dlpack._dispatch import describe as describe
 from rdt_jax._dlpack._dispatch import device_of as device_of
 from rdt_jax._dlpack._dispatch import dtype_of as dtype_of
@@ -39,7 +38,7 @@ from rdt_jax._dlpack._dispatch import mark_written_many as mark_written_many
 from rdt_jax._dlpack._dispatch import rebuild_device as rebuild_device
 from rdt_jax._dlpack._dispatch import rebuild_host as rebuild_host
 from rdt_jax._dlpack._dispatch import rebuild_view as rebuild_view
-from rdt_jax._dlpack._dispatch import target_region as target_region
+from rdt_jax._dlpack._dispatch import region_writer as region_writer
 from rdt_jax._dlpack._dispatch import to_jax_exact as to_jax_exact
 from rdt_jax._dlpack._dtypes import np_dtype_from_name as np_dtype_from_name
 from rdt_jax._dlpack._errors import UnsupportedLeafError as UnsupportedLeafError
@@ -103,8 +102,7 @@ __all__ = [  # noqa: RUF022
     "mark_written_many",
     # Conversions between frameworks.
     "convert_leaf",
-    "copy_transformed",
-    "target_region",
+    "region_writer",
     "to_jax_exact",
     # Typed PRNG keys: raw key data and implementation name, and back.
     "is_prng_key",

@@ -10,12 +10,14 @@ to `_interop`. Frameworks are never imported here: a value can only be a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax._dlpack import _cupy, _interop, _jax, _numpy, _sharding, _torch
+from rdt_jax import _limits
+from rdt_jax._dlpack import _cupy, _dtypes, _interop, _jax, _numpy, _sharding, _torch
 from rdt_jax._dlpack._devices import Device, jax_device
 from rdt_jax._dlpack._errors import UnsupportedLeafError
 from rdt_jax._dlpack._lazy import loaded_type
@@ -240,42 +242,55 @@ def copy_values(pairs: list[tuple[Any, Any]]) -> None:
       _torch.copy_into(target, convert_leaf(leaf, "torch"))
 
 
-def target_region(into: Any, axis: int, start: int, n: int) -> Any:
-  """A writable view of the numpy, torch or cupy array `into`: the `n`
-  indices from `start` on `axis` (a fused tensor's part), all of every other
-  axis (`into` itself for a 0-d array). A torch view is outside autograd:
-  writing it changes `into` even where `into` requires grad."""
-  if getattr(into, "ndim", 0) == 0:
-    return into.detach() if framework_of(into) == "torch" else into
-  if framework_of(into) == "torch":
-    return into.detach().narrow(axis, start, n)
-  return into[(slice(None),) * axis + (slice(start, start + n),)]
+def region_writer(into: Any, axis: int, start: int, n: int, source: np.dtype, perm: tuple[int, ...] | None,
+                  shape: tuple[int, ...] | None, box: Box | None, path: str) -> Callable[[np.ndarray], None]:
+  """A function that writes one host array of dtype `source` into the numpy,
+  torch or cupy array `into`: transposed by `perm`, reshaped to `shape`, cut
+  to `box` (each optional, in that order) and cast to `into`'s dtype, into
+  the `n` indices of `into` from `start` on `axis` (a fused tensor's part;
+  all of every other axis; all of a 0-d array). Made once per plan: the
+  region, the framework and the copy are chosen here, not per call.
 
-
-def copy_transformed(region: Any, source: np.ndarray, perm: tuple[int, ...] | None, shape: tuple[int, ...] | None,
-                     box: Box | None, path: str) -> None:
-  """Writes host array `source`, transposed by `perm`, reshaped to `shape`
-  and cut to `box` (each optional, in that order), into `region` (from
-  `target_region`, of the result's shape), cast to its dtype.
-
-  Queued on the current stream of a CUDA region, after a host copy where
-  torch needs a contiguous source; callers wait as `copy_values` says.
+  A torch region is written outside autograd (a parameter that requires grad
+  changes like any tensor). Host regions up to `_limits.MAP_NUMPY_COPY_BYTES`
+  are written by numpy (the faster copy of a small transposed array here),
+  larger ones by torch (multi-threaded). Writes into CUDA memory are queued
+  on the current stream; callers wait as `copy_values` says.
   """
-  fw = framework_of(region)
-  if fw == "torch":
-    _torch.copy_transformed(region, _torch.from_host(source, path), perm, shape, box)
-    return
-  v = source
-  if perm is not None:
-    v = v.transpose(perm)
-  if shape is not None:
-    v = v.reshape(shape)
-  if box is not None:
-    v = v[tuple(slice(a, b) for a, b in box)]
-  if fw == "numpy":
-    np.copyto(region, v.reshape(region.shape), casting="unsafe")
+  fw = framework_of(into)
+  if getattr(into, "ndim", 0) == 0:
+    region = into.detach() if fw == "torch" else into
+  elif fw == "torch":
+    region = into.detach().narrow(axis, start, n)
   else:
-    region[...] = convert_leaf(np.ascontiguousarray(v.astype(dtype_of(region), copy=False)), "cupy")
+    region = into[(slice(None),) * axis + (slice(start, start + n),)]
+  nbytes = int(np.prod(region.shape)) * dtype_of(region).itemsize
+  small = nbytes <= _limits.MAP_NUMPY_COPY_BYTES and device_of(region).kind == "cpu"
+  if fw == "torch" and small and source in _dtypes.NUMPY_NATIVE_DTYPES and dtype_of(region) in (
+      _dtypes.NUMPY_NATIVE_DTYPES):
+    region, fw = region.numpy(), "numpy"
+  if fw == "torch":
+    return _torch.region_writer(region, source, perm, shape, box, path)
+  cut = None if box is None else tuple(slice(a, b) for a, b in box)
+  out_shape = tuple(region.shape)
+
+  def transformed(v: np.ndarray) -> np.ndarray:
+    if perm is not None:
+      v = v.transpose(perm)
+    if shape is not None:
+      v = v.reshape(shape)
+    if cut is not None:
+      v = v[cut]
+    return v.reshape(out_shape)
+
+  if fw == "numpy":
+    return lambda v: np.copyto(region, transformed(v), casting="unsafe")
+  target = dtype_of(region)
+
+  def to_cupy(v: np.ndarray) -> None:
+    region[...] = convert_leaf(np.ascontiguousarray(transformed(v).astype(target, copy=False)), "cupy")
+
+  return to_cupy
 
 
 # --------------------------------------------------------------------------

@@ -243,17 +243,28 @@ def copy_into(target: Any, values: Any) -> None:
     target.copy_(values)
 
 
-def copy_transformed(region: Any, t: Any, perm: tuple[int, ...] | None, shape: tuple[int, ...] | None,
-                     box: Any) -> None:
-  """Writes cpu tensor `t`, transposed, reshaped and cut (each optional),
-  into `region` (a tensor outside autograd, of the result's shape)."""
-  if perm is not None:
-    t = t.permute(perm)
-  if shape is not None:
-    t = t.reshape(shape)
-  if box is not None:
-    t = t[tuple(slice(a, b) for a, b in box)]
-  region.copy_(t.reshape(region.shape) if region.dim() == 0 else t)
+def region_writer(region: Any, source: np.dtype, perm: tuple[int, ...] | None, shape: tuple[int, ...] | None,
+                  box: Any, path: str) -> Any:
+  """A function writing a host array of dtype `source`, transposed,
+  reshaped and cut (each optional), into `region` (a tensor outside
+  autograd, of the result's shape), cast to its dtype."""
+  import torch
+
+  cut = None if box is None else tuple(slice(a, b) for a, b in box)
+  scalar = region.dim() == 0
+  native = source in NUMPY_NATIVE_DTYPES
+
+  def write(v: np.ndarray) -> None:
+    t = torch.from_numpy(v) if native else from_host(v, path)
+    if perm is not None:
+      t = t.permute(perm)
+    if shape is not None:
+      t = t.reshape(shape)
+    if cut is not None:
+      t = t[cut]
+    region.copy_(t.reshape(()) if scalar else t)
+
+  return write
 
 
 def empty_bytes(nbytes: int, device: Device) -> tuple[Any, int]:

@@ -157,11 +157,8 @@ def _floating(dtype: np.dtype) -> bool:
 class _Write:
   """One published leaf written into (a range of) one engine tensor."""
 
-  region: Any  # the range of the engine tensor (or of its staging array) written
+  write: Callable[[np.ndarray], None]  # writes the leaf into its range of the engine tensor (or staging array)
   target: str  # the template path, for errors
-  perm: tuple[int, ...] | None
-  shape: tuple[int, ...] | None
-  box: Any
 
 
 class MappedPlan:
@@ -249,7 +246,8 @@ class MappedPlan:
                          f"{_describe(part)}" + (f" (a Fuse part: every axis but {axis} must match)"
                                                  if len(spec.parts) > 1 else "") + ".")
       n = got[axis] if got else 1
-      out.append((path, _Write(_dlpack.target_region(dest, axis, at, n), target, perm, reshape, box)))
+      writer = _dlpack.region_writer(dest, axis, at, n, src_dtype, perm, reshape, box, target)
+      out.append((path, _Write(writer, target)))
       at += n
     if len(spec.parts) > 1 and at != shape[axis]:
       raise ValueError(f"The template leaf {target} has {shape[axis]} along axis {axis}; its Fuse parts give {at} "
@@ -261,7 +259,7 @@ class MappedPlan:
     engine tensor that takes it (queued on the current stream of a CUDA
     tensor: see `finish`)."""
     for w in self.writes.get(path, ()):
-      _dlpack.copy_transformed(w.region, view, w.perm, w.shape, w.box, w.target)
+      w.write(view)
 
   def begin(self) -> None:
     """Before the first write: checks that no engine tensor's memory moved
