@@ -182,9 +182,9 @@ class Adapter:
     import torch
 
     self.tensors = {"lora_A": torch.zeros(4, D), "lora_B": torch.zeros(D, 4)}
-    self.sub = rdt_jax.WeightSubscriber(self.tensors, source={
+    self.sub = rdt_jax.WeightSubscriber(self.tensors, source={  # template paths as keystr prints them, or dotted
         "['lora_A']": rdt_jax.From("['a']", transpose=(1, 0)),
-        "['lora_B']": rdt_jax.From("b", transpose=(1, 0)),
+        "lora_B": rdt_jax.From("b", transpose=(1, 0)),
     })
 
   def pull(self, handle) -> dict:
@@ -265,6 +265,9 @@ def test_the_first_pull_checks_every_mapping_naming_the_leaf():
       "['a']": "params.fc.bias", "['b']": rdt_jax.From("params.fc.bias", index=(slice(0, 2 * D),))})
   assert error(views(2 * D), {"['a']": "params.fc.bias", "['b']": "params.fc.bias"}) == "pulled"  # tied names
   assert error({"w": z(2 * D)}, {"['w']": "params.fc.bias"}) == "pulled"
+  # Empty tensors share no memory: two of them map to different sources.
+  assert error({"w": z(0), "v": z(0)}, {"w": rdt_jax.From("params.fc.bias", index=(slice(0, 0),)), "v": rdt_jax.From(
+      "params.fc.bias", index=(slice(1, 1),))}) == "pulled"
   for x in (t, c):
     ray.kill(x)
 

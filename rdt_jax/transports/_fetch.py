@@ -127,6 +127,7 @@ def start(
   else:
     request.producer = meta.producer
     return request
+  _metrics.count_transfer(t.name, 0, 0.0, False)
   try:
     check_producer(t, obj_id, meta.producer, failed=True)  # before the backend's error
     raise error

@@ -134,11 +134,15 @@ def _spec(source: Source, path: str) -> Fuse | None:
   """The template leaf `path`'s source as a `Fuse` (a `From` is a one-part
   fuse), or None for a leaf the mapping leaves alone."""
   if isinstance(source, Mapping):
-    if path not in source:
-      known = ", ".join(sorted(source)[:4])
+    name = dotted(path)
+    if path in source:
+      spec = source[path]
+    elif name is not None and name in source:
+      spec = source[name]
+    else:
+      known = ", ".join(sorted(map(str, source))[:4])
       raise ValueError(f"The template leaf {path} has no entry in source (its keys: {known}, ...); give its "
                        "published path, rdt_jax.From or rdt_jax.Fuse, or None to leave it alone.")
-    spec = source[path]
   else:
     spec = source(path)
   if spec is None or isinstance(spec, Fuse):
@@ -168,7 +172,9 @@ class MappedPlan:
   Args:
     entries: the published structure's array leaves (`LeafEntry`s).
     template: the subscriber's flattened template (path, leaf).
-    source: the subscriber's `source` mapping.
+    source: the subscriber's `source`: a mapping keyed by template path (as
+      `keystr` prints it, or with its keys joined by dots), or a function of
+      the `keystr` path.
     atomic: whether writes land in staging arrays, committed after the pull.
 
   Raises:
@@ -201,6 +207,8 @@ class MappedPlan:
       _check_into(target, into)
       key = (str(_dlpack.device_of(into)), _dlpack.buffer_pointer(into),
              math.prod(into.shape) * _dlpack.dtype_of(into).itemsize)
+      if not key[2]:  # an empty tensor shares no memory with another; none to write either
+        key = (key[0], -len(seen) - 1, 0)
       if key in seen:
         if seen[key][1] == spec:
           continue  # the same tensor listed twice (a state dict's tied names): written once

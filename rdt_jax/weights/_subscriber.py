@@ -83,11 +83,12 @@ class WeightSubscriber:
     source: where each template leaf's bytes come from in the published
       tree, for a template of the engine's names and layouts: a mapping
       from each template path (as `jax.tree_util.keystr` prints it:
-      `"['fc.weight']"` for a dict key) to a published path (str),
+      `"['fc.weight']"` for a dict key; or with its keys joined by dots:
+      `"fc.weight"`, `"layers.0.qkv"`) to a published path (str),
       `rdt_jax.From` (with a transpose, reshape or index range),
       `rdt_jax.Fuse` (several published leaves concatenated), or None (the
-      leaf is left alone); or a function of the template path returning
-      one. Checked at a structure's first pull (errors name the template
+      leaf is left alone); or a function of the template path (the `keystr`
+      form) returning one. Checked at a structure's first pull (errors name the template
       leaf); published leaves nothing maps to are not read where the route
       allows (node-locally). A pull reads the version a bucket at a time
       and writes each leaf's transform into the engine tensors as it
@@ -284,14 +285,14 @@ class WeightSubscriber:
       nbytes = counted[0]
       self._version = handle.version
       self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
-      self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route, pull.objects,
-                                  lag_of(handle.version, pull.kept))
+      stats = self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route,
+                                          pull.objects, lag_of(handle.version, pull.kept))
     except BaseException as e:
       count_failed(handle, e)
       raise
     finally:
       self._lock.release()
-    count_pulled(handle, self._last_pull)
+    count_pulled(handle, stats)
 
   @staticmethod
   def _check_handle(handle: Any) -> None:
@@ -313,12 +314,13 @@ class WeightSubscriber:
         raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
       value = self._pull(handle, deadline, cancel)
       self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
+      stats = self._last_pull  # this pull's, before another thread's pull may replace it
     except BaseException as e:
       count_failed(handle, e)
       raise
     finally:
       self._lock.release()
-    count_pulled(handle, self._last_pull)
+    count_pulled(handle, stats)
     return value
 
   def _pull(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
