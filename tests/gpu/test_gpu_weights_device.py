@@ -9,7 +9,9 @@ bytes, and the route where it matters:
 * in place into torch CUDA tensors: the IPC route, which waits for work
   queued against the template on another stream before it writes;
 * into jax arrays on the GPU and atomically: through Ray, same bytes;
-* a version that left the window: `StaleWeightsError`, on both routes.
+* a version that left the window: `StaleWeightsError`, on both routes;
+* an engine's own CUDA tensors with `source=` (a reshape, a transpose, a cast):
+  the version's tree through Ray, written in the engine's layouts.
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ class Generator:
     if kind == "jax":
       gpu = jax.devices("gpu")[0]
       self.template = {k: jax.device_put(np.zeros_like(v), gpu) for k, v in _values(0).items()}
+    elif kind == "mapped":  # an engine's own CUDA tensors, names and layouts (source=)
+      self.template = {"w2": torch.zeros(1024, N // 1024, device="cuda"),
+                       "bT": torch.zeros(5, 3, dtype=torch.int32, device="cuda"),
+                       "s": torch.zeros((), dtype=torch.bfloat16, device="cuda")}
+      self.subscriber = rdt_jax.WeightSubscriber(self.template, source={
+          "w2": rdt_jax.From("w", reshape=(1024, N // 1024)), "bT": rdt_jax.From("b", transpose=(1, 0)), "s": "s"})
+      self.side = torch.cuda.Stream()
+      return
     else:
       self.template = {k: torch.zeros(v.shape, dtype=torch.from_numpy(v).dtype, device="cuda")
                        for k, v in _values(0).items()}
@@ -102,6 +112,20 @@ class Generator:
     want = _values(handle.version)
     same = all(np.array_equal(got[k], want[k]) for k in want)
     return same, seen, self.subscriber.version, _ipc.mappings(), self.subscriber.last_pull.route
+
+  def pull_mapped(self, handle) -> tuple[bool, int | None, str]:
+    """(whether every engine tensor holds its transform of the version, the
+    subscriber's version, the pull's route)."""
+    import ml_dtypes
+    import torch
+
+    self.subscriber.pull(handle)
+    torch.cuda.synchronize()
+    v = _values(handle.version)
+    want = {"w2": v["w"].reshape(1024, -1), "bT": v["b"].T, "s": v["s"].astype(ml_dtypes.bfloat16)}
+    got = {k: t.cpu().float().numpy() if k == "s" else t.cpu().numpy() for k, t in self.template.items()}
+    same = all(np.array_equal(got[k], np.asarray(want[k], dtype=got[k].dtype)) for k in want)
+    return same, self.subscriber.version, self.subscriber.last_pull.route
 
   def pull_error(self, handle) -> str:
     try:
@@ -162,6 +186,18 @@ def test_a_dropped_device_version_is_stale_on_both_routes(gpu_ray, kind):
     ray.get(trainer.publish.remote(2), timeout=120)
     said = ray.get(generator.pull_error.remote(old), timeout=120)
     assert said.startswith("stale"), said
+  finally:
+    ray.kill(trainer)
+    ray.kill(generator)
+
+
+def test_an_engine_of_cuda_tensors_maps_the_device_version(gpu_ray):
+  trainer, generator = Trainer.remote(2), Generator.remote("mapped")
+  try:
+    for version in (1, 2, 3):
+      handle, _ = ray.get(trainer.publish.remote(version), timeout=120)
+      same, pulled, route = ray.get(generator.pull_mapped.remote(handle), timeout=120)
+      assert same and pulled == version and route == "ray", (same, pulled, route)
   finally:
     ray.kill(trainer)
     ray.kill(generator)
