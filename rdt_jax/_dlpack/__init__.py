@@ -23,6 +23,7 @@ from rdt_jax._dlpack._dispatch import block_until_ready as block_until_ready
 from rdt_jax._dlpack._dispatch import buffer_pointer as buffer_pointer
 from rdt_jax._dlpack._dispatch import buffer_pointers as buffer_pointers
 from rdt_jax._dlpack._dispatch import check_x64 as check_x64
+from rdt_jax._dlpack._dispatch import chunkable as chunkable
 from rdt_jax._dlpack._dispatch import convert_leaf as convert_leaf
 from rdt_jax._dlpack._dispatch import describe as describe
 from rdt_jax._dlpack._dispatch import device_of as device_of
@@ -103,6 +104,7 @@ __all__ = [  # noqa: RUF022
     # Conversions between frameworks.
     "convert_leaf",
     "region_writer",
+    "chunkable",
     "to_jax_exact",
     # Typed PRNG keys: raw key data and implementation name, and back.
     "is_prng_key",

@@ -243,13 +243,18 @@ def copy_values(pairs: list[tuple[Any, Any]]) -> None:
 
 
 def region_writer(into: Any, axis: int, start: int, n: int, source: np.dtype, perm: tuple[int, ...] | None,
-                  shape: tuple[int, ...] | None, box: Box | None, path: str) -> Callable[[np.ndarray], None]:
-  """A function that writes one host array of dtype `source` into the numpy,
-  torch or cupy array `into`: transposed by `perm`, reshaped to `shape`, cut
-  to `box` (each optional, in that order) and cast to `into`'s dtype, into
-  the `n` indices of `into` from `start` on `axis` (a fused tensor's part;
-  all of every other axis; all of a 0-d array). Made once per plan: the
-  region, the framework and the copy are chosen here, not per call.
+                  shape: tuple[int, ...] | None, box: Box | None, path: str) -> Callable[..., None]:
+  """A function `write(v, row=None)` that writes a host array of dtype
+  `source` into the numpy, torch or cupy array `into`: transposed by
+  `perm`, reshaped to `shape`, cut to `box` (each optional, in that order)
+  and cast to `into`'s dtype, into the `n` indices of `into` from `start`
+  on `axis` (a fused tensor's part; all of every other axis; all of a 0-d
+  array). Made once per plan: the region, the framework and the copy are
+  chosen here, not per call.
+
+  With `row`, `v` is rows `row` to `row + len(v)` of the source's first
+  axis only (a leaf read in parts, `chunkable`): the part of the result they
+  make is written, the rest of the region is left as it is.
 
   A torch region is written outside autograd (a parameter that requires grad
   changes like any tensor). Host regions up to `_limits.MAP_NUMPY_COPY_BYTES`
@@ -269,8 +274,9 @@ def region_writer(into: Any, axis: int, start: int, n: int, source: np.dtype, pe
   if fw == "torch" and small and source in _dtypes.NUMPY_NATIVE_DTYPES and dtype_of(region) in (
       _dtypes.NUMPY_NATIVE_DTYPES):
     region, fw = region.numpy(), "numpy"
+  rows = _rows(perm, shape, box, len(region.shape))
   if fw == "torch":
-    return _torch.region_writer(region, source, perm, shape, box, path)
+    return _torch.region_writer(region, source, perm, shape, box, rows, path)
   cut = None if box is None else tuple(slice(a, b) for a, b in box)
   out_shape = tuple(region.shape)
 
@@ -284,13 +290,60 @@ def region_writer(into: Any, axis: int, start: int, n: int, source: np.dtype, pe
     return v.reshape(out_shape)
 
   if fw == "numpy":
-    return lambda v: np.copyto(region, transformed(v), casting="unsafe")
+    def to_numpy(v: np.ndarray, row: int | None = None) -> None:
+      if row is None:
+        np.copyto(region, transformed(v), casting="unsafe")
+        return
+      part = rows.part(row, len(v)) if rows is not None else None
+      if part is not None:
+        src, index, dst = part
+        rows_in = v[src] if perm is None else v[src].transpose(perm)
+        np.copyto(region[dst], rows_in[index], casting="unsafe")
+
+    return to_numpy
   target = dtype_of(region)
 
-  def to_cupy(v: np.ndarray) -> None:
+  def to_cupy(v: np.ndarray, row: int | None = None) -> None:
+    if row is not None:
+      raise ValueError(f"{path}: a cupy tensor takes a leaf whole")
     region[...] = convert_leaf(np.ascontiguousarray(transformed(v).astype(target, copy=False)), "cupy")
 
   return to_cupy
+
+
+class _RowParts:
+  """Where rows of a source leaf land in a region: source axis 0 is the
+  result's axis `q` after the transpose, cut there to `lo`..`hi`."""
+
+  def __init__(self, q: int, lo: int, hi: int, cut: tuple[slice, ...]):
+    self.q, self.lo, self.hi, self.cut = q, lo, hi, cut
+
+  def part(self, row: int, count: int) -> tuple[slice, tuple[slice, ...], tuple[slice, ...]] | None:
+    """(rows of the part to take, the index to cut its transpose with, the
+    region's index it lands at), or None where the rows fall outside the cut."""
+    a, b = max(row, self.lo), min(row + count, self.hi)
+    if a >= b:
+      return None
+    index = (*self.cut[: self.q], slice(None), *self.cut[self.q + 1 :])
+    dst = (slice(None),) * self.q + (slice(a - self.lo, b - self.lo),)
+    return slice(a - row, b - row), index, dst
+
+
+def _rows(perm: tuple[int, ...] | None, shape: tuple[int, ...] | None, box: Box | None, ndim: int) -> _RowParts | None:
+  """How rows of the source land (None where a reshape mixes them: the leaf
+  must come whole)."""
+  if shape is not None or ndim == 0:
+    return None
+  q = 0 if perm is None else perm.index(0)
+  cut = tuple(slice(None) for _ in range(ndim)) if box is None else tuple(slice(a, b) for a, b in box)
+  lo, hi = (0, 1 << 62) if box is None else box[q]
+  return _RowParts(q, lo, hi, cut)
+
+
+def chunkable(perm: tuple[int, ...] | None, shape: tuple[int, ...] | None, framework: str) -> bool:
+  """Whether a leaf written by `region_writer` with this transform may
+  arrive in parts of rows (no reshape; not into cupy)."""
+  return shape is None and framework != "cupy"
 
 
 # --------------------------------------------------------------------------

@@ -244,18 +244,29 @@ def copy_into(target: Any, values: Any) -> None:
 
 
 def region_writer(region: Any, source: np.dtype, perm: tuple[int, ...] | None, shape: tuple[int, ...] | None,
-                  box: Any, path: str) -> Any:
+                  box: Any, rows: Any, path: str) -> Any:
   """A function writing a host array of dtype `source`, transposed,
   reshaped and cut (each optional), into `region` (a tensor outside
-  autograd, of the result's shape), cast to its dtype."""
+  autograd, of the result's shape), cast to its dtype; or, given `row`, the
+  part a run of source rows makes (`rows`: `_dispatch._RowParts`)."""
   import torch
 
   cut = None if box is None else tuple(slice(a, b) for a, b in box)
   scalar = region.dim() == 0
   native = source in NUMPY_NATIVE_DTYPES
 
-  def write(v: np.ndarray) -> None:
+  def write(v: np.ndarray, row: int | None = None) -> None:
     t = torch.from_numpy(v) if native else from_host(v, path)
+    if row is not None:
+      part = rows.part(row, len(v))
+      if part is None:
+        return
+      src, index, dst = part
+      t = t[src]
+      if perm is not None:
+        t = t.permute(perm)
+      region[dst].copy_(t[index])
+      return
     if perm is not None:
       t = t.permute(perm)
     if shape is not None:

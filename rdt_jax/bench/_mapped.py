@@ -24,7 +24,9 @@ Memory: a 512 MiB version of 64 leaves, published with 64 MiB buckets, is
 pulled once by a fresh generator actor per row, after its engine tensors are
 allocated and written: `pull_named` (each pair copied into the engine's
 tensor, then dropped) node-locally and through Ray buckets, and the mapped
-pull node-locally, each after a pull of a small version by the same route
+pull node-locally; then one 512 MiB leaf, mapped (transposed) node-locally
+and through Ray buckets (read in parts of its rows), each after a pull of a
+small version by the same route
 (imports, the NIXL agent, Ray's first fetch). The row is the process's peak
 RSS during the pull minus its RSS before, in MiB and in buckets (target: at
 most 2).
@@ -220,8 +222,10 @@ def run(args: Any) -> dict[str, Any]:
     for case in cases:
       rows.append(_time_row(case, steps, env))
       print(_format(rows[-1]), flush=True)
-    shapes = [(MEMORY_LEAF // 4 // 1024, 1024)] * MEMORY_LEAVES
-    for how, extra in (("pull_named", {}), ("pull_named", THROUGH_RAY), ("mapped", {})):
+    many = [(MEMORY_LEAF // 4 // 1024, 1024)] * MEMORY_LEAVES
+    one = [(MEMORY_LEAVES * MEMORY_LEAF // 4 // 8192, 8192)]  # one leaf of the same size: read in parts of rows
+    for how, extra, shapes in (("pull_named", {}, many), ("pull_named", THROUGH_RAY, many), ("mapped", {}, many),
+                               ("mapped", {}, one), ("mapped", THROUGH_RAY, one)):
       bucket_env = {"RDT_JAX_WEIGHT_BUCKET_BYTES": str(MEMORY_BUCKET)}
       trainer = _Trainer.options(  # type: ignore[attr-defined]
           runtime_env={"env_vars": {**env["env_vars"], **bucket_env}}).remote()
@@ -232,9 +236,10 @@ def run(args: Any) -> dict[str, Any]:
           runtime_env={"env_vars": {**env["env_vars"], **bucket_env, **extra}}).remote()
       ray.get(gen.warm.remote(ray.get(small.step.remote())))
       r = ray.get(gen.pull.remote(handle, how, shapes))
-      memory.append({"how": how, "version_mib": MEMORY_LEAVES * MEMORY_LEAF >> 20, "bucket_mib": MEMORY_BUCKET >> 20,
+      memory.append({"how": how, "leaves": len(shapes), "version_mib": MEMORY_LEAVES * MEMORY_LEAF >> 20,
+                     "bucket_mib": MEMORY_BUCKET >> 20,
                      **r, "buckets": round(r["extra_mib"] / (MEMORY_BUCKET >> 20), 2)})
-      print(f"memory {how} ({r['route']}): {r['extra_mib']} MiB over the RSS before, "
+      print(f"memory {how}, {len(shapes)} leaves ({r['route']}): {r['extra_mib']} MiB over the RSS before, "
             f"{memory[-1]['buckets']} buckets", flush=True)
       for a in (trainer, small, gen):
         ray.kill(a)
@@ -296,6 +301,6 @@ def markdown(result: dict[str, Any]) -> str:
             for r in result["rows"]]
   lines += ["", "Extra memory of one pull (peak RSS minus RSS before, engine tensors resident):", "",
             "| pull | route | version | bucket | extra | in buckets |", "| --- | --- | --- | --- | --- | --- |"]
-  lines += [f"| {m['how']} | {m['route']} | {m['version_mib']} MiB | {m['bucket_mib']} MiB | {m['extra_mib']} MiB | "
-            f"{m['buckets']} |" for m in result["memory"]]
+  lines += [f"| {m['how']} | {m['route']} | {m['version_mib']} MiB in {m.get('leaves', MEMORY_LEAVES)} "
+            f"leaves | {m['bucket_mib']} MiB | {m['extra_mib']} MiB | {m['buckets']} |" for m in result["memory"]]
   return "\n".join(lines) + "\n"

@@ -11,8 +11,9 @@ leaves fills each (tied weights); a template leaf of another dtype gets
 the values cast (between floating-point dtypes).
 
 A mapped pull reads the version a bucket at a time
-(`rdt_jax.weights._named.named_leaves`) and writes each published leaf it
-needs into its engine tensors at once (`rdt_jax._dlpack.copy_transformed`):
+(`rdt_jax.weights._named.leaf_parts`; a leaf larger than a bucket in parts of
+its rows where no reshape needs it whole) and writes each published leaf it
+needs into its engine tensors at once (`rdt_jax._dlpack.region_writer`):
 the transform is the copy out of the bucket, so no second copy of the
 version is made. `MappedPlan` is made and checked once per published
 structure, before any byte moves.
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from rdt_jax import _dlpack, _layout, _memory
-from rdt_jax.weights._named import named_leaves
+from rdt_jax.weights._named import leaf_parts
 from rdt_jax.weights._protocol import Published
 from rdt_jax.weights._routes import Pull
 from rdt_jax.weights._staging import empty_like
@@ -161,8 +162,9 @@ def _floating(dtype: np.dtype) -> bool:
 class _Write:
   """One published leaf written into (a range of) one engine tensor."""
 
-  write: Callable[[np.ndarray], None]  # writes the leaf into its range of the engine tensor (or staging array)
+  write: Callable[..., None]  # writes the leaf (or a part of its rows) into its range of the engine tensor
   target: str  # the template path, for errors
+  chunkable: bool  # whether the leaf may come in parts of rows
 
 
 class MappedPlan:
@@ -222,6 +224,8 @@ class MappedPlan:
         self.writes.setdefault(path, []).append(write)
     _check_overlap(seen)
     self.devices = {_dlpack.device_of(into) for into, _ in self.targets}
+    #: Published leaves every write of which takes parts of rows (read a bucket at a time however large).
+    self.chunked = {path for path, ws in self.writes.items() if all(w.chunkable for w in ws)}
     self._written = [into for _, into in self._named]
     self._pointers = _dlpack.buffer_pointers(self._written)
 
@@ -255,19 +259,21 @@ class MappedPlan:
                                                  if len(spec.parts) > 1 else "") + ".")
       n = got[axis] if got else 1
       writer = _dlpack.region_writer(dest, axis, at, n, src_dtype, perm, reshape, box, target)
-      out.append((path, _Write(writer, target)))
+      chunkable = _dlpack.chunkable(perm, reshape, str(_dlpack.framework_of(dest)))
+      out.append((path, _Write(writer, target, chunkable)))
       at += n
     if len(spec.parts) > 1 and at != shape[axis]:
       raise ValueError(f"The template leaf {target} has {shape[axis]} along axis {axis}; its Fuse parts give {at} "
                        f"({', '.join(p.path for p in spec.parts)}).")
     return out
 
-  def write(self, path: str, view: np.ndarray) -> None:
-    """Writes published leaf `path`, arrived as host array `view`, into each
-    engine tensor that takes it (queued on the current stream of a CUDA
-    tensor: see `finish`)."""
+  def write(self, path: str, view: np.ndarray, row: int | None = None) -> None:
+    """Writes published leaf `path`, arrived as host array `view` (with
+    `row`: its rows `row` to `row + len(view)` only), into each engine
+    tensor that takes it (queued on the current stream of a CUDA tensor: see
+    `finish`)."""
     for w in self.writes.get(path, ()):
-      w.write(view)
+      w.write(view, row)
 
   def begin(self) -> None:
     """Before the first write: checks that no engine tensor's memory moved
@@ -370,11 +376,11 @@ def pull_mapped(pull: Pull, plans: dict[str, tuple[Published, MappedPlan]], temp
   published, plan = known
   plan.begin()
   nbytes, torn = 0, atomic
-  for path, x in named_leaves(pull, published, plan.writes):
+  for path, x, row in leaf_parts(pull, published, plan.writes, plan.chunked):
     if not torn:
       pull.tear()
       torn = True
-    plan.write(path, x if isinstance(x, np.ndarray) else _dlpack.convert_leaf(x, "numpy", path))
+    plan.write(path, x if isinstance(x, np.ndarray) else _dlpack.convert_leaf(x, "numpy", path), row)
     nbytes += int(x.nbytes)
     del x  # the bucket's buffer is reused once no view of it is held
     pull.check_cancelled()

@@ -44,7 +44,7 @@ from rdt_jax.weights._protocol import Published, ask_buckets, ask_object
 from rdt_jax.weights._publisher import bucket_bytes
 from rdt_jax.weights._routes import Pull, await_bucket, can_read_directly, dead_publisher_error, fetcher, kept_table
 
-__all__ = ["groups", "named_leaves", "renamed"]
+__all__ = ["groups", "leaf_parts", "named_leaves", "renamed"]
 
 
 def groups(offsets: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, int, list[int]]]:
@@ -87,6 +87,18 @@ def named_leaves(pull: Pull, published: Published, wanted: Container[str] | None
       together.
     RayDirectTransportError: the publisher's memory could not be read.
   """
+  for path, x, _ in leaf_parts(pull, published, wanted):
+    yield path, x
+    del x  # no view of a bucket is held here once the caller asks for the next pair
+
+
+def leaf_parts(pull: Pull, published: Published, wanted: Container[str] | None = None,
+               chunked: Container[str] = ()) -> Iterator[tuple[str, Any, int | None]]:
+  """`named_leaves` as `(path, array, row)`: `row` None for a whole leaf; a
+  packed leaf at a path in `chunked` that is larger than a bucket (or, through
+  Ray, crosses a bucket boundary) comes instead in parts of whole rows of its
+  first axis, `array` holding rows `row` to `row + len(array)`, so no buffer
+  holds more than a bucket of it. Raises as `named_leaves`."""
   handle = pull.handle
   source, info = handle.packed, published.packed
   if source is None or info is None or getattr(source, "device", -1) != -1:
@@ -98,7 +110,7 @@ def named_leaves(pull: Pull, published: Published, wanted: Container[str] | None
   check_layout(info, published.entries, pull.label)
   source = check_source(source, pull.label, SimpleNamespace(info=info), handle.version)  # type: ignore[arg-type]
   if can_read_directly(source):
-    reader = _node_local(pull, info, published.entries, source, wanted)
+    reader = _node_local(pull, info, published.entries, source, wanted, chunked)
     try:
       first = next(reader)
     except StopIteration:
@@ -110,45 +122,68 @@ def named_leaves(pull: Pull, published: Published, wanted: Container[str] | None
       del first  # its bucket's buffer goes back to the pool once the caller drops it
       yield from reader
       return
-  yield from _buckets(pull, info, published.entries, wanted)
+  yield from _buckets(pull, info, published.entries, wanted, chunked)
+
+
+def _row_bytes(entry: Any, shape: tuple[int, ...]) -> int:
+  """Bytes of one row of a leaf's first axis (0 for a leaf that has no rows
+  to split: a scalar, a typed key, one row)."""
+  _, kind, _, what = entry
+  if kind != "array" or len(shape) == 0 or shape[0] < 2:
+    return 0
+  return math.prod(shape[1:]) * _dlpack.np_dtype_from_name(what).itemsize
 
 
 def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], source: PackedSource,
-                wanted: Container[str] | None) -> Iterator[tuple[str, Any]]:
+                wanted: Container[str] | None, chunked: Container[str]) -> Iterator[tuple[str, Any, int | None]]:
   layout = info.layout
   after = False
   origin = source.origin
   assert origin is not None  # can_read_directly said so
+  limit = bucket_bytes()
   read = [i for i in range(len(entries)) if wanted is None or entries[i][0] in wanted]
-  for start, end, positions in groups([layout.offsets[i] for i in read], [layout.sizes[i] for i in read],
-                                      bucket_bytes()):
+  for start, end, positions in groups([layout.offsets[i] for i in read], [layout.sizes[i] for i in read], limit):
     members = [read[k] for k in positions]
-    kept_table(pull, source, after_read=after)
-    buf = _memory.host_pool.acquire(max(1, end - start))
-    if end > start:
-      try:
-        node_local.read(origin, [(_memory.host_pointer(buf), source.buffer + start, end - start)])
-      except PermissionError:
-        raise  # before the first pair: the caller reads through Ray instead
-      except OSError as e:
-        raise dead_publisher_error(pull.label, pull.handle.actor, e) from None
-    pull.kept = kept_table(pull, source, after_read=True)
-    pull.route = "node_local"
-    after = True
-    for i in members:
-      at = layout.offsets[i] - start
-      yield entries[i][0], _typed(buf[at : at + layout.sizes[i]], entries[i], info.shapes[i])
-    del buf
+    row = _row_bytes(entries[members[0]], info.shapes[members[0]])
+    runs: list[tuple[int | None, int]] = [(None, 0)]
+    if end - start > limit and entries[members[0]][0] in chunked and row:  # one large leaf, in parts of rows
+      rows, step = info.shapes[members[0]][0], max(1, limit // row)
+      runs = [(r, min(step, rows - r)) for r in range(0, rows, step)]
+    for first_row, count in runs:
+      at = start if first_row is None else start + first_row * row
+      stop = end if first_row is None else at + count * row
+      kept_table(pull, source, after_read=after)
+      buf = _memory.host_pool.acquire(max(1, stop - at))
+      if stop > at:
+        try:
+          node_local.read(origin, [(_memory.host_pointer(buf), source.buffer + at, stop - at)])
+        except PermissionError:
+          raise  # before the first pair: the caller reads through Ray instead
+        except OSError as e:
+          raise dead_publisher_error(pull.label, pull.handle.actor, e) from None
+      pull.kept = kept_table(pull, source, after_read=True)
+      pull.route = "node_local"
+      after = True
+      if first_row is not None:
+        i = members[0]
+        yield entries[i][0], _typed(buf, entries[i], (count, *info.shapes[i][1:])), first_row
+      else:
+        for i in members:
+          offset = layout.offsets[i] - start
+          yield entries[i][0], _typed(buf[offset : offset + layout.sizes[i]], entries[i], info.shapes[i]), None
+      del buf
 
 
-def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
-             wanted: Container[str] | None) -> Iterator[tuple[str, Any]]:
+def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], wanted: Container[str] | None,
+             chunked: Container[str]) -> Iterator[tuple[str, Any, int | None]]:
   layout = info.layout
   buckets = ask_buckets(pull.handle, pull.label, pull.left(), pull.current, layout.total)
   refs, size = buckets.refs, buckets.size
   pull.route, pull.objects = "buckets", len(refs)
   n, j = len(layout.sizes), 0
   pending: np.ndarray | None = None  # a leaf crossing a bucket boundary, assembled here
+  carry: np.ndarray | None = None  # a chunked leaf's row crossing a bucket boundary, assembled here
+  carried = 0  # bytes of it so far
   pending_fetch = fetcher().submit(ray.get, refs[0], timeout=pull.left())
   for i, ref in enumerate(refs):
     try:
@@ -167,35 +202,55 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any],
     raw = bucket.view(np.uint8).reshape(-1)
     while j < n and layout.offsets[j] < b1:
       offset, nbytes = layout.offsets[j], layout.sizes[j]
-      if pending is None and offset >= b0 and offset + nbytes <= b1:
-        if wanted is None or entries[j][0] in wanted:
-          yield entries[j][0], _typed(raw[offset - b0 : offset - b0 + nbytes], entries[j], info.shapes[j])
+      path, shape = entries[j][0], info.shapes[j]
+      if pending is None and carry is None and offset >= b0 and offset + nbytes <= b1:
+        if wanted is None or path in wanted:
+          yield path, _typed(raw[offset - b0 : offset - b0 + nbytes], entries[j], shape), None
         j += 1
         continue
-      if wanted is not None and entries[j][0] not in wanted:
+      if wanted is not None and path not in wanted:
         if offset + nbytes > b1:
           break  # not assembled: skipped in the next bucket too
         j += 1
         continue
-      if pending is None:
-        pending = np.empty(nbytes, np.uint8)
       lo, hi = max(offset, b0), min(offset + nbytes, b1)
-      pending[lo - offset : hi - offset] = raw[lo - b0 : hi - b0]
+      row = _row_bytes(entries[j], shape) if path in chunked else 0
+      if row:  # whole rows as they come; a row across the boundary is assembled in `carry`
+        if carry is not None:
+          take = min(row - carried, hi - lo)
+          carry[carried : carried + take] = raw[lo - b0 : lo - b0 + take]
+          carried, lo = carried + take, lo + take
+          if carried == row:
+            yield path, _typed(carry, entries[j], (1, *shape[1:])), (lo - offset) // row - 1
+            carry = None
+        full = (hi - lo) // row if carry is None else 0
+        if full:
+          yield path, _typed(raw[lo - b0 : lo - b0 + full * row], entries[j], (full, *shape[1:])), (lo - offset) // row
+          lo += full * row
+        if hi > lo:
+          carry, carried = np.empty(row, np.uint8), hi - lo
+          carry[:carried] = raw[lo - b0 : hi - b0]
+      else:
+        if pending is None:
+          pending = np.empty(nbytes, np.uint8)
+        pending[lo - offset : hi - offset] = raw[lo - b0 : hi - b0]
       if offset + nbytes > b1:
         break  # the rest of this leaf is in the next bucket
-      yield entries[j][0], _typed(pending, entries[j], info.shapes[j])
+      if not row:
+        assert pending is not None
+        yield path, _typed(pending, entries[j], shape), None
       pending = None
       j += 1
     del bucket, raw
   while j < n and not layout.sizes[j]:  # empty leaves at the end of the buffer
     if wanted is None or entries[j][0] in wanted:
-      yield entries[j][0], _typed(np.empty(0, np.uint8), entries[j], info.shapes[j])
+      yield entries[j][0], _typed(np.empty(0, np.uint8), entries[j], info.shapes[j]), None
     j += 1
   if j != n:
     raise MetadataError(pull.label, "buckets", f"held {j} of the version's {n} array leaves")
 
 
-def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any]]:
+def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any, int | None]]:
   handle = pull.handle
   ref = handle.ref
   if ref is None:  # packed in device memory: its tree, made by the publisher at the first request
@@ -207,9 +262,9 @@ def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any
     if wanted is not None and path not in wanted:
       continue
     if _dlpack.is_prng_key(x):
-      yield path, _dlpack.prng_key_parts(x)[0]
+      yield path, _dlpack.prng_key_parts(x)[0], None
     elif _dlpack.is_array(x):
-      yield path, x
+      yield path, x, None
 
 
 def renamed(pairs: Iterable[tuple[str, Any]], rename: Callable[[str], str | None] | None, framework: str,

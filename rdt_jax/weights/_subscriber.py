@@ -91,8 +91,9 @@ class WeightSubscriber:
       form) returning one. Checked at a structure's first pull (errors name the template
       leaf); published leaves nothing maps to are not read where the route
       allows (node-locally). A pull reads the version a bucket at a time
-      and writes each leaf's transform into the engine tensors as it
-      arrives: extra memory is about one bucket.
+      (a leaf larger than a bucket in parts of its rows, unless a reshape
+      needs it whole) and writes each leaf's transform into the engine
+      tensors as it arrives: extra memory is about one bucket.
 
   A pull refused before its fetch started (`StaleWeightsError`, a template
   that does not match, a publisher that is gone) changes nothing in either
