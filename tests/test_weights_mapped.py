@@ -270,6 +270,9 @@ def test_the_first_pull_checks_every_mapping_naming_the_leaf():
   assert "dtype int32; its source ['params']['fc']['bias'] is float32" in error(
       {"w": z(2 * D, dtype=torch.int32)}, {"['w']": "params.fc.bias"})
   assert "['w'] has no entry in source" in error({"w": z(3), "v": z(3)}, {"['v']": None})
+  assert "['w'] has 2 axes; its Fuse axis 2 is not one" in error(
+      {"w": z(H, D)}, {"w": rdt_jax.Fuse(rdt_jax.From("params.attn.q.kernel", transpose=(1, 0)), axis=2)})
+  assert "UnsupportedLeafError" in error({"w": z(D)}, {"w": rdt_jax.From("params.fc.bias", index=(slice(0, 500),))})
   assert "is a ArrayImpl" in error({"w": jax.numpy.zeros(2 * D)}, {"['w']": "params.fc.bias"})
 
   def views(n: int):  # made in the actor: two template leaves over one tensor's memory
