@@ -3,7 +3,7 @@
 A local Ray with a metrics export port (Ray's metrics agent comes with
 `ray[default]`, in the test extra) and a short report interval; a trainer
 publishes versions of a stream named "policy", a generator pulls them (one
-pull refused as stale), and the driver fetches a plain jax_nixl return. The
+pull refused as stale), and another actor fetches a plain jax_nixl return. The
 Prometheus text Ray serves must show each count under its documented name.
 """
 
@@ -74,6 +74,16 @@ class Generator:
     return "ok"
 
 
+@ray.remote(enable_tensor_transport=True)
+class Consumer:
+  def fetch(self, trainer) -> tuple[float, str]:
+    """Fetches a plain jax_nixl return; (its last value, this worker's id:
+    the driver's own counts, from every earlier test in its process, carry
+    another)."""
+    x = ray.get(trainer.plain.remote())["x"]
+    return float(x[-1]), ray.get_runtime_context().get_worker_id()
+
+
 def _scrape() -> str:
   return urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=5).read().decode()
 
@@ -96,16 +106,16 @@ def test_pulls_publishes_and_transfers_reach_rays_metrics_endpoint():
   assert ray.get(g.pull.remote(old)) == "ok"
   assert ray.get(g.pull.remote(ray.get(t.publish.remote(2)))) == "ok"
   assert ray.get(g.pull.remote(old)) == "stale"
-  x = ray.get(t.plain.remote())["x"]
-  assert float(x[-1]) == (1 << 16) - 1
+  last, worker = ray.get(Consumer.options(runtime_env=worker_env(**FLUSH)).remote().fetch.remote(t))
+  assert last == (1 << 16) - 1
   want = {
       ("ray_rdt_jax_weight_pulls_total", (("stream", "policy"), ("route", "node_local"), ("outcome", "ok"))): 2.0,
       ("ray_rdt_jax_weight_pulls_total", (("stream", "policy"), ("outcome", "stale"))): 1.0,
       ("ray_rdt_jax_weight_pull_bytes_total", (("stream", "policy"),)): 2 * 256 * 16 * 4,
       ("ray_rdt_jax_weight_publishes_total", (("stream", "policy"), ("kind", "packed"))): 2.0,
       ("ray_rdt_jax_weight_publish_bytes_total", (("stream", "policy"),)): 2 * 256 * 16 * 4,
-      ("ray_rdt_jax_transfers_total", (("transport", "jax_nixl"), ("outcome", "ok"))): 1.0,
-      ("ray_rdt_jax_transfer_bytes_total", (("transport", "jax_nixl"),)): 4 << 16,
+      ("ray_rdt_jax_transfers_total", (("transport", "jax_nixl"), ("outcome", "ok"), ("WorkerId", worker))): 1.0,
+      ("ray_rdt_jax_transfer_bytes_total", (("transport", "jax_nixl"), ("WorkerId", worker))): 4 << 16,
   }
   deadline, got = time.monotonic() + 60, {}
   while time.monotonic() < deadline:
