@@ -157,7 +157,9 @@ def pending() -> dict[str, float]:
 def flush() -> bool:
   """Hands what was counted to Ray's metric objects now (the background
   thread does so every `RDT_JAX_METRICS_FLUSH_S`). Returns False, keeping
-  the counts, where this process is not connected to Ray."""
+  the counts, where this process is not connected to Ray: a process that
+  left a Ray session with counts not yet flushed flushes them into the next
+  one it joins."""
   import ray
 
   _add_up()

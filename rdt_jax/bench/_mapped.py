@@ -301,6 +301,10 @@ def markdown(result: dict[str, Any]) -> str:
             for r in result["rows"]]
   lines += ["", "Extra memory of one pull (peak RSS minus RSS before, engine tensors resident):", "",
             "| pull | route | version | bucket | extra | in buckets |", "| --- | --- | --- | --- | --- | --- |"]
-  lines += [f"| {m['how']} | {m['route']} | {m['version_mib']} MiB in {m.get('leaves', MEMORY_LEAVES)} "
-            f"leaves | {m['bucket_mib']} MiB | {m['extra_mib']} MiB | {m['buckets']} |" for m in result["memory"]]
+  lines += [f"| {m['how']} | {m['route']} | {m['version_mib']} MiB in {_leaves(m.get('leaves', MEMORY_LEAVES))} | "
+            f"{m['bucket_mib']} MiB | {m['extra_mib']} MiB | {m['buckets']} |" for m in result["memory"]]
   return "\n".join(lines) + "\n"
+
+
+def _leaves(n: int) -> str:
+  return "one leaf" if n == 1 else f"{n} leaves"
