@@ -88,9 +88,9 @@ class WeightSubscriber:
       `rdt_jax.From` (with a transpose, reshape or index range),
       `rdt_jax.Fuse` (several published leaves concatenated), or None (the
       leaf is left alone); or a function of the template path (the `keystr`
-      form) returning one. Checked at a structure's first pull (errors name the template
-      leaf); published leaves nothing maps to are not read where the route
-      allows (node-locally). A pull reads the version a bucket at a time
+      form) returning one. Checked at a structure's first pull (errors name
+      the template leaf); published leaves nothing maps to are not read
+      where the route allows (node-locally). A pull reads the version a bucket at a time
       (a leaf larger than a bucket in parts of its rows, unless a reshape
       needs it whole) and writes each leaf's transform into the engine
       tensors as it arrives: extra memory is about one bucket.
@@ -288,6 +288,8 @@ class WeightSubscriber:
       self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
       stats = self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route,
                                           pull.objects, lag_of(handle.version, pull.kept))
+    except GeneratorExit:  # the engine stopped early: not a failed pull, nor a pull
+      raise
     except BaseException as e:
       count_failed(handle, e)
       raise
