@@ -339,3 +339,36 @@ def test_a_colocated_engine_maps_its_trainers_versions():
     np.testing.assert_array_equal(got["fc.weight"], want["fc.weight"])
     np.testing.assert_array_equal(got["fc.bias"], want["fc.bias"])
   ray.kill(c)
+
+
+@ray.remote(enable_tensor_transport=True)
+class Bias:
+  """An engine that maps one small leaf of a large version."""
+
+  def __init__(self):
+    import torch
+
+    self.bias = torch.zeros(2 * D)
+    self.sub = rdt_jax.WeightSubscriber({"bias": self.bias}, source={"bias": "params.fc.bias"})
+
+  def pull(self, handle) -> tuple[np.ndarray, int, str]:
+    self.sub.pull(handle)
+    return self.bias.numpy().copy(), self.sub.last_pull.objects, self.sub.last_pull.route
+
+
+def test_through_ray_only_the_buckets_holding_mapped_leaves_are_fetched():
+  t = Trainer.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET), **OUT_OF_BAND_ENV)).remote()
+  g = Bias.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET), **OUT_OF_BAND_ENV)).remote()
+  total = sum(a.nbytes for a in jax_leaves(published(1)))
+  for version in (1, 2):
+    bias, objects, route = ray.get(g.pull.remote(ray.get(t.publish.remote(version))))
+    np.testing.assert_array_equal(bias, published(version)["params"]["fc"]["bias"])
+    assert route == "buckets" and 1 <= objects <= 2 < total // BUCKET, (objects, total // BUCKET)
+  for a in (t, g):
+    ray.kill(a)
+
+
+def jax_leaves(tree) -> list[np.ndarray]:
+  import jax
+
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]

@@ -179,13 +179,16 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], wanted:
   layout = info.layout
   buckets = ask_buckets(pull.handle, pull.label, pull.left(), pull.current, layout.total)
   refs, size = buckets.refs, buckets.size
-  pull.route, pull.objects = "buckets", len(refs)
+  needed = _needed(layout, entries, wanted, size, len(refs))  # the buckets holding a byte of a wanted leaf
+  pull.route, pull.objects = "buckets", len(needed)
   n, j = len(layout.sizes), 0
   pending: np.ndarray | None = None  # a leaf crossing a bucket boundary, assembled here
   carry: np.ndarray | None = None  # a chunked leaf's row crossing a bucket boundary, assembled here
   carried = 0  # bytes of it so far
-  pending_fetch = fetcher().submit(ray.get, refs[0], timeout=pull.left())
-  for i, ref in enumerate(refs):
+  pending_fetch = fetcher().submit(ray.get, refs[needed[0]], timeout=pull.left()) if needed else None
+  for k, i in enumerate(needed):
+    ref = refs[i]
+    assert pending_fetch is not None  # submitted for `needed[k]` before this iteration
     try:
       bucket = await_bucket(pull, pending_fetch)  # asks every few seconds whether the version is kept
     except (ray.exceptions.GetTimeoutError, StaleWeightsError):
@@ -193,8 +196,8 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], wanted:
     except Exception:
       pull.ask(after_read=True)  # a bucket freed with its version: StaleWeightsError
       raise
-    if i + 1 < len(refs):
-      pending_fetch = fetcher().submit(ray.get, refs[i + 1], timeout=pull.left())
+    if k + 1 < len(needed):
+      pending_fetch = fetcher().submit(ray.get, refs[needed[k + 1]], timeout=pull.left())
     if _dlpack.framework_of(bucket) != "numpy" or bucket.nbytes != min(size, layout.total - i * size):
       raise MetadataError(ref.hex(), "value", f"is not bucket {i} of the version's packed buffer")
     pull.ask(after_read=True)  # the bucket holds the version's bytes: it was still kept once they arrived
@@ -242,12 +245,24 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], wanted:
       pending = None
       j += 1
     del bucket, raw
-  while j < n and not layout.sizes[j]:  # empty leaves at the end of the buffer
-    if wanted is None or entries[j][0] in wanted:
+  while j < n and (not layout.sizes[j] or (wanted is not None and entries[j][0] not in wanted)):
+    if wanted is None or entries[j][0] in wanted:  # empty leaves at the end of the buffer
       yield entries[j][0], _typed(np.empty(0, np.uint8), entries[j], info.shapes[j]), None
-    j += 1
+    j += 1  # or leaves in buckets not fetched: none of them wanted
   if j != n:
     raise MetadataError(pull.label, "buckets", f"held {j} of the version's {n} array leaves")
+
+
+def _needed(layout: Any, entries: Sequence[Any], wanted: Container[str] | None, size: int, count: int) -> list[int]:
+  """The indices of the `count` buckets of `size` bytes that hold a byte of
+  a wanted leaf (all of them without `wanted`), in order."""
+  if wanted is None:
+    return list(range(count))
+  needed: set[int] = set()
+  for e, offset, nbytes in zip(entries, layout.offsets, layout.sizes):
+    if nbytes and e[0] in wanted:
+      needed.update(range(offset // size, min(count, (offset + nbytes - 1) // size + 1)))
+  return sorted(needed)
 
 
 def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any, int | None]]:

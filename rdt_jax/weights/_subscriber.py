@@ -90,7 +90,8 @@ class WeightSubscriber:
       leaf is left alone); or a function of the template path (the `keystr`
       form) returning one. Checked at a structure's first pull (errors name
       the template leaf); published leaves nothing maps to are not read
-      where the route allows (node-locally). A pull reads the version a bucket at a time
+      node-locally, and through Ray only buckets holding a mapped leaf are
+      fetched. A pull reads the version a bucket at a time
       (a leaf larger than a bucket in parts of its rows, unless a reshape
       needs it whole) and writes each leaf's transform into the engine
       tensors as it arrives: extra memory is about one bucket.
