@@ -10,6 +10,7 @@ subscriber run one at a time, whoever calls them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
@@ -270,8 +271,7 @@ class WeightSubscriber:
 
   def _named(self, handle: WeightsHandle, deadline: float | None, rename: Callable[[str], str | None] | None,
              framework: str) -> Iterator[tuple[str, Any]]:
-    self._acquire(handle, deadline)
-    try:
+    with self._counted(handle, deadline):
       check_newer(handle, self._version, self._reached)
       started = time.perf_counter()
       pull = _routes.Pull(handle, label(handle), deadline, self._version, None, self._set_version)
@@ -286,16 +286,9 @@ class WeightSubscriber:
         del out  # the caller's copy is the only reference to a bucket's view
       nbytes = counted[0]
       self._version = handle.version
-      self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
+      self._reach(handle.version)
       stats = self._last_pull = PullStats(handle.version, nbytes, time.perf_counter() - started, pull.route,
                                           pull.objects, lag_of(handle.version, pull.kept))
-    except GeneratorExit:  # the engine stopped early: not a failed pull, nor a pull
-      raise
-    except BaseException as e:
-      count_failed(handle, e)
-      raise
-    finally:
-      self._lock.release()
     count_pulled(handle, stats)
 
   @staticmethod
@@ -310,20 +303,35 @@ class WeightSubscriber:
       raise ray.exceptions.GetTimeoutError(
           f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
 
-  def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
-    """Runs one pull once no other pull of this subscriber runs."""
+  @contextlib.contextmanager
+  def _counted(self, handle: WeightsHandle, deadline: float | None) -> Iterator[None]:
+    """Holds this subscriber's pull lock (`_acquire`) for one pull; a pull
+    that raises is counted in rdt_jax's metrics as stale or failed. A
+    `pull_named` iteration the engine stops early (`GeneratorExit`) is
+    neither; a successful pull is counted by the caller, lock released."""
     self._acquire(handle, deadline)
     try:
-      if cancel is not None and cancel.is_set():
-        raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
-      value = self._pull(handle, deadline, cancel)
-      self._reached = handle.version if self._reached is None else max(self._reached, handle.version)
-      stats = self._last_pull  # this pull's, before another thread's pull may replace it
+      yield
+    except GeneratorExit:
+      raise
     except BaseException as e:
       count_failed(handle, e)
       raise
     finally:
       self._lock.release()
+
+  def _reach(self, version: int) -> None:
+    """Records that a pull reached `version` (see `pull`)."""
+    self._reached = version if self._reached is None else max(self._reached, version)
+
+  def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
+    """Runs one pull once no other pull of this subscriber runs."""
+    with self._counted(handle, deadline):
+      if cancel is not None and cancel.is_set():
+        raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
+      value = self._pull(handle, deadline, cancel)
+      self._reach(handle.version)
+      stats = self._last_pull  # this pull's, before another thread's pull may replace it
     count_pulled(handle, stats)
     return value
 
