@@ -32,6 +32,7 @@ import numpy as np
 
 from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax.weights._named import leaf_parts
+from rdt_jax.weights._packed_checks import check_layout
 from rdt_jax.weights._protocol import Published
 from rdt_jax.weights._routes import Pull
 from rdt_jax.weights._staging import empty_like
@@ -369,6 +370,8 @@ def pull_mapped(pull: Pull, plans: dict[str, tuple[Published, MappedPlan]], temp
     published = pull.ask(want_structure=True)
     if published is None:
       raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+    if published.packed is not None:  # checked once here, not at every pull of the structure
+      check_layout(published.packed, published.entries, pull.label)
     known = (published, MappedPlan(published.entries, template, source, atomic))
     if len(plans) >= 4:  # structures change rarely: keep the last few
       plans.pop(next(iter(plans)))
@@ -376,7 +379,7 @@ def pull_mapped(pull: Pull, plans: dict[str, tuple[Published, MappedPlan]], temp
   published, plan = known
   plan.begin()
   nbytes, torn = 0, atomic
-  for path, x, row in leaf_parts(pull, published, plan.writes, plan.chunked):
+  for path, x, row in leaf_parts(pull, published, plan.writes, plan.chunked, layout_checked=True):
     if not torn:
       pull.tear()
       torn = True

@@ -93,12 +93,14 @@ def named_leaves(pull: Pull, published: Published, wanted: Container[str] | None
 
 
 def leaf_parts(pull: Pull, published: Published, wanted: Container[str] | None = None,
-               chunked: Container[str] = ()) -> Iterator[tuple[str, Any, int | None]]:
+               chunked: Container[str] = (), layout_checked: bool = False) -> Iterator[tuple[str, Any, int | None]]:
   """`named_leaves` as `(path, array, row)`: `row` None for a whole leaf; a
   packed leaf at a path in `chunked` that is larger than a bucket (or, through
   Ray, crosses a bucket boundary) comes instead in parts of whole rows of its
   first axis, `array` holding rows `row` to `row + len(array)`, so no buffer
-  holds more than a bucket of it. Raises as `named_leaves`."""
+  holds more than a bucket of it. `layout_checked`: `published` already
+  passed `check_layout` (a caller that keeps it per structure checks it
+  once). Raises as `named_leaves`."""
   handle = pull.handle
   source, info = handle.packed, published.packed
   if source is None or info is None or getattr(source, "device", -1) != -1:
@@ -107,7 +109,8 @@ def leaf_parts(pull: Pull, published: Published, wanted: Container[str] | None =
   # Nothing the publisher sent is used before it is checked: the layout
   # against the published leaves, the handle against its bounds, the layout
   # and its digest.
-  check_layout(info, published.entries, pull.label)
+  if not layout_checked:
+    check_layout(info, published.entries, pull.label)
   source = check_source(source, pull.label, SimpleNamespace(info=info), handle.version)  # type: ignore[arg-type]
   if can_read_directly(source):
     reader = _node_local(pull, info, published.entries, source, wanted, chunked)
