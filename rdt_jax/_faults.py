@@ -61,6 +61,9 @@ POINTS: Final = {
     "before it checks that the version is still kept",
     "weights.bucket": "on a WeightSubscriber pulling through Ray, after it copied one bucket of a packed "
     "version out, before it takes the next",
+    "weights.commit": "on a WeightSubscriber, after it copied a pull's bytes into the template's arrays "
+    "(an atomic pull's staging, or a template that takes a copy: device memory, engine tensors), before the "
+    "pull returns; a failure stands for a device error partway through that copy",
     "cma.read": "on the consumer, before a node-local read (rdt_jax._node_local); "
     "fail stands for the kernel refusing it (EPERM, as under Yama's ptrace_scope)",
     "lifetime.check": "on the consumer, once a fetch's bytes are in place (or its move failed), "

@@ -164,6 +164,11 @@ TRANSFER_REQUEST_THREADS: Final = 16
 #: Why: a publisher keeps a few versions, each in its own buffer; eight covers `keep` up to 8.
 WEIGHTS_PREPARED_KEPT: Final = 8
 
+#: Threads that read the parts of a multi-process version at once (one per trainer process).
+#: Why: a part's read is a system call or a Ray fetch that waits, not work on a core; 64 covers
+#: a trainer of 64 processes in one round, and more processes queue for a thread.
+WEIGHTS_PART_THREADS: Final = 64
+
 #: CUDA IPC mappings of other processes' allocations a process keeps open.
 #: Why: a weight publisher keeps `keep` device buffers, each its own allocation, and a
 #: subscriber maps each once; sixteen covers a few publishers of `keep` up to 8, and an

@@ -50,6 +50,7 @@ EXAMPLES = [
     Example("test_shm_transport.py", pytest=True, timeout_s=300),
     Example("reshard.py"),
     Example("jax_to_torch.py", timeout_s=300),
+    Example("weight_sync_multihost.py", timeout_s=300),
 ]
 
 

@@ -184,7 +184,8 @@ class Generator:
     except Exception as e:
       error = e
     return {
-        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "error": None if error is None else " | ".join([f"{type(error).__name__}: {error}",
+                                                          *getattr(error, "__notes__", [])]),
         "stale": isinstance(error, rdt_jax.StaleWeightsError),
         "attrs": (error.version, error.current) if isinstance(error, rdt_jax.StaleWeightsError) else None,
         "elapsed": time.monotonic() - t0,
@@ -600,6 +601,25 @@ def test_failed_node_local_pull_leaves_torn_or_unchanged(atomic):
     assert r["version"] == 1 and r["template_unchanged"], r
   else:
     assert r["version"] is None and not r["template_unchanged"], r
+  result = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
+  assert result["version"] == 3 and pulled(result) == expected(ray.get(t.shas.remote(3)))
+  ray.kill(t)
+  ray.kill(g)
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "pytree"])
+def test_an_atomic_pull_whose_commit_fails_leaves_version_none(pack):
+  """An atomic pull copies its staging arrays into the template at its end:
+  a copy that fails there (a device error; injected here after the copy)
+  leaves bytes of the new version in the template, so `version` is None,
+  never the old version, and the error says the template may hold them."""
+  t = trainer(pack=pack)
+  g = generator("torch", atomic=True, RDT_JAX_FAULTS="weights.commit:fail@2*1")
+  assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+  r = ray.get(g.try_pull.remote(ray.get(t.publish.remote(2))))
+  assert "injected fault at weights.commit" in r["error"], r
+  assert "may hold some of its bytes" in r["error"], r
+  assert r["version"] is None and not r["template_unchanged"], r
   result = ray.get(g.pull.remote(ray.get(t.publish.remote(3))))
   assert result["version"] == 3 and pulled(result) == expected(ray.get(t.shas.remote(3)))
   ray.kill(t)

@@ -135,7 +135,7 @@ class Engine:
       out = self.sub.pull(handle)
       assert out is self.tensors
     except Exception as e:
-      error = f"{type(e).__name__}: {e}"
+      error = " | ".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])])
     return {"values": {k: t.detach().numpy().copy() for k, t in self.tensors.items()}, "version": self.sub.version,
             "last": self.sub.last_pull, "error": error, "pooled": rdt_jax._memory.host_pool.pooled_bytes()}
 
@@ -172,6 +172,20 @@ def test_a_torch_engine_receives_its_names_and_layouts(pack, env, route, atomic)
       assert last.nbytes == MAPPED_BYTES, last
       # No buffer held a leaf larger than a bucket whole: "big" came in parts of its rows.
       assert r["pooled"] < published(0)["params"]["big"].nbytes, r["pooled"]
+  for a in (t, g):
+    ray.kill(a)
+
+
+def test_an_atomic_mapped_pull_whose_commit_fails_leaves_version_none():
+  """The engine tensors take the staging arrays at an atomic pull's end: a
+  copy that fails there leaves `version` None, not the old version."""
+  t = Trainer.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))).remote(True)
+  g = engine(True, RDT_JAX_FAULTS="weights.commit:fail@2*1")
+  check(ray.get(g.pull.remote(ray.get(t.publish.remote(1)))), 1)
+  r = ray.get(g.pull.remote(ray.get(t.publish.remote(2))))
+  assert "injected fault at weights.commit" in r["error"] and "may hold some of its bytes" in r["error"], r
+  assert r["version"] is None, r
+  check(ray.get(g.pull.remote(ray.get(t.publish.remote(3)))), 3)
   for a in (t, g):
     ray.kill(a)
 

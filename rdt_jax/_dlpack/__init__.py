@@ -55,8 +55,11 @@ from rdt_jax._dlpack._sharding import box_shape as box_shape
 from rdt_jax._dlpack._sharding import full_box as full_box
 from rdt_jax._dlpack._sharding import intersect as intersect
 from rdt_jax._dlpack._sharding import is_sharding as is_sharding
+from rdt_jax._dlpack._sharding import owned_shards as owned_shards
 from rdt_jax._dlpack._sharding import receive_sharding as receive_sharding
+from rdt_jax._dlpack._sharding import shard_arrays as shard_arrays
 from rdt_jax._dlpack._sharding import source_boxes as source_boxes
+from rdt_jax._dlpack._sharding import spans_processes as spans_processes
 from rdt_jax._dlpack._sharding import spec_problem as spec_problem
 from rdt_jax._dlpack._specs import RECEIVE_MODES as RECEIVE_MODES
 from rdt_jax._dlpack._specs import ChunkSpec as ChunkSpec
@@ -124,6 +127,10 @@ __all__ = [  # noqa: RUF022
     "is_sharding",
     "source_boxes",
     "spec_problem",
+    # Global arrays of a multi-controller program: the shards this process owns.
+    "owned_shards",
+    "shard_arrays",
+    "spans_processes",
     # Raw memory as arrays: uint8 views and torch byte tensors over a pointer.
     "host_bytes",
     "torch_bytes",

@@ -334,3 +334,32 @@ def source_boxes(spec: LeafSpec) -> list[Box]:
         "Send the leaf from a producer running this rdt_jax version.",
     )
   return boxes
+
+
+# --------------------------------------------------------------------------
+# Global arrays of a multi-controller program: the shards a process owns.
+
+
+def spans_processes(x: Any) -> bool:
+  """True if `x` is a `jax.Array` with shards in other processes (a global
+  array of a multi-controller program)."""
+  array = loaded_type("jax", "Array")
+  return array is not None and isinstance(x, array) and not getattr(x, "is_fully_addressable", True)
+
+
+def owned_shards(x: Any) -> list[tuple[int, Box]]:
+  """The shards of global array `x` this process publishes: (index in
+  `x.addressable_shards`, the global box it holds) of each one whose
+  `replica_id` is 0 (a replicated shard belongs to its first replica)."""
+  shape = tuple(int(n) for n in x.shape)
+  out = []
+  for j, shard in enumerate(x.addressable_shards):
+    if shard.replica_id == 0:
+      index = tuple(shard.index) + (slice(None),) * (len(shape) - len(shard.index))
+      out.append((j, tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape))))
+  return out
+
+
+def shard_arrays(x: Any) -> list[Any]:
+  """Each addressable shard of `x` as a single-device `jax.Array` (no copy)."""
+  return [shard.data for shard in x.addressable_shards]

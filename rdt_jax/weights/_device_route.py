@@ -15,7 +15,8 @@ from rdt_jax import _faults, _memory, _process
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._handle import replaced_error
 from rdt_jax.weights._packed import ForeignTable, PackedSource
-from rdt_jax.weights._routes import Pull, dead_publisher_error, kept_table, read_table, read_table_or_empty, torn
+from rdt_jax.weights._pull import Pull, torn
+from rdt_jax.weights._routes import dead_publisher_error, kept_table, read_table, read_table_or_empty
 
 logger = logging.getLogger(__name__)
 

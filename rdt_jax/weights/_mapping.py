@@ -34,7 +34,7 @@ from rdt_jax import _dlpack, _layout, _memory
 from rdt_jax.weights._named import leaf_parts
 from rdt_jax.weights._packed_checks import check_layout
 from rdt_jax.weights._protocol import Published
-from rdt_jax.weights._routes import Pull
+from rdt_jax.weights._pull import Pull, committing
 from rdt_jax.weights._staging import empty_like
 
 __all__ = ["From", "Fuse", "MappedPlan", "Source", "check_source_mapping", "dotted", "pull_mapped"]
@@ -387,5 +387,6 @@ def pull_mapped(pull: Pull, plans: dict[str, tuple[Published, MappedPlan]], temp
     nbytes += int(x.nbytes)
     del x  # the bucket's buffer is reused once no view of it is held
     pull.check_cancelled()
-  plan.finish()
+  with committing(pull):
+    plan.finish()
   return nbytes

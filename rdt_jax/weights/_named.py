@@ -42,7 +42,8 @@ from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._protocol import Published, ask_buckets, ask_object
 from rdt_jax.weights._publisher import bucket_bytes
-from rdt_jax.weights._routes import Pull, await_bucket, can_read_directly, dead_publisher_error, fetcher, kept_table
+from rdt_jax.weights._pull import Pull
+from rdt_jax.weights._routes import await_bucket, can_read_directly, dead_publisher_error, fetcher, kept_table
 
 __all__ = ["groups", "leaf_parts", "named_leaves", "renamed"]
 

@@ -54,6 +54,7 @@ class _Leaf:
   build: Callable[[list[np.ndarray]], Any] | None = None  # new, placed with a sharding: makes it from its pieces
   spans: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)  # new: (start, stop,
   # shape) in the pool buffer of each piece (of the whole leaf if it has no pieces), fixed by the plan
+  box: Any = None  # the global box of the leaf it receives (the whole leaf, or a Slice's)
 
   @property
   def span(self) -> int:
@@ -108,6 +109,10 @@ class PackedPlan:
     self._pointers = [leaf.pointer for leaf in self._in_place]
     #: True if a pull writes into the template while it copies (in place, not atomic).
     self.writes_in_place = bool(self._in_place) and not atomic
+    #: True if `commit` copies into the template's arrays (atomic in-place
+    #: leaves, and templates that take a copy: device memory).
+    self.commits_into_template = (bool(self._in_place) and atomic) or any(
+        leaf.framework == "copy" for leaf in self._new)
     self._direct = [(leaf.pointer + d, s, n) for leaf in self.leaves if leaf.kind == "in_place" and not atomic
                     for d, s, n in leaf.runs]
     self._prepared: OrderedDict[tuple[int, int], node_local.Prepared] = OrderedDict()
@@ -117,7 +122,8 @@ class PackedPlan:
             offset: int, size: int) -> _Leaf:
     if kind == "key":
       return _Leaf(i, path, "new", [(0, offset, size)] if size else [], shape=self.info.shapes[i],
-                   dtype=np.dtype(np.uint32), place=_layout.jax_placement(target), impl=what)
+                   dtype=np.dtype(np.uint32), place=_layout.jax_placement(target), impl=what,
+                   box=_dlpack.full_box(tuple(self.info.shapes[i])))
     dtype = _dlpack.np_dtype_from_name(what)
     into, box = target, _dlpack.full_box(tuple(shape))
     if isinstance(target, _layout.Slice):
@@ -149,10 +155,10 @@ class PackedPlan:
             "Give a contiguous, writable array.")
       if _dlpack.device_of(into).kind == "cpu" and fw != "cupy":
         return _Leaf(i, path, "in_place", runs(), array=into, pointer=_dlpack.buffer_pointer(into),
-                     returned=returned)
+                     returned=returned, box=box)
       # Device memory: the bytes arrive on the host, then are copied in.
       return _Leaf(i, path, "new", runs(), array=into, returned=returned, shape=out_shape, dtype=dtype,
-                   framework="copy")
+                   framework="copy", box=box)
     framework = "jax"
     if isinstance(target, _layout.Slice) and into is None:
       mode = _receive_mode.receive_mode()
@@ -161,7 +167,7 @@ class PackedPlan:
       _dlpack.check_x64(dtype, path)
     place = _layout.jax_placement(into)
     if framework != "jax" or place is None or not size or not _layout.is_cpu_sharding(place):
-      return _Leaf(i, path, "new", runs(), shape=out_shape, dtype=dtype, place=place, framework=framework)
+      return _Leaf(i, path, "new", runs(), shape=out_shape, dtype=dtype, place=place, framework=framework, box=box)
     # Placed with a sharding: each distinct shard is staged on its own, so
     # every device's array is made from its own host view without a copy.
     key = (box, dtype.str, place)
@@ -179,7 +185,7 @@ class PackedPlan:
       known = self._sharded[key] = (layout, pieces, rel, _layout.sharded_builder(layout, dtype, path))
     layout, pieces, rel, build = known
     return _Leaf(i, path, "new", [(d, offset + s, n) for d, s, n in rel], shape=out_shape, dtype=dtype,
-                 place=place, framework=framework, layout=layout, pieces=pieces, build=build)
+                 place=place, framework=framework, layout=layout, pieces=pieces, build=build, box=box)
 
   # ---- per pull
 

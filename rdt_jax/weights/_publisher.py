@@ -28,6 +28,7 @@ from rdt_jax.weights._handle import digest as structure_digest
 from rdt_jax.weights._packed import EMPTY, PublishedStructure, Stream
 from rdt_jax.weights._packed_plan import unflatten
 from rdt_jax.weights._protocol import Answer, ObjectAnswer, Published, publishers
+from rdt_jax.weights._shards import Splitter
 from rdt_jax.weights._stats import PublishStats
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class WeightPublisher:
     self._device_buffers = DeviceBuffers()
     self._stats = PublishStats()
     self._sizes: dict[str, int] = {}  # array bytes of each pytree structure published, by digest
+    self._splitter = Splitter()  # this process's part of a multi-process version (rdt_jax.weights._shards)
     self._closed = False
     publishers[self._id] = self
 
@@ -195,6 +197,14 @@ class WeightPublisher:
     send the tree as it is, except that jax arrays in device memory are
     copied on their device.
 
+    In a multi-controller JAX trainer (`jax.distributed`: global arrays
+    whose shards span processes), every process publishes the same version
+    of the same tree, and each publishes only what it holds: the shards of
+    each global array whose `replica_id` is 0, and, in process 0 only, the
+    leaves that are not global arrays (taken to be the same in every
+    process). Its handle is that process's part; `WeightsHandle.combine`
+    makes one version of every process's handles.
+
     Args:
       tree: the parameters. A packed version is a copy, and so is every jax
         array in device memory: the trainer may change or donate them at
@@ -210,7 +220,8 @@ class WeightPublisher:
       ValueError: if `version` is not greater than the newest one.
       RuntimeError: if the publisher is closed.
       UnsupportedLeafError: naming the leaf, for a leaf the transport cannot
-        send (nothing is published).
+        send, or a typed PRNG key array spanning processes (nothing is
+        published).
     """
     started = time.perf_counter()
     version = int(version)
@@ -221,6 +232,10 @@ class WeightPublisher:
       raise ValueError(f"Version {version} is not newer than the last published version {newest}: versions increase.")
     if not EMPTY < version <= np.iinfo(np.int64).max:
       raise ValueError(f"Version {version} is outside the int64 range versions take.")
+    part = self._splitter.split(tree)  # global arrays of a multi-controller trainer: publish this process's pieces
+    shards = None if part is None else part[1]
+    if part is not None:
+      tree = part[0]
     packed = None
     buffer: Any = None
     info: PublishedStructure | None = None
@@ -281,7 +296,7 @@ class WeightPublisher:
     _free(dropped)
     self._reuse(dropped)
     _metrics.count_publish(self.name, kind, nbytes, time.perf_counter() - started)
-    return WeightsHandle(version, ref, self._id, self._actor, digest, packed, self.name)
+    return WeightsHandle(version, ref, self._id, self._actor, digest, packed, self.name, shards)
 
   def _count(self, answered: int = 0, objects: int = 0) -> None:
     """Adds to `stats` (lock held)."""

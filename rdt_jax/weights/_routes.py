@@ -12,8 +12,8 @@
 * `pull_colocated`: a pytree version whose publisher lives in this very
   process (Ray would hand back the publisher's own arrays: copied here).
 
-Every route takes the pull in progress (`Pull`: handle, deadline, the version
-held when it began, its cancellation) and keeps one rule: with `atomic=False`
+Every route takes the pull in progress (`rdt_jax.weights._pull.Pull`: handle,
+deadline, the version held when it began, its cancellation) and keeps one rule: with `atomic=False`
 the subscriber's version is None (`Pull.tear`) before the first byte that
 could reach the template, and a route that fails after that adds the torn
 note to its error. A route that returns has checked, after its bytes
@@ -25,9 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,16 +41,14 @@ from rdt_jax.weights._handle import (
   flatten,
   is_template_leaf,
   replaced_error,
-  stale_error,
 )
 from rdt_jax.weights._packed import EMPTY, ForeignTable, KeptTable, PackedSource, table_token
 from rdt_jax.weights._packed_plan import PackedPlan, bucket_runs
-from rdt_jax.weights._protocol import Published, ask_buckets, ask_kept
+from rdt_jax.weights._protocol import Published, ask_buckets
 from rdt_jax.weights._publisher import WeightPublisher
+from rdt_jax.weights._pull import Pull, PullCancelled, torn
 
 __all__ = [
-  "Pull",
-  "PullCancelled",
   "await_bucket",
   "can_read_directly",
   "check_structure_once",
@@ -68,64 +63,6 @@ __all__ = [
   "read_table_or_empty",
   "torn",
 ]
-
-
-class PullCancelled(Exception):
-  """A `pull_async` whose task was cancelled, stopped at its next step."""
-
-
-@dataclass
-class Pull:
-  """One pull in progress.
-
-  Attributes:
-    handle: the version pulled.
-    label: how errors name it (`rdt_jax.weights._handle.label`).
-    deadline: `time.monotonic()` by which the pull must end (None: none).
-    current: the version the subscriber held when the pull began.
-    cancel: set when the `pull_async` awaiting the pull is cancelled.
-    set_version: sets the subscriber's version (None: the template is torn).
-  """
-
-  handle: WeightsHandle
-  label: str
-  deadline: float | None
-  current: int | None
-  cancel: threading.Event | None
-  set_version: Callable[[int | None], None]
-  route: str = "ray"  # the route taken (`PullStats.route`), set by the route
-  objects: int = 0  # RDT objects fetched through Ray
-  kept: Any = None  # the versions the publisher kept at the last check seen
-  layout: Any = None  # the packed layout of the version, where the route had one (its bytes are counted from it)
-
-  def left(self) -> float | None:
-    """Seconds left before the deadline (None: no deadline)."""
-    return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-  def check_cancelled(self) -> None:
-    """Stops a cancelled pull (at a step where that leaves the state of a
-    failed pull)."""
-    if self.cancel is not None and self.cancel.is_set():
-      raise PullCancelled(f"The pull of version {self.handle.version} was cancelled.")
-
-  def tear(self) -> None:
-    """Marks the template torn: from here until the pull succeeds, bytes of
-    the version may be in it."""
-    self.set_version(None)
-
-  def stale(self, kept: Any, after_read: bool) -> StaleWeightsError:
-    return stale_error(self.handle, kept, self.current, after_read)
-
-  def ask(self, want_structure: bool = False, after_read: bool = False) -> Published | None:
-    """`rdt_jax.weights._protocol.ask` for this pull's version (the versions
-    kept are recorded in `kept`)."""
-    structure, self.kept = ask_kept(self.handle, self.label, self.left(), want_structure, self.current, after_read)
-    return structure
-
-
-def torn(error: BaseException, version: int, while_: str) -> None:
-  error.add_note(f"rdt_jax: the pull of version {version} failed {while_}: the template may hold some of its "
-                 "bytes, and the subscriber's version is None until the next successful pull.")
 
 
 # --------------------------------------------------------------------------

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rdt_jax import _dlpack, _layout
+from rdt_jax import _dlpack, _layout, _memory
+from rdt_jax.weights._handle import is_template_leaf
 
-__all__ = ["empty_like", "in_place", "staged"]
+__all__ = ["commit_staged", "empty_like", "in_place", "staged", "staged_tree"]
 
 
 def empty_like(x: Any) -> Any:
@@ -44,3 +45,37 @@ def in_place(leaf: Any) -> Any:
     leaf = leaf.into
   fw = _dlpack.framework_of(leaf)
   return None if fw in (None, "jax") else leaf
+
+
+def staged_tree(template: Any) -> Any:
+  """The staging counterpart of a whole template (`staged` per leaf)."""
+  import jax
+
+  return jax.tree_util.tree_map(staged, template, is_leaf=is_template_leaf)
+
+
+def commit_staged(template: list[tuple[str, Any]], value: Any) -> Any:
+  """Copies the array leaves of `value`, a successful atomic pull into
+  staging arrays, into the in-place leaves of `template` (the flattened
+  template: `(path, leaf)`); returns the pulled tree with the template's
+  arrays in their places.
+
+  Leaves are matched by pytree path, so the pulled value may hold
+  non-array leaves the template lacks. One wait per device before and
+  after: a CUDA template is written after work queued against it on any
+  stream, and holds the version on return."""
+  import jax
+
+  targets = {path: into for path, leaf in template if (into := in_place(leaf)) is not None}
+  flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_template_leaf)
+  copies: list[tuple[Any, Any]] = []
+  out = []
+  for p, arrived in flat:
+    into = targets.get(jax.tree_util.keystr(p)) if _dlpack.is_array(arrived) else None
+    if into is None:
+      out.append(arrived)
+      continue
+    copies.append((into, arrived))
+    out.append(into)
+  _memory.copy_into_many(copies)
+  return treedef.unflatten(out)  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 and what a publisher did (`PublishStats`, `WeightPublisher.stats`).
 
 A pull's route records its name and the RDT objects it fetched on the pull
-in progress (`rdt_jax.weights._routes.Pull`), and the last check of the
+in progress (`rdt_jax.weights._pull.Pull`), and the last check of the
 publisher's kept versions the versions it saw; the subscriber makes the
 record once the pull succeeded. Nothing here costs a call or a per-leaf
 step: a version's byte count comes from its layout, or is counted once per
@@ -24,7 +24,7 @@ __all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "count_failed", "coun
 KINDS: Final = ("packed", "packed_device", "pytree")
 
 #: The routes a pull can take, as `PullStats.route` names them.
-ROUTES: Final = ("node_local", "cuda_ipc", "buckets", "ray", "colocated")
+ROUTES: Final = ("node_local", "cuda_ipc", "buckets", "ray", "colocated", "mixed")
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,15 @@ class PullStats:
     version: the version pulled.
     nbytes: the size of the version's array leaves as published, in bytes
       (a `Slice` template receives part of them); for a subscriber with
-      `source=`, the bytes of the published leaves it read.
+      `source=`, or a pull of a combined handle, the bytes it read.
     seconds: wall-clock time of the pull, from its first check to its
       return; waiting for another pull of the same subscriber is not counted.
     route: how the bytes came: "node_local" (copied from the publisher's
       host memory on this host), "cuda_ipc" (from its device memory on this
       host), "buckets" (a packed version's RDT objects through Ray), "ray"
       (the version's RDT object through Ray) or "colocated" (the publisher
-      lives in this process).
+      lives in this process); for a combined handle
+      (`WeightsHandle.combine`), the route every part took, or "mixed".
     objects: the RDT objects the pull fetched through Ray (0 for the local
       routes).
     lag: how many versions behind the newest one the publisher kept at the

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _dlpack, _memory, _targets
+from rdt_jax import _memory, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._device_route import pull_device_local
@@ -28,7 +28,6 @@ from rdt_jax.weights._handle import (
   check_newer,
   check_template,
   flatten,
-  is_template_leaf,
   label,
 )
 from rdt_jax.weights._mapping import Source, check_source_mapping, pull_mapped
@@ -37,7 +36,9 @@ from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
-from rdt_jax.weights._staging import in_place, staged
+from rdt_jax.weights._pull import Pull, PullCancelled, committing
+from rdt_jax.weights._sharded_route import ShardedPlan, pull_sharded
+from rdt_jax.weights._staging import commit_staged, staged_tree
 from rdt_jax.weights._stats import PullStats, count_failed, count_pulled, lag_of, version_bytes
 
 __all__ = ["WeightSubscriber"]
@@ -80,7 +81,9 @@ class WeightSubscriber:
       more copy of those leaves in memory, allocated at the first pull and
       reused), and a successful pull then copies them into the template (one
       memcpy of those bytes per pull). A failed pull leaves the template's
-      arrays bit for bit as they were and `version` unchanged.
+      arrays bit for bit as they were and `version` unchanged, unless that
+      last copy into the template itself fails (a device error; a host
+      copy does not fail): then `version` is None, as for a torn pull.
     source: where each template leaf's bytes come from in the published
       tree, for a template of the engine's names and layouts: a mapping
       from each template path (as `jax.tree_util.keystr` prints it:
@@ -111,6 +114,7 @@ class WeightSubscriber:
         raise ValueError("source= maps published leaves into a template's tensors: give the template too.")
     self.source = source
     self._mapped: dict[str, tuple[Any, Any]] = {}  # structures pulled with source=, by digest
+    self._sharded: dict[str, ShardedPlan] = {}  # combined structures of multi-process versions, by digest
     self._flat = [] if template is None else flatten(template)
     if template is not None and not self._flat:
       raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
@@ -152,8 +156,15 @@ class WeightSubscriber:
     (in device memory, a copy on the device), and the pulled tree never
     holds the publisher's kept arrays.
 
+    A combined handle (`WeightsHandle.combine`: a version published by
+    every process of a multi-controller trainer) is pulled the same way:
+    each box the template needs is read from the process holding it, from
+    every process at once; an error of one process's part fails the pull
+    and names that process.
+
     Args:
-      handle: a `WeightsHandle` from `WeightPublisher.publish`.
+      handle: a `WeightsHandle` from `WeightPublisher.publish`, or from
+        `WeightsHandle.combine`.
       timeout: seconds the whole pull may take, waiting for a pull running
         in another thread included (None: no limit).
 
@@ -170,7 +181,8 @@ class WeightSubscriber:
         freed while it was read; for a handle of a publisher that was
         closed or replaced since.
       ValueError, UnsupportedLeafError: at the first pull of a structure,
-        naming the leaf path where template and published value differ.
+        naming the leaf path where template and published value differ;
+        ValueError for a combined handle with `source=`.
       MetadataError: for a handle or layout that does not hold together
         (naming the field); nothing is read.
       ray.exceptions.GetTimeoutError: the pull (or the wait for the pull
@@ -254,7 +266,8 @@ class WeightSubscriber:
 
     Raises:
       TypeError: if `handle` is not a `WeightsHandle`.
-      ValueError: for another `framework`, or a subscriber with a template.
+      ValueError: for another `framework`, a subscriber with a template,
+        or a combined handle (`WeightsHandle.combine`).
       StaleWeightsError: (from the iteration) as `pull`: not newer, not
         kept, or freed while it was read; pairs already yielded hold the
         version's bytes, and `version` stays None.
@@ -263,6 +276,9 @@ class WeightSubscriber:
     self._check_handle(handle)
     if framework not in ("torch", "numpy"):
       raise ValueError(f"framework={framework!r}: pull_named gives 'torch' or 'numpy' arrays.")
+    if handle.parts:
+      raise ValueError("pull_named takes the handle of one publisher; a version of a multi-process trainer (a "
+                       "combined handle) is pulled into a template with pull().")
     if self.template is not None:
       raise ValueError("pull_named is for a WeightSubscriber(None), whose version is what the engine loaded; "
                        "this subscriber has a template: pull into it with pull(), or make one with template=None.")
@@ -274,7 +290,7 @@ class WeightSubscriber:
     with self._counted(handle, deadline):
       check_newer(handle, self._version, self._reached)
       started = time.perf_counter()
-      pull = _routes.Pull(handle, label(handle), deadline, self._version, None, self._set_version)
+      pull = Pull(handle, label(handle), deadline, self._version, None, self._set_version)
       structure = pull.ask(want_structure=True)
       if structure is None:
         raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
@@ -328,7 +344,7 @@ class WeightSubscriber:
     """Runs one pull once no other pull of this subscriber runs."""
     with self._counted(handle, deadline):
       if cancel is not None and cancel.is_set():
-        raise _routes.PullCancelled(f"The pull of version {handle.version} was cancelled.")
+        raise PullCancelled(f"The pull of version {handle.version} was cancelled.")
       value = self._pull(handle, deadline, cancel)
       self._reach(handle.version)
       stats = self._last_pull  # this pull's, before another thread's pull may replace it
@@ -344,9 +360,11 @@ class WeightSubscriber:
     check_newer(handle, self._version, self._reached)
     current = self._version
     started = time.perf_counter()
-    pull = _routes.Pull(handle, label(handle), deadline, current, cancel, self._set_version)
+    pull = Pull(handle, label(handle), deadline, current, cancel, self._set_version)
     nbytes = None
-    if self.source is not None:
+    if handle.parts:
+      value, nbytes = pull_sharded(pull, self._sharded, self._flat, self.atomic, mapped=self.source is not None)
+    elif self.source is not None:
       nbytes = pull_mapped(pull, self._mapped, self._flat, self.source, self.atomic)
       value = self.template
     elif handle.packed is not None and getattr(handle.packed, "device", -1) != -1:
@@ -360,7 +378,7 @@ class WeightSubscriber:
       else:
         value = self._pull_pytree(pull)
       if self.atomic:
-        value = self._commit(value)
+        value = self._commit(pull, value)
     self._version = handle.version
     if nbytes is None:
       nbytes = version_bytes(self._sizes, handle.structure, value, pull.layout)
@@ -371,7 +389,7 @@ class WeightSubscriber:
   def _set_version(self, version: int | None) -> None:
     self._version = version
 
-  def _pull_pytree(self, pull: _routes.Pull) -> Any:
+  def _pull_pytree(self, pull: Pull) -> Any:
     """A pull of a version sent as a pytree from another process: the
     template is checked at its structure's first pull."""
     handle = pull.handle
@@ -387,13 +405,13 @@ class WeightSubscriber:
 
   # ---- packed versions (rdt_jax.weights._packed)
 
-  def _plan(self, pull: _routes.Pull) -> PackedPlan:
+  def _plan(self, pull: Pull) -> PackedPlan:
     """The plan of the pulled structure: made at its first pull, after the
     publisher says the version is kept and sends the structure's layout, and
     the template is checked against it."""
     return self._planned(pull, self._plans, PackedPlan)
 
-  def _planned(self, pull: _routes.Pull, plans: dict[str, Any], make: Callable[..., Any]) -> Any:
+  def _planned(self, pull: Pull, plans: dict[str, Any], make: Callable[..., Any]) -> Any:
     """The plan in `plans` of the pulled packed structure, made at its first
     pull by `make(layout, entries, template, atomic)` once the publisher
     sent the layout and the template and layout are checked against it."""
@@ -412,7 +430,7 @@ class WeightSubscriber:
     plans[handle.structure] = plan
     return plan
 
-  def _pull_packed(self, pull: _routes.Pull) -> Any:
+  def _pull_packed(self, pull: Pull) -> Any:
     """A pull of a packed version: node-local where the kernel allows it,
     else through Ray; then the plan commits the leaves."""
     handle = pull.handle
@@ -427,18 +445,21 @@ class WeightSubscriber:
     if not (_routes.can_read_directly(source) and _routes.pull_node_local(pull, plan, staging, self.atomic)):
       _routes.pull_buckets(pull, plan, staging, self.atomic)
     pull.check_cancelled()
-    return unflatten(plan.info, plan.commit(staging), source.rest)
+    if not plan.commits_into_template:
+      return unflatten(plan.info, plan.commit(staging), source.rest)
+    with committing(pull):
+      return unflatten(plan.info, plan.commit(staging), source.rest)
 
   # ---- versions packed in device memory (rdt_jax.weights._device)
 
-  def _device_plan(self, pull: _routes.Pull) -> DevicePlan | None:
+  def _device_plan(self, pull: Pull) -> DevicePlan | None:
     """The plan of the pulled structure if the template takes its bytes
     directly (None: it does not, and versions of it come through Ray):
     made at the structure's first pull, after the template is checked."""
     plan: DevicePlan | None = self._planned(pull, self._device_plans, DevicePlan.make)
     return plan
 
-  def _pull_device(self, pull: _routes.Pull) -> Any:
+  def _pull_device(self, pull: Pull) -> Any:
     """A pull of a version packed in device memory: copied through CUDA
     IPC into the template's tensors where the template and the host allow
     it, else the version's tree through Ray (made by the publisher at the
@@ -460,38 +481,18 @@ class WeightSubscriber:
     through_ray = dataclasses.replace(pull, handle=dataclasses.replace(handle, ref=ref))
     value = self._pull_pytree(through_ray)
     pull.route, pull.objects, pull.kept = through_ray.route, through_ray.objects, through_ray.kept
-    return self._commit(value) if self.atomic else value
+    return self._commit(pull, value) if self.atomic else value
 
   def _target(self) -> Any:
     if not self.atomic:
       return self.template
     if self._staging is None:
-      import jax
-
-      self._staging = jax.tree_util.tree_map(staged, self.template, is_leaf=is_template_leaf)
+      self._staging = staged_tree(self.template)
     return self._staging
 
-  def _commit(self, value: Any) -> Any:
-    """Copies a successful atomic pull from the staging arrays into the
-    template; returns the pulled tree with the template's arrays in place.
-
-    Leaves are matched by pytree path, so the pulled value may hold
-    non-array leaves the template lacks. One wait per device before and
-    after: a CUDA template is written after work queued against it on any
-    stream, and holds the version on return."""
-    import jax
-
-    targets = {path: into for path, leaf in self._flat if (into := in_place(leaf)) is not None}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_template_leaf)
-    copies: list[tuple[Any, Any]] = []
-    out = []
-    for p, arrived in flat:
-      into = targets.get(jax.tree_util.keystr(p)) if _dlpack.is_array(arrived) else None
-      if into is None:
-        out.append(arrived)
-        continue
-      copies.append((into, arrived))
-      out.append(into)
-    _memory.copy_into_many(copies)
-    return treedef.unflatten(out)  # type: ignore[attr-defined]
+  def _commit(self, pull: Pull, value: Any) -> Any:
+    """An atomic pull's last step: its staging arrays copied into the
+    template (`commit_staged`); a copy that fails leaves `version` None."""
+    with committing(pull):
+      return commit_staged(self._flat, value)
 

@@ -1,0 +1,102 @@
+"""One pull in progress, and the rule a failed one keeps.
+
+`Pull` carries what every read route needs (`rdt_jax.weights._routes`): the
+handle, the deadline, the version the subscriber held when it began, its
+cancellation, and the call that sets the subscriber's version. A pull that
+fails once bytes of the version may be in the template leaves the
+subscriber's version None (`Pull.tear`), and its error says so (`torn`):
+with `atomic=False` from the first byte a route may write into the
+template; with either setting while the arrived bytes are copied into the
+template's arrays (`committing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rdt_jax import _faults
+from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, stale_error
+from rdt_jax.weights._protocol import Published, ask_kept
+
+__all__ = ["Pull", "PullCancelled", "committing", "torn"]
+
+
+class PullCancelled(Exception):
+  """A `pull_async` whose task was cancelled, stopped at its next step."""
+
+
+@dataclass
+class Pull:
+  """One pull in progress.
+
+  Attributes:
+    handle: the version pulled.
+    label: how errors name it (`rdt_jax.weights._handle.label`).
+    deadline: `time.monotonic()` by which the pull must end (None: none).
+    current: the version the subscriber held when the pull began.
+    cancel: set when the `pull_async` awaiting the pull is cancelled.
+    set_version: sets the subscriber's version (None: the template is torn).
+  """
+
+  handle: WeightsHandle
+  label: str
+  deadline: float | None
+  current: int | None
+  cancel: threading.Event | None
+  set_version: Callable[[int | None], None]
+  route: str = "ray"  # the route taken (`PullStats.route`), set by the route
+  objects: int = 0  # RDT objects fetched through Ray
+  kept: Any = None  # the versions the publisher kept at the last check seen
+  layout: Any = None  # the packed layout of the version, where the route had one (its bytes are counted from it)
+
+  def left(self) -> float | None:
+    """Seconds left before the deadline (None: no deadline)."""
+    return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+  def check_cancelled(self) -> None:
+    """Stops a cancelled pull (at a step where that leaves the state of a
+    failed pull)."""
+    if self.cancel is not None and self.cancel.is_set():
+      raise PullCancelled(f"The pull of version {self.handle.version} was cancelled.")
+
+  def tear(self) -> None:
+    """Marks the template torn: from here until the pull succeeds, bytes of
+    the version may be in it."""
+    self.set_version(None)
+
+  def stale(self, kept: Any, after_read: bool) -> StaleWeightsError:
+    return stale_error(self.handle, kept, self.current, after_read)
+
+  def ask(self, want_structure: bool = False, after_read: bool = False) -> Published | None:
+    """`rdt_jax.weights._protocol.ask` for this pull's version (the versions
+    kept are recorded in `kept`)."""
+    structure, self.kept = ask_kept(self.handle, self.label, self.left(), want_structure, self.current, after_read)
+    return structure
+
+
+@contextlib.contextmanager
+def committing(pull: Pull) -> Iterator[None]:
+  """Around the copy of a pull's arrived bytes into the template's arrays
+  (an atomic pull's staging, a device template's copy, the engine tensors
+  of a mapped pull): if it raises, the template may hold some of the
+  version's bytes, so the subscriber's version becomes None, atomic or not,
+  and the error says so. (On the host these copies are memcpys that do not
+  fail; on a device a copy may.)"""
+  try:
+    yield
+    if _faults.ON:
+      _faults.hit("weights.commit")
+  except BaseException as e:
+    pull.tear()
+    torn(e, pull.handle.version, "while it copied the version into the template")
+    raise
+
+
+def torn(error: BaseException, version: int, while_: str) -> None:
+  error.add_note(f"rdt_jax: the pull of version {version} failed {while_}: the template may hold some of its "
+                 "bytes, and the subscriber's version is None until the next successful pull.")
