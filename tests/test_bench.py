@@ -391,6 +391,29 @@ def test_budget_is_for_weight_sync_only(tmp_path):
   assert proc.returncode == 2 and "--budget applies to --weight-sync only" in proc.stderr
 
 
+def test_weight_sync_trainers_short_form(tmp_path):
+  """`rdt-jax bench --weight-sync --trainers 1,2` (its short form): one and
+  two trainer processes of one JAX program publish the same bytes; every
+  generator's tensors equal the object store path's (checked every version)."""
+  proc = _bench(tmp_path, "--weight-sync", "--trainers", "1,2", "--generators", "1,2", "--trainer-cases",
+                "1x1MiB,64x1MiB", "--reps", "1", timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  doc = json.loads((tmp_path / "bench-weight-sync-trainers.json").read_text())
+  assert len(doc["commit"]) == 40
+  rows = {(r["case"], r["trainers"], r["generators"]): r for r in doc["rows"]}
+  assert sorted(rows) == sorted((c, t, g) for c in ("1x1MiB", "64x1MiB") for t in (1, 2) for g in (1, 2))
+  assert all(r["rdt_ms"] > 0 and r["store_ms"] > 0 and r["route"] == "node_local" for r in rows.values()), rows
+  assert rows[("64x1MiB", 2, 2)]["vs_one_trainer"] is not None
+  assert "| target | goal | measured | met |" in (tmp_path / "bench-weight-sync-trainers.md").read_text()
+
+
+def test_trainers_is_for_weight_sync_only(tmp_path):
+  proc = _bench(tmp_path, "--trainers", "1,2", "--cases", "4KiB", timeout=120)
+  assert proc.returncode == 2 and "--trainers applies to --weight-sync" in proc.stderr
+  proc = _bench(tmp_path, "--weight-sync", "--trainers", "3", timeout=120)
+  assert proc.returncode == 2 and "give a divisor of 4" in proc.stderr
+
+
 def test_benchmark_checksum_sees_a_changed_byte_and_moved_blocks():
   """The main benchmark's check: a changed byte, two 4 KiB blocks swapped,
   or two leaves swapped change it."""

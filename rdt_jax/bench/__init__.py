@@ -57,11 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="do not SIGSTOP the actors of paths not being measured")
   parser.add_argument("--label", default=None,
                       help="output file suffix (default: quick, full or custom)")
-  from rdt_jax.bench import _mapped, _reshard, _twohost, _weights
+  from rdt_jax.bench import _mapped, _multihost, _reshard, _twohost, _weights
 
   _reshard.add_arguments(parser)
   _weights.add_arguments(parser)
   _mapped.add_arguments(parser)
+  _multihost.add_arguments(parser)
   _twohost.add_arguments(parser)
 
 
@@ -284,6 +285,16 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from rdt_jax.bench import _mapped
 
     _mapped.run(args)
+    return 0
+  if getattr(args, "trainers", None) and not getattr(args, "weight_sync", False):
+    parser.error("--trainers applies to --weight-sync: rdt-jax bench --weight-sync --trainers 1,2,4")
+  if getattr(args, "weight_sync", False) and getattr(args, "trainers", None):
+    from rdt_jax.bench import _multihost
+
+    try:
+      _multihost.run(args)
+    except ValueError as e:
+      parser.error(str(e))
     return 0
   if getattr(args, "weight_sync", False):
     from rdt_jax.bench import _weights
