@@ -112,11 +112,14 @@ class Generator:
       mesh = Mesh(np.array(jax.devices()[:3]), ("y",))
       template = {"w": NamedSharding(mesh, P(None, "y")), "b": NamedSharding(mesh, P("y")),
                   "emb": NamedSharding(mesh, P("y", None)), "step": 0}
+    elif kind == "engine":  # its own names and layouts: w transposed, b under another name, emb not read
+      template = {"dense.weight": torch.zeros(6, 8), "dense.bias": torch.zeros(6)}
     else:  # a tensor-parallel rank of two: its rows of w and emb, all of b
       template = {"w": rdt_jax.Slice[4 * rank:4 * rank + 4, :], "b": torch.zeros(6),
                   "emb": rdt_jax.Slice[3 * rank:3 * rank + 3], "step": 0}
     self.template = template
-    self.sub = rdt_jax.WeightSubscriber(template, atomic=atomic)
+    source = {"dense.weight": rdt_jax.From("w", transpose=(1, 0)), "dense.bias": "b"} if kind == "engine" else None
+    self.sub = rdt_jax.WeightSubscriber(template, atomic=atomic, source=source)
 
   def pull(self, handle, timeout: float | None = None) -> dict:
     t0 = time.monotonic()
@@ -127,7 +130,9 @@ class Generator:
       error, params = " | ".join([f"{type(e).__name__}: {e}", *getattr(e, "__notes__", [])]), None
     out = {"error": error, "version": self.sub.version, "elapsed": time.monotonic() - t0,
            "last": self.sub.last_pull}
-    if params is not None:
+    if params is not None and self.kind == "engine":
+      out["shas"] = {k: leaf_sha(t) for k, t in params.items()}
+    elif params is not None:
       out["shas"] = {k: leaf_sha(params[k]) for k in ("w", "b", "emb")}
       out["step"] = params["step"]
       out["in_place"] = self.kind != "torch" or all(params[k] is self.template[k] for k in ("w", "b", "emb"))

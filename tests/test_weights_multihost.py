@@ -95,6 +95,24 @@ def test_every_generator_kind_pulls_a_version_of_two_trainer_processes(pack, env
     ray.kill(a)
 
 
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+def test_an_engine_maps_a_version_of_two_trainer_processes(atomic):
+  """A subscriber with `source=` (an engine's own names and layouts) pulls a
+  combined version: the leaves it maps assembled from both processes, then
+  transposed and renamed into its tensors; the leaf it does not map is not read."""
+  ts = trainers()
+  g = Generator.remote("engine", atomic=atomic)
+  for version in (1, 2):
+    handle = publish(ts, version)
+    whole = expected(ts)
+    r = ray.get(g.pull.remote(handle))
+    assert r["error"] is None, r["error"]
+    assert r["shas"] == {"dense.weight": sha(whole["w"].T), "dense.bias": sha(whole["b"])}, r
+    assert r["version"] == version and r["last"].nbytes == whole["w"].nbytes + whole["b"].nbytes, r
+  for a in [*ts, g]:
+    ray.kill(a)
+
+
 def test_combine_checks_the_parts_naming_the_process():
   ts = trainers()
   h1 = ray.get([a.step.remote(1) for a in ts])

@@ -16,10 +16,13 @@ driver's call to the last generator's return:
 * `rdt`: every trainer process publishes (`WeightPublisher.publish`, its
   shards packed), the driver combines the handles, and every generator
   pulls into torch tensors in place, all at once;
-* `store`: every trainer process `ray.put`s each shard it holds (NumPy, one
-  object per shard) and returns the refs with their boxes; every generator
-  `ray.get`s all of them and copies each into its place in its torch
-  tensors, all at once.
+* `store`: every trainer process `ray.put`s the shards it holds as one
+  object (a list of NumPy arrays, each out of band: one copy into the
+  object store, mapped by readers on this host) and returns its ref with
+  the shards' boxes; every generator `ray.get`s every process's object and
+  copies each shard into its place in its torch tensors, all at once. (One
+  object per shard instead costs Ray's per-object work per shard: 2.6-3.5 s
+  for 1,000 leaves of four shards here, against 0.15-0.24 s for `rdt`.)
 
 Both paths' generator tensors are checked equal every version (CRC-32 of
 the bytes, outside the timed part). Reported: per-version time (median of
@@ -101,15 +104,17 @@ class _Trainer:
   def publish(self) -> Any:
     return self.pub.publish(self.params, version=self.version)
 
-  def put(self) -> list[tuple[str, tuple[tuple[int, int], ...], Any]]:
-    """Each shard this process holds with replica_id 0, put in the object store: (leaf, box, ref)."""
-    out = []
+  def put(self) -> tuple[list[tuple[str, tuple[tuple[int, int], ...]]], Any]:
+    """The shards this process holds with replica_id 0, put in the object
+    store as one object (a list of NumPy arrays, each out of band): their
+    (leaf, box), and the object's ref."""
+    where, shards = [], []
     for name, x in self.params.items():
       for shard in x.addressable_shards:
         if shard.replica_id == 0:
-          box = tuple(s.indices(n)[:2] for s, n in zip(shard.index, x.shape))
-          out.append((name, box, ray.put(np.asarray(shard.data))))
-    return out
+          where.append((name, tuple(s.indices(n)[:2] for s, n in zip(shard.index, x.shape))))
+          shards.append(np.asarray(shard.data))
+    return where, ray.put(shards)
 
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
@@ -125,11 +130,12 @@ class _Generator:
     self.sub.pull(handle)
     return self.sub.last_pull.route if self.sub.last_pull else ""
 
-  def get(self, parts: list[list[tuple[str, Any, Any]]]) -> None:
-    flat = [p for part in parts for p in part]
-    arrays = ray.get([ref for _, _, ref in flat])
-    for (name, box, _), a in zip(flat, arrays):
-      np.copyto(self.store[name].numpy()[tuple(slice(lo, hi) for lo, hi in box)], a)
+  def get(self, parts: list[tuple[list[tuple[str, Any]], Any]]) -> None:
+    """Every process's object (fetched together), each shard copied into its place."""
+    values = ray.get([ref for _, ref in parts])
+    for (where, _), shards in zip(parts, values):
+      for (name, box), a in zip(where, shards):
+        np.copyto(self.store[name].numpy()[tuple(slice(lo, hi) for lo, hi in box)], a)
 
   def checksums(self) -> tuple[int, int]:
     return (_cases.ordered_checksum(list(self.rdt.values())), _cases.ordered_checksum(list(self.store.values())))

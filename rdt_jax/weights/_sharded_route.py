@@ -39,6 +39,7 @@ from rdt_jax import _dlpack, _layout, _limits, _memory
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import WeightsHandle, check_template, label
+from rdt_jax.weights._mapping import MappedPlan, Source
 from rdt_jax.weights._packed import PackedLayoutInfo
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
@@ -47,7 +48,7 @@ from rdt_jax.weights._protocol import ask_object
 from rdt_jax.weights._pull import Pull, committing
 from rdt_jax.weights._routes import can_read_directly, kept_table, pull_buckets, pull_node_local
 
-__all__ = ["PartPlan", "ShardedPlan", "pull_sharded"]
+__all__ = ["PartPlan", "ShardedPlan", "pull_sharded", "pull_sharded_mapped"]
 
 #: One run of a part: (piece index, into staging?, destination (address, or
 #: offset in staging), source offset in the piece, nbytes).
@@ -229,7 +230,7 @@ def _plan(pull: Pull, subs: list[Pull], plans: dict[str, ShardedPlan], template:
 
 
 def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple[str, Any]],
-                 atomic: bool, mapped: bool = False) -> tuple[Any, int]:
+                 atomic: bool) -> tuple[Any, int]:
   """A pull of a combined handle, the subscriber's lock held: each part's
   needed bytes read from its trainer process, all parts at once. Returns
   the pulled value and the bytes read.
@@ -237,14 +238,10 @@ def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple
   Raises:
     StaleWeightsError: a part's version is not kept (before or after its
       read), naming its trainer process.
-    ValueError, UnsupportedLeafError: a template that does not fit; a
-      subscriber with `source=` (`mapped`), which cannot pull it yet.
+    ValueError, UnsupportedLeafError: a template that does not fit.
     RayDirectTransportError, ray.exceptions.RayError: a part could not be
       read (its trainer process died, say), naming it.
   """
-  if mapped:
-    raise ValueError("A version of a multi-process trainer (a combined handle) is pulled into a template of the "
-                     "published tree; a subscriber with source= cannot pull it yet.")
   handle = pull.handle
   subs = [_part_pull(pull, part) for part in handle.parts]
   plan = _plan(pull, subs, plans, template, atomic)
@@ -316,3 +313,56 @@ def _read_tree(sub: Pull, part: PartPlan, staging: int) -> None:
   part.copy_from(pieces, staging, sub.label)
   del value, pieces
   sub.ask(after_read=True)
+
+
+def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, ShardedPlan],
+                        template: list[tuple[str, Any]], source: Source, atomic: bool) -> int:
+  """A pull of a combined handle by a subscriber with `source=` (an
+  engine's own names and layouts), its lock held; returns the bytes read.
+
+  The published leaves the mapping reads are assembled from every part
+  into host arrays of their own (kept per structure: one more copy of
+  those leaves in memory, where a one-process version needs about a
+  bucket), by `pull_sharded` (leaves the mapping does not read are not
+  read); then each is written through the mapping as a one-process mapped
+  pull writes it. With `atomic=False` the template is torn from the first
+  of those writes; with `atomic=True` they land in staging, committed at
+  the end.
+
+  Raises:
+    As `pull_sharded`, and as `MappedPlan` at a structure's first pull.
+  """
+  handle = pull.handle
+  known = plans.get(handle.structure)
+  if known is None:
+    part = handle.parts[0].shards
+    if part is None:
+      raise MetadataError(pull.label, "parts", "are not parts of a multi-process version")
+    mapped = MappedPlan(part.entries, template, source, atomic)
+    arrays: dict[str, np.ndarray] = {}
+    flat: list[tuple[str, Any]] = []
+    for path, _, shape, what in part.entries:
+      if path in mapped.writes or not shape:
+        arrays[path] = np.empty(shape, _dlpack.np_dtype_from_name(what))
+        flat.append((path, arrays[path]))
+      else:  # not read: an empty Slice of it
+        empty = np.empty((0, *shape[1:]), _dlpack.np_dtype_from_name(what))
+        flat.append((path, _layout.Slice((slice(0, 0),), into=empty)))
+    known = (mapped, flat, arrays)
+    if len(plans) >= 4:  # structures change rarely: keep the last few
+      plans.pop(next(iter(plans)))
+    plans[handle.structure] = known
+  mapped, flat, arrays = known
+  mapped.begin()
+  # Into this subscriber's own arrays: the engine's tensors are not written yet.
+  inner = dataclasses.replace(pull, set_version=lambda _: None)
+  _, nbytes = pull_sharded(inner, sharded, flat, atomic=False)
+  pull.route, pull.objects, pull.kept = inner.route, inner.objects, inner.kept
+  pull.check_cancelled()
+  if not atomic:
+    pull.tear()
+  for path, array in arrays.items():
+    mapped.write(path, array)
+  with committing(pull):
+    mapped.finish()
+  return nbytes

@@ -37,7 +37,7 @@ from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
 from rdt_jax.weights._pull import Pull, PullCancelled, committing
-from rdt_jax.weights._sharded_route import ShardedPlan, pull_sharded
+from rdt_jax.weights._sharded_route import ShardedPlan, pull_sharded, pull_sharded_mapped
 from rdt_jax.weights._staging import commit_staged, staged_tree
 from rdt_jax.weights._stats import PullStats, count_failed, count_pulled, lag_of, version_bytes
 
@@ -113,7 +113,7 @@ class WeightSubscriber:
       if template is None:
         raise ValueError("source= maps published leaves into a template's tensors: give the template too.")
     self.source = source
-    self._mapped: dict[str, tuple[Any, Any]] = {}  # structures pulled with source=, by digest
+    self._mapped: dict[str, Any] = {}  # structures pulled with source=, by digest (their plans)
     self._sharded: dict[str, ShardedPlan] = {}  # combined structures of multi-process versions, by digest
     self._flat = [] if template is None else flatten(template)
     if template is not None and not self._flat:
@@ -181,8 +181,7 @@ class WeightSubscriber:
         freed while it was read; for a handle of a publisher that was
         closed or replaced since.
       ValueError, UnsupportedLeafError: at the first pull of a structure,
-        naming the leaf path where template and published value differ;
-        ValueError for a combined handle with `source=`.
+        naming the leaf path where template and published value differ.
       MetadataError: for a handle or layout that does not hold together
         (naming the field); nothing is read.
       ray.exceptions.GetTimeoutError: the pull (or the wait for the pull
@@ -362,8 +361,11 @@ class WeightSubscriber:
     started = time.perf_counter()
     pull = Pull(handle, label(handle), deadline, current, cancel, self._set_version)
     nbytes = None
-    if handle.parts:
-      value, nbytes = pull_sharded(pull, self._sharded, self._flat, self.atomic, mapped=self.source is not None)
+    if handle.parts and self.source is not None:
+      nbytes = pull_sharded_mapped(pull, self._mapped, self._sharded, self._flat, self.source, self.atomic)
+      value = self.template
+    elif handle.parts:
+      value, nbytes = pull_sharded(pull, self._sharded, self._flat, self.atomic)
     elif self.source is not None:
       nbytes = pull_mapped(pull, self._mapped, self._flat, self.source, self.atomic)
       value = self.template
