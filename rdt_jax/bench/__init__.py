@@ -273,6 +273,16 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     parser.error("--budget applies to --weight-sync only; limit other runs with --cases and --reps")
   if budget is not None and budget <= 0:
     parser.error(f"--budget {budget:g}: give a positive number of seconds")
+  if getattr(args, "trainers", None) and not getattr(args, "weight_sync", False):
+    parser.error("--trainers applies to --weight-sync: rdt-jax bench --weight-sync --trainers 1,2,4")
+  if getattr(args, "weight_sync", False) and getattr(args, "trainers", None):
+    from rdt_jax.bench import _multihost
+
+    try:
+      _multihost.run(args)
+    except (ValueError, RuntimeError) as e:
+      parser.error(str(e))
+    return 0
   if getattr(args, "two_host", False):
     from rdt_jax.bench import _twohost
 
@@ -285,16 +295,6 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from rdt_jax.bench import _mapped
 
     _mapped.run(args)
-    return 0
-  if getattr(args, "trainers", None) and not getattr(args, "weight_sync", False):
-    parser.error("--trainers applies to --weight-sync: rdt-jax bench --weight-sync --trainers 1,2,4")
-  if getattr(args, "weight_sync", False) and getattr(args, "trainers", None):
-    from rdt_jax.bench import _multihost
-
-    try:
-      _multihost.run(args)
-    except ValueError as e:
-      parser.error(str(e))
     return 0
   if getattr(args, "weight_sync", False):
     from rdt_jax.bench import _weights

@@ -31,17 +31,33 @@ generators / time), the ratio of `rdt` to `store`, and each T's time over
 T = 1's at the same generator count (target: at most 1.2).
 
 Writes `bench-weight-sync-trainers.{json,md}` under `--out`.
+
+With `--two-host` the same rows run on the two-host cluster
+(`rdt_jax.bench._twohost.TwoHosts`: two Ray nodes in network namespaces of
+their own, joined by a veth pair): every trainer process on host B, every
+generator on host A, so every byte crosses the link. In the same run a
+plain TCP copy of 256 MiB from host B to host A over the same link (one
+socket, `sendall` of one buffer, `recv_into` another) measures the link's
+own rate, reported beside each row's cross-host rate. Writes
+`bench-weight-sync-trainers-twohost.{json,md}`.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import os
 import pathlib
 import platform
+import random
 import socket
 import statistics
+import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,6 +68,8 @@ from rdt_jax.bench import _cases, _env
 
 #: CPU devices of the trainer in all, whatever its process count.
 DEVICES = 4
+#: Bytes of the plain TCP copy that measures the two-host link.
+LINK_BYTES = 256 << 20
 
 
 def _shapes(case: str) -> list[tuple[int, int]]:
@@ -141,6 +159,58 @@ class _Generator:
     return (_cases.ordered_checksum(list(self.rdt.values())), _cases.ordered_checksum(list(self.store.values())))
 
 
+@ray.remote(num_cpus=0)
+class _LinkEnd:
+  """One end of the plain TCP copy over the two-host link."""
+
+  def listen(self, address: str) -> int:
+    """Starts receiving `LINK_BYTES` on a new port of `address`; returns the port."""
+    self.sock = socket.create_server((address, 0))
+    self.done = threading.Event()
+    self.seconds = 0.0
+
+    def receive() -> None:
+      conn, _ = self.sock.accept()
+      buf = memoryview(bytearray(1 << 20))
+      got = conn.recv_into(buf)
+      t0 = time.perf_counter()  # from the first bytes: the connection's setup is not the link's rate
+      while got < LINK_BYTES:
+        n = conn.recv_into(buf)
+        if not n:
+          break
+        got += n
+      self.seconds = time.perf_counter() - t0
+      conn.close()
+      self.done.set()
+
+    threading.Thread(target=receive, daemon=True).start()
+    return int(self.sock.getsockname()[1])
+
+  def received(self) -> float:
+    self.done.wait(120)
+    self.sock.close()
+    return self.seconds
+
+  def send(self, address: str, port: int) -> None:
+    data = bytes(LINK_BYTES)
+    with socket.create_connection((address, port)) as conn:
+      conn.sendall(data)
+
+
+def _link_rate(a: str) -> float:
+  """GB/s of a plain TCP copy from host B to host A at address `a` (median of three)."""
+  rates = []
+  for _ in range(3):
+    rx = _LinkEnd.options(resources={"host_a": 1}).remote()  # type: ignore[attr-defined]
+    tx = _LinkEnd.options(resources={"host_b": 1}).remote()  # type: ignore[attr-defined]
+    port = ray.get(rx.listen.remote(a))
+    ray.get(tx.send.remote(a, port))
+    rates.append(LINK_BYTES / ray.get(rx.received.remote()) / 1e9)
+    for end in (rx, tx):
+      ray.kill(end)
+  return round(statistics.median(rates), 2)
+
+
 def add_arguments(parser: Any) -> None:
   group = parser.add_argument_group("--weight-sync --trainers (multi-process trainers)")
   group.add_argument("--trainers", default=None,
@@ -156,54 +226,116 @@ def _ints(text: str) -> list[int]:
 
 
 def run(args: Any) -> dict[str, Any]:
-  """Runs the rows, writes `bench-weight-sync-trainers.{json,md}` under `args.out`."""
+  """Runs the rows (on this host, or with `--two-host` across the two-host
+  cluster), writes the result under `args.out`."""
   t_start = time.perf_counter()
-  versions = (args.reps or (3 if args.quick else 6)) + 1
-  trainers, generators = _ints(args.trainers), _ints(args.generators)
-  cases = [c for c in str(args.trainer_cases).split(",") if c]
-  for t in trainers:
+  plan: dict[str, Any] = {
+      "versions": (args.reps or (3 if args.quick else 6)) + 1,
+      "trainers": _ints(args.trainers), "generators": _ints(args.generators),
+      "cases": [c for c in str(args.trainer_cases).split(",") if c],
+  }
+  for t in plan["trainers"]:
     if t < 1 or DEVICES % t:
       raise ValueError(f"--trainers {t}: the trainer has {DEVICES} devices in all; give a divisor of {DEVICES}.")
-  rdt_jax.register()
-  started = not ray.is_initialized()
-  if started:
-    ray.init(num_cpus=max(trainers) + max(generators) + 2, include_dashboard=False, logging_level=logging.WARNING)
-  env = _env.nixl_actor_env()
-  rows: list[dict[str, Any]] = []
-  try:
-    gens = [_Generator.options(runtime_env={"env_vars": env}).remote()  # type: ignore[attr-defined]
-            for _ in range(max(generators))]
-    for t in trainers:
-      flags = {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES // t}"}
-      with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-      procs = [_Trainer.options(runtime_env={"env_vars": flags}).remote(i, t, coordinator)  # type: ignore[attr-defined]
-               for i in range(t)]
-      for case in cases:
-        shapes = _shapes(case)
-        ray.get([p.setup.remote(shapes) for p in procs] + [g.setup.remote(shapes) for g in gens])
-        for g in generators:
-          rows.append(_row(case, shapes, t, procs, gens[:g], versions))
-          print(_format(rows[-1]), flush=True)
-      for p in procs:
-        ray.kill(p)
-    for g in gens:
-      ray.kill(g)
-  finally:
+  name = "bench-weight-sync-trainers"
+  if getattr(args, "two_host", False):
+    name += "-twohost"
+    measured = _across_hosts(plan)
+  else:
+    rdt_jax.register()
+    started = not ray.is_initialized()
     if started:
-      ray.shutdown()
+      ray.init(num_cpus=max(plan["trainers"]) + max(plan["generators"]) + 2, include_dashboard=False,
+               logging_level=logging.WARNING)
+    try:
+      measured = {"rows": measure(plan, two_host=False)}
+    finally:
+      if started:
+        ray.shutdown()
+  rows = measured["rows"]
   _relate(rows)
   result = {
       "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "host": {"platform": platform.platform(), "python": platform.python_version()},
-      "versions": versions, "devices": DEVICES, "wall_s": round(time.perf_counter() - t_start, 1), "rows": rows,
+      "versions": plan["versions"], "devices": DEVICES, "wall_s": round(time.perf_counter() - t_start, 1),
+      **measured,
   }
   out = pathlib.Path(args.out)
-  result = _env.write_json(out / "bench-weight-sync-trainers.json", result)
-  (out / "bench-weight-sync-trainers.md").write_text(markdown(result))
+  result = _env.write_json(out / f"{name}.json", result)
+  (out / f"{name}.md").write_text(markdown(result))
   print(markdown(result))
   return result
+
+
+def _across_hosts(plan: dict[str, Any]) -> dict[str, Any]:
+  """`measure` as a driver on host A of a two-host cluster started here."""
+  from rdt_jax.bench import _twohost
+
+  reason = _twohost.namespaces_available()
+  if reason is not None:
+    raise RuntimeError(f"rdt-jax bench --two-host {reason}; run it as root on Linux.")
+  package_parent = str(pathlib.Path(__file__).resolve().parents[2])
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="rdt-jax-trainers-"))
+  hosts = _twohost.TwoHosts(workdir, pythonpath=[package_parent], tag="train", cpus=6)
+  hosts.start()
+  try:
+    done = hosts.run(["-m", "rdt_jax.bench._multihost", json.dumps(plan)], timeout=3600)
+  finally:
+    hosts.stop()
+  sys.stderr.write("\n".join(x for x in done.stdout.splitlines() if not x.startswith("{")) + "\n")
+  lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+  if done.returncode != 0 or not lines:
+    raise RuntimeError(f"the two-host driver failed (exit {done.returncode}): {done.stderr[-3000:]}")
+  return {**lines[-1], "link": f"veth pair {_twohost.SUBNET}.2 (host B: trainer processes) -> "
+                               f"{_twohost.SUBNET}.1 (host A: generators, driver)"}
+
+
+def measure(plan: dict[str, Any], two_host: bool) -> list[dict[str, Any]]:
+  """The rows of `plan` (Ray initialized). With `two_host`, trainer
+  processes run on host B and generators on host A of the two-host cluster."""
+  env = _env.nixl_actor_env()
+  place: Callable[[str], dict[str, Any]] = (
+      (lambda host: {"resources": {f"host_{host}": 1}, "num_cpus": 0}) if two_host else (lambda host: {}))
+  rows: list[dict[str, Any]] = []
+  gens = [_Generator.options(runtime_env={"env_vars": env}, **place("a")).remote()  # type: ignore[attr-defined]
+          for _ in range(max(plan["generators"]))]
+  for t in plan["trainers"]:
+    flags = {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES // t}"}
+    if two_host:
+      from rdt_jax.bench._twohost import SUBNET
+
+      coordinator = f"{SUBNET}.2:{random.randrange(20000, 40000)}"  # process 0, on host B
+    else:
+      with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = [_Trainer.options(runtime_env={"env_vars": flags}, **place("b")).remote(  # type: ignore[attr-defined]
+        i, t, coordinator) for i in range(t)]
+    for case in plan["cases"]:
+      shapes = _shapes(case)
+      ray.get([p.setup.remote(shapes) for p in procs] + [g.setup.remote(shapes) for g in gens])
+      for g in plan["generators"]:
+        rows.append(_row(case, shapes, t, procs, gens[:g], plan["versions"]))
+        print(_format(rows[-1]), flush=True)
+    for p in procs:
+      ray.kill(p)
+  for g in gens:
+    ray.kill(g)
+  return rows
+
+
+def _inside(plan_json: str) -> None:
+  """The two-host driver's entry point on host A: measures `plan`, the
+  link's own rate, and prints one JSON line."""
+  ray.init(logging_level=logging.ERROR, runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+  rdt_jax.register()
+  from rdt_jax.bench._twohost import SUBNET
+
+  link = _link_rate(f"{SUBNET}.1")
+  rows = measure(json.loads(plan_json), two_host=True)
+  after = _link_rate(f"{SUBNET}.1")
+  ray.shutdown()
+  print(json.dumps({"rows": rows, "link_gbps": [link, after]}), flush=True)
 
 
 def _row(case: str, shapes: list[tuple[int, int]], t: int, procs: list[Any], gens: list[Any],
@@ -263,6 +395,11 @@ def markdown(result: dict[str, Any]) -> str:
     vs = "" if r["vs_one_trainer"] is None else f"{r['vs_one_trainer']}x"
     lines.append(f"| {r['case']} | {r['trainers']} | {r['generators']} | {r['rdt_ms']} ms | {r['store_ms']} ms | "
                  f"{r['ratio']}x | {r['rdt_gbps']} GB/s | {vs} |")
+  if "link_gbps" in result:
+    before, after = result["link_gbps"]
+    lines += ["", f"Across the two hosts ({result['link']}): a plain TCP copy of {LINK_BYTES >> 20} MiB over the same "
+              f"link ran at {before} GB/s before the rows and {after} GB/s after (median of three each); the "
+              "aggregate column is the cross-host rate of the rows."]
   targets = _targets(result["rows"])
   if targets:
     lines += ["", "| target | goal | measured | met |", "| --- | --- | --- | --- |", *targets]
@@ -279,3 +416,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
       out.append(f"| {r['case']}, {r['trainers']} -> {r['generators']} / object store | <= {goal}x | {r['ratio']}x "
                  f"| {'met' if r['ratio'] <= goal else 'NOT met'} |")
   return out
+
+
+if __name__ == "__main__":
+  _inside(sys.argv[1])
