@@ -265,6 +265,34 @@ class Checks:
     assert got["stats"]["inline"] == 0 and got["stats"]["bytes"] == FULL[100:300, 8:40].nbytes, got["stats"]
     return got["stats"]
 
+  def multihost_weights(self) -> dict:
+    """A multi-controller JAX trainer with one process on each host publishes
+    two versions; a torch generator on host A pulls each combined version
+    (process 0's part read on its host, process 1's through Ray from host
+    B), bit for bit against the global arrays gathered from the trainer."""
+    from _multihost import TWO, Generator, Trainer, free_port, sha
+
+    coordinator = f"{ray.util.get_node_ip_address()}:{free_port()}"
+    env = {"env_vars": {**ACTOR_ENV["env_vars"], "XLA_FLAGS": TWO}}
+    trainer = [Trainer.options(resources={f"host_{h}": 1}, num_cpus=0, runtime_env=env).remote(i, 2, coordinator)
+               for i, h in enumerate("ab")]
+    gen = Generator.options(resources={"host_a": 1}, num_cpus=0, runtime_env=ACTOR_ENV).remote("torch")
+    try:
+      assert ray.get([t.devices.remote() for t in trainer], timeout=120) == [(2, 4), (2, 4)]
+      routes = []
+      for version in (1, 2):
+        handle = rdt_jax.WeightsHandle.combine(ray.get([t.step.remote(version) for t in trainer], timeout=120))
+        whole = ray.get([t.expected.remote() for t in trainer], timeout=120)[0]
+        r = ray.get(gen.pull.remote(handle, 120), timeout=180)
+        assert r["error"] is None, r["error"]
+        assert r["shas"] == {k: sha(v) for k, v in whole.items()} and r["version"] == version, r
+        routes.append(r["last"].route)
+      assert routes == ["mixed", "mixed"], routes  # node-local from host A's process, buckets from host B's
+      return {"routes": routes, "nbytes": r["last"].nbytes}
+    finally:
+      for actor in (*trainer, gen):
+        ray.kill(actor)
+
   # jax_gloo is two-sided: its bytes move only as a task argument between
   # actors of one collective group. These check that what it refuses is
   # refused across hosts as on one (docs/backends.md, "Limits").
@@ -449,7 +477,8 @@ READ_START_S = 0.3
 
 CHECKS = {
     "jax_nixl": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "no_node_local_reads", "driver_get",
-                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "producer_killed", "producer_killed_mid_read",
+                 "sharded_leaf", "resharded_leaf", "sliced_leaf", "multihost_weights", "producer_killed",
+                 "producer_killed_mid_read",
                  "consumer_killed_mid_read", "link_flap", "link_down_held",
                  "raylet_killed"],
     "jax_gloo": ["hosts", "b_to_a", "a_to_b", "small_b_to_a", "large_b_to_a", "sharded_leaf", "driver_get_refused",
