@@ -169,6 +169,11 @@ WEIGHTS_PREPARED_KEPT: Final = 8
 #: a trainer of 64 processes in one round, and more processes queue for a thread.
 WEIGHTS_PART_THREADS: Final = 64
 
+#: Seconds `WeightsHandle.combine` waits for the trainer processes' answers (their parts' layouts).
+#: Why: the question runs in each publisher's system concurrency group, answered within
+#: milliseconds even while a step runs; a process that does not answer in a minute is gone or stuck.
+WEIGHTS_COMBINE_ASK_S: Final = 60.0
+
 #: CUDA IPC mappings of other processes' allocations a process keeps open.
 #: Why: a weight publisher keeps `keep` device buffers, each its own allocation, and a
 #: subscriber maps each once; sixteen covers a few publishers of `keep` up to 8, and an

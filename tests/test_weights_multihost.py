@@ -13,6 +13,7 @@ that version, gathered across the trainer's processes.
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import ray
@@ -20,6 +21,7 @@ import ray
 import rdt_jax
 from _multihost import THREE, TWO, Generator, Trainer, free_port, sha
 from conftest import OUT_OF_BAND_ENV, wait_for, worker_env
+from rdt_jax.weights._combine import layouts_of
 
 rdt_jax.register()
 
@@ -129,11 +131,13 @@ def test_combine_checks_the_parts_naming_the_process():
     rdt_jax.WeightsHandle.combine([h2[0], "v2"])
   combined = rdt_jax.WeightsHandle.combine(list(reversed(h2)))  # any order
   assert [p.shards.process for p in combined.parts] == [0, 1]
+  assert len(pickle.dumps(combined)) < 8192  # the parts' layouts are not in it
   # Each process publishes what it holds with replica_id 0: w's rows of both its devices; b (replicated
   # on all four) once, by process 0; emb's two column blocks (replicated over dp) by process 0 alone.
-  index = {path: i for i, (path, *_) in enumerate(combined.parts[0].shards.entries)}
-  counts = {p.shards.process: [[i for i, _ in p.shards.pieces].count(index[f"['{k}']"]) for k in ("w", "b", "emb")]
-            for p in combined.parts}
+  layouts = layouts_of(combined.parts, 60)
+  index = {path: i for i, (path, *_) in enumerate(layouts[0].entries)}
+  counts = {lay.process: [[i for i, _ in lay.pieces].count(index[f"['{k}']"]) for k in ("w", "b", "emb")]
+            for lay in layouts}
   assert counts == {0: [2, 1, 2], 1: [2, 0, 0]}, counts
   for a in ts:
     ray.kill(a)
@@ -161,10 +165,10 @@ def test_a_stale_part_changes_nothing_and_a_dead_process_is_named():
 
 
 def test_coverage_errors_name_the_leaf_and_the_processes():
-  from rdt_jax.weights._parts import ShardedPart, check_coverage
+  from rdt_jax.weights._parts import PartLayout, check_coverage
 
   entries = (("['w']", "array", (4, 2), "float32"),)
-  part = lambda p, *boxes: ShardedPart(p, 2, "d", entries, None, (0,), tuple((0, b) for b in boxes))  # noqa: E731
+  part = lambda p, *boxes: PartLayout(p, "d", entries, None, (0,), tuple((0, b) for b in boxes))  # noqa: E731
   check_coverage([part(0, ((0, 2), (0, 2))), part(1, ((2, 4), (0, 2)))])
   with pytest.raises(ValueError, match=r"Leaf \['w'\] has two pieces .* process 0 .* process 1"):
     check_coverage([part(0, ((0, 3), (0, 2))), part(1, ((2, 4), (0, 2)))])

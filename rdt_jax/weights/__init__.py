@@ -72,6 +72,7 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 * `_subscriber`: `WeightSubscriber`: pull, pull_async, commit.
 """
 
+from rdt_jax.weights import _combine  # noqa: F401  (installs WeightsHandle.combine)
 from rdt_jax.weights._handle import StaleWeightsError as StaleWeightsError
 from rdt_jax.weights._handle import WeightsHandle as WeightsHandle
 from rdt_jax.weights._mapping import From as From

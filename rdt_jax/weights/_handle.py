@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from rdt_jax import _dlpack, _layout
 from rdt_jax._error_base import RdtJaxError
 from rdt_jax.weights._packed import PackedSource
-from rdt_jax.weights._parts import ShardedPart, check_coverage
+from rdt_jax.weights._parts import ShardedPart
 
 __all__ = [
   "LeafEntry",
@@ -28,7 +26,6 @@ __all__ = [
   "WeightsHandle",
   "array_paths",
   "check_template",
-  "combine",
   "digest",
   "flatten",
   "label",
@@ -71,6 +68,11 @@ class StaleWeightsError(RdtJaxError, RuntimeError):
 StaleWeightsError.__module__ = "rdt_jax"
 
 
+#: `WeightsHandle.combine`'s implementation, installed by `rdt_jax.weights._combine`
+#: (which asks publishers: a room above this module).
+_COMBINE: list[Callable[[Sequence[WeightsHandle]], WeightsHandle]] = []
+
+
 @dataclass(frozen=True)
 class WeightsHandle:
   """One published version: what a subscriber needs to pull it.
@@ -100,7 +102,7 @@ class WeightsHandle:
     shards: for one trainer process's part of a version published by
       every process of a multi-controller trainer, which box of which
       global leaf each of its pieces holds, and the global structure
-      (`rdt_jax.weights._shards.ShardedPart`); None otherwise.
+      (`rdt_jax.weights._parts.ShardedPart`); None otherwise.
     parts: for a handle made by `combine`, the parts it combines (one per
       trainer process, in process order); empty otherwise.
   """
@@ -125,7 +127,9 @@ class WeightsHandle:
     replica); its handle is one part of the version. The combined handle is
     pulled like any other: a subscriber reads each box its template needs
     from the process that holds it, from every process at once. It carries
-    no weight bytes and pickles to a few hundred bytes per leaf and piece.
+    no weight bytes and stays small: which box each process holds travels
+    once per structure, asked of each process (at its first combination
+    here, and at a subscriber's first pull).
 
     Args:
       handles: the handles of one version, one from every trainer process,
@@ -141,8 +145,11 @@ class WeightsHandle:
         a process missing or given twice; pieces that leave part of a leaf
         uncovered or give part of it twice (naming the leaf and the
         processes).
+      RuntimeError: a process no longer keeps any version of the structure.
+      ray.exceptions.RayError: a trainer process could not be asked (its
+        actor died, say).
     """
-    return combine(handles)
+    return _COMBINE[0](handles)
 
 #: A weight stream's name (`WeightPublisher(name=)`).
 STREAM_NAME: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -309,75 +316,3 @@ def replaced_error(handle: WeightsHandle, current: int | None) -> StaleWeightsEr
       "Pull a handle of the publisher that runs now.",
       handle.version, current,
   )
-
-
-# --------------------------------------------------------------------------
-# Combining the parts of a version
-
-
-_checked_lock = threading.Lock()
-#: Combinations of part structures already checked (their coverage holds for every version of them).
-_checked: OrderedDict[tuple[str, ...], None] = OrderedDict()
-
-
-def combine(handles: Sequence[WeightsHandle]) -> WeightsHandle:
-  """One handle for the parts of a version published by every process of a
-  multi-controller trainer (see `WeightsHandle.combine`).
-
-  Raises:
-    TypeError: for a value that is not a `WeightsHandle`.
-    ValueError: for no handles, a handle of a single-process publish, parts
-      of different versions, structures or streams, a process missing or
-      given twice, or pieces that leave part of a leaf uncovered or give
-      one element twice (naming the leaf and the processes).
-  """
-  parts = list(handles)
-  if not parts:
-    raise ValueError("WeightsHandle.combine needs the handles of every trainer process; it got none.")
-  for h in parts:
-    if not isinstance(h, WeightsHandle):
-      raise TypeError(f"WeightsHandle.combine takes WeightsHandles (from WeightPublisher.publish), got "
-                      f"{type(h).__name__}.")
-    if h.shards is None:
-      raise ValueError(
-          f"The handle of version {h.version} from publisher {h.publisher} is not part of a multi-process "
-          "version (no leaf of what it published spans processes): pull it as it is.")
-  first = parts[0]
-  assert first.shards is not None
-  for h in parts[1:]:
-    assert h.shards is not None
-    if h.version != first.version:
-      raise ValueError(f"The parts are of different versions: process {first.shards.process} published version "
-                       f"{first.version}, process {h.shards.process} version {h.version}. Combine the handles "
-                       "of one version.")
-    if h.shards.digest != first.shards.digest or h.shards.processes != first.shards.processes:
-      raise ValueError(f"Processes {first.shards.process} and {h.shards.process} published version {h.version} "
-                       "with different structures (leaf paths, global shapes or dtypes, or process counts).")
-    if h.stream != first.stream:
-      raise ValueError(f"Processes {first.shards.process} and {h.shards.process} publish different streams "
-                       f"({first.stream!r} and {h.stream!r}).")
-  by_process: dict[int, WeightsHandle] = {}
-  for h in parts:
-    assert h.shards is not None
-    if h.shards.process in by_process:
-      raise ValueError(f"Process {h.shards.process} gave two parts of version {h.version}: combine one handle "
-                       "per trainer process.")
-    by_process[h.shards.process] = h
-  missing = sorted(set(range(first.shards.processes)) - set(by_process))
-  if missing:
-    raise ValueError(f"Version {first.version} lacks the parts of trainer processes {missing} (of "
-                     f"{first.shards.processes}): combine the handles of every process.")
-  ordered = tuple(by_process[i] for i in range(first.shards.processes))
-  key = tuple(h.structure for h in ordered)
-  with _checked_lock:
-    known = key in _checked
-  if not known:
-    check_coverage([h.shards for h in ordered])  # type: ignore[misc]
-    with _checked_lock:
-      _checked[key] = None
-      while len(_checked) > 8:
-        _checked.popitem(last=False)
-  # The global structure's digest too: the parts' own digests cover their pieces, not the global paths.
-  structure = hashlib.blake2b("|".join((first.shards.digest, *key)).encode(), digest_size=12).hexdigest()
-  return WeightsHandle(first.version, None, first.publisher, first.actor, structure, None, first.stream,
-                       parts=ordered)

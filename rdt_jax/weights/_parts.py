@@ -2,10 +2,14 @@
 the parts of a version cover it.
 
 A version published by every process of a multi-controller trainer is one
-part per process (`rdt_jax.weights._shards` makes them; `WeightsHandle`
-carries each one's `ShardedPart`); `check_coverage` holds the parts of one
-version against its global structure when `WeightsHandle.combine` meets
-them for the first time.
+part per process (`rdt_jax.weights._shards` makes them). Each part's handle
+carries a small `ShardedPart` (its process, the global structure's digest,
+the non-array leaves); what does not change from version to version, which
+box of which global leaf each piece holds (`PartLayout`), its publisher
+sends once per structure, with the structure (`Published.shards`), so a
+handle stays small whatever the model's size. `check_coverage` holds the
+parts of a version against the global structure when `WeightsHandle.combine`
+first meets them, and again when a subscriber plans their pull.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Any
 
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Box
+from rdt_jax._metadata import MetadataError
 
-__all__ = ["ShardedPart", "check_coverage"]
+__all__ = ["PartLayout", "ShardedPart", "check_coverage", "check_part_layout"]
 
 
 @dataclass(frozen=True)
@@ -30,26 +35,53 @@ class ShardedPart:
     processes: `jax.process_count()` of the trainer.
     digest: the digest of the global structure (leaf paths, global shapes,
       dtypes and the pytree), the same in every process publishing it.
-    entries: the global structure's array leaves (`LeafEntry`s: global
-      shapes).
-    treedef: the global tree's pytree structure.
-    positions: the indices of `treedef`'s leaves that are array leaves.
-    pieces: for each piece of this part, in the order the part's own tree
-      flattens: (index of its leaf in `entries`, the global box it holds).
-    rest: the global tree's other leaves (in `treedef` order).
+    rest: the global tree's non-array leaves, in pytree order.
   """
 
   process: int
   processes: int
   digest: str
+  rest: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class PartLayout:
+  """What one process's part of a structure holds (sent once per structure).
+
+  Attributes:
+    process: the publishing process's `jax.process_index()`.
+    digest: the global structure's digest (as `ShardedPart.digest`).
+    entries: the global structure's array leaves (`LeafEntry`s: global
+      shapes).
+    treedef: the global tree's pytree structure.
+    positions: the indices of `treedef`'s leaves that are array leaves.
+    pieces: for each piece of the part, in the order the part's own tree
+      flattens (its packed layout's order): (index of its leaf in
+      `entries`, the global box it holds).
+  """
+
+  process: int
+  digest: str
   entries: tuple[tuple[str, str, tuple[int, ...], str], ...]
   treedef: Any
   positions: tuple[int, ...]
   pieces: tuple[tuple[int, Box], ...]
-  rest: tuple[Any, ...] = ()
 
 
-def check_coverage(parts: Sequence[ShardedPart]) -> None:
+def check_part_layout(layout: Any, part: ShardedPart, where: str) -> PartLayout:
+  """`layout`, as a publisher sent it for `part`, checked to be a
+  `PartLayout` of that process and structure.
+
+  Raises:
+    MetadataError: naming the process, for anything else.
+  """
+  if not (isinstance(layout, PartLayout) and layout.process == part.process and layout.digest == part.digest
+          and isinstance(layout.entries, tuple) and isinstance(layout.pieces, tuple)):
+    raise MetadataError(where, "structure.shards", f"is not the layout of trainer process {part.process}'s part")
+  return layout
+
+
+def check_coverage(parts: Sequence[PartLayout]) -> None:
   """Raises unless the pieces of `parts` cover every leaf of the structure
   exactly once (naming the leaf, and the processes at fault)."""
   entries = parts[0].entries

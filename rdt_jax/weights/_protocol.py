@@ -28,6 +28,7 @@ from rdt_jax import _limits, _ray
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, stale_error
 from rdt_jax.weights._packed import PackedLayoutInfo
+from rdt_jax.weights._parts import PartLayout
 
 __all__ = [
   "Answer",
@@ -49,10 +50,13 @@ __all__ = [
 @dataclass(frozen=True)
 class Published:
   """What a publisher tells a subscriber of one structure: its array leaves
-  and, for a structure published packed, its layout."""
+  and, for a structure published packed, its layout; for one process's part
+  of a multi-process version, which box of which global leaf each piece
+  holds."""
 
   entries: tuple[LeafEntry, ...]
   packed: PackedLayoutInfo | None = None
+  shards: PartLayout | None = None  # for one process's part of a multi-process version: what its pieces hold
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ def check_answer(answer: Any, where: str) -> tuple[tuple[int, ...] | None, Publi
   if structure is not None and not (
       isinstance(structure, Published) and isinstance(structure.entries, tuple)
       and (structure.packed is None or isinstance(structure.packed, PackedLayoutInfo))
+      and (structure.shards is None or isinstance(structure.shards, PartLayout))
   ):
     raise MetadataError(where, "structure", "is not a published structure")
   return _check_kept(answer.kept, where), structure

@@ -233,7 +233,7 @@ class WeightPublisher:
     if not EMPTY < version <= np.iinfo(np.int64).max:
       raise ValueError(f"Version {version} is outside the int64 range versions take.")
     part = self._splitter.split(tree)  # global arrays of a multi-controller trainer: publish this process's pieces
-    shards = None if part is None else part[1]
+    shards, layout = (None, None) if part is None else part[1:]
     if part is not None:
       tree = part[0]
     packed = None
@@ -276,6 +276,8 @@ class WeightPublisher:
     value = None if packed is not None else _device_copies(tree)
     ref = None if value is None else ray.put(value, _tensor_transport=self.transport)
     with self._lock:
+      if layout is not None and self._structures[digest].shards is None:
+        self._structures[digest] = dataclasses.replace(self._structures[digest], shards=layout)
       dropped = self._drop_oldest(self.keep - 1)
       self._kept.append(_Kept(version, ref, digest, buffer, value=value,
                               frameworks=info.frameworks if packed is not None and info is not None else (),

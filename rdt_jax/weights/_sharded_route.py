@@ -43,7 +43,7 @@ from rdt_jax.weights._mapping import MappedPlan, Source
 from rdt_jax.weights._packed import PackedLayoutInfo
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
-from rdt_jax.weights._parts import ShardedPart, check_coverage
+from rdt_jax.weights._parts import PartLayout, ShardedPart, check_coverage, check_part_layout
 from rdt_jax.weights._protocol import ask_object
 from rdt_jax.weights._pull import Pull, committing
 from rdt_jax.weights._routes import can_read_directly, kept_table, pull_buckets, pull_node_local
@@ -117,7 +117,7 @@ class ShardedPlan:
   """A subscriber's plan for one combined structure and template.
 
   Args:
-    parts: each trainer process's `ShardedPart`, in process order.
+    parts: each trainer process's `PartLayout`, in process order.
     layouts: each part's packed layout (None for a part sent as a pytree).
     template: the subscriber's flattened template, by path.
     atomic: as `WeightSubscriber`'s.
@@ -127,7 +127,7 @@ class ShardedPlan:
     MetadataError: for a part whose layout does not hold its pieces.
   """
 
-  def __init__(self, parts: Sequence[ShardedPart], layouts: Sequence[PackedLayoutInfo | None],
+  def __init__(self, parts: Sequence[PartLayout], layouts: Sequence[PackedLayoutInfo | None],
                template: dict[str, Any], atomic: bool):
     first = parts[0]
     itemsizes = [_dlpack.np_dtype_from_name(what).itemsize for _, _, _, what in first.entries]
@@ -198,31 +198,45 @@ def _each(parts: Sequence[Pull], step: Callable[[int, Pull], Any]) -> list[Any]:
   return [f.result() for f in futures]
 
 
+def _ask_layouts(pull: Pull, subs: list[Pull]) -> list[tuple[PartLayout, PackedLayoutInfo | None]]:
+  """Every part's layout and, for a part packed in host memory, its packed
+  layout, asked of its publisher (all at once) and checked: one structure,
+  every element of every leaf covered once."""
+  handle = pull.handle
+  parts = [p.handle.shards for p in subs]
+  if any(part is None or part.digest != parts[0].digest for part in parts):  # type: ignore[union-attr]
+    raise MetadataError(pull.label, "parts", "are not parts of one structure (combine them with WeightsHandle.combine)")
+
+  def layout_of(i: int, sub: Pull) -> tuple[PartLayout, PackedLayoutInfo | None]:
+    answer = sub.ask(want_structure=True)
+    if answer is None:
+      raise RuntimeError(f"Trainer process {i} no longer knows the structure of version {handle.version}.")
+    layout = check_part_layout(answer.shards, cast(ShardedPart, sub.handle.shards), sub.label)
+    source = sub.handle.packed
+    if source is None or source.device >= 0:
+      return layout, None
+    if answer.packed is None:
+      raise RuntimeError(f"Trainer process {i} no longer knows the packed structure of version {handle.version}.")
+    check_layout(answer.packed, answer.entries, sub.label)
+    return layout, answer.packed
+
+  answers = _each(subs, layout_of)
+  check_coverage([layout for layout, _ in answers])  # a handle made by hand, too: no template byte left unwritten
+  return answers
+
+
 def _plan(pull: Pull, subs: list[Pull], plans: dict[str, ShardedPlan], template: list[tuple[str, Any]],
           atomic: bool) -> ShardedPlan:
-  """The plan of the pulled combined structure, made at its first pull:
-  every part's publisher is asked for its part's layout (at once)."""
+  """The plan of the pulled combined structure, made at its first pull
+  (`_ask_layouts`, then the template checked against the global structure)."""
   handle = pull.handle
   plan = plans.get(handle.structure)
   if plan is not None:
     return plan
-  parts = [cast(ShardedPart, p.handle.shards) for p in subs]
-  if any(part is None or part.digest != parts[0].digest for part in parts):
-    raise MetadataError(pull.label, "parts", "are not parts of one structure (combine them with WeightsHandle.combine)")
-  check_coverage(parts)  # a handle made by hand, too: no byte of the template is left unwritten
-  check_template(template, parts[0].entries)
-
-  def layout_of(i: int, sub: Pull) -> PackedLayoutInfo | None:
-    source = sub.handle.packed
-    if source is None or source.device >= 0:
-      return None
-    answer = sub.ask(want_structure=True)
-    if answer is None or answer.packed is None:
-      raise RuntimeError(f"Trainer process {i} no longer knows the packed structure of version {handle.version}.")
-    check_layout(answer.packed, answer.entries, sub.label)
-    return answer.packed
-
-  plan = ShardedPlan(parts, _each(subs, layout_of), dict(template), atomic)
+  answers = _ask_layouts(pull, subs)
+  layouts = [layout for layout, _ in answers]
+  check_template(template, layouts[0].entries)
+  plan = ShardedPlan(layouts, [packed for _, packed in answers], dict(template), atomic)
   if len(plans) >= 4:  # structures change rarely: keep the last few
     plans.pop(next(iter(plans)))
   plans[handle.structure] = plan
@@ -335,13 +349,11 @@ def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, Sh
   handle = pull.handle
   known = plans.get(handle.structure)
   if known is None:
-    part = handle.parts[0].shards
-    if part is None:
-      raise MetadataError(pull.label, "parts", "are not parts of a multi-process version")
-    mapped = MappedPlan(part.entries, template, source, atomic)
+    entries = _ask_layouts(pull, [_part_pull(pull, part) for part in handle.parts])[0][0].entries
+    mapped = MappedPlan(entries, template, source, atomic)
     arrays: dict[str, np.ndarray] = {}
     flat: list[tuple[str, Any]] = []
-    for path, _, shape, what in part.entries:
+    for path, _, shape, what in entries:
       if path in mapped.writes or not shape:
         arrays[path] = np.empty(shape, _dlpack.np_dtype_from_name(what))
         flat.append((path, arrays[path]))

@@ -33,7 +33,7 @@ from typing import Any
 from rdt_jax import _dlpack
 from rdt_jax._dlpack import Box
 from rdt_jax.weights._handle import LeafEntry, entry_of
-from rdt_jax.weights._parts import ShardedPart
+from rdt_jax.weights._parts import PartLayout, ShardedPart
 
 __all__ = ["Splitter"]
 
@@ -46,9 +46,11 @@ def _signature(x: Any) -> Any:
   return type(x) if shape is None else (type(x), tuple(shape), str(getattr(x, "dtype", "")))
 
 
-def _key(i: int, box: Box) -> str:
-  """A piece's key in the part's tree (sorted as jax sorts dict keys: leaf, then box)."""
-  return f"{i:09d}@" + ",".join(f"{a}:{b}" for a, b in box)
+def _key(digest: str, i: int, box: Box) -> str:
+  """A piece's key in the part's tree (sorted as jax sorts dict keys: leaf,
+  then box). The global structure's digest in every key makes the part's
+  own structure digest change with the global structure."""
+  return f"{digest}|{i:09d}@" + ",".join(f"{a}:{b}" for a, b in box)
 
 
 
@@ -58,7 +60,9 @@ class _Known:
 
   signature: tuple[Any, ...]
   part: ShardedPart
+  layout: PartLayout
   take: list[tuple[str, int, int]]  # per piece: (key, leaf position in the flat tree, shard index or -1: the leaf)
+  rest: list[int]  # the positions of the tree's other leaves
 
 
 class Splitter:
@@ -68,10 +72,10 @@ class Splitter:
     self._known: _Known | None = None
     self._lock = threading.Lock()
 
-  def split(self, tree: Any) -> tuple[dict[str, Any], ShardedPart] | None:
+  def split(self, tree: Any) -> tuple[dict[str, Any], ShardedPart, PartLayout] | None:
     """This process's part of `tree`: its pieces (by key, the arrays to
-    publish) and its `ShardedPart` (without `rest`: filled per version).
-    None if no leaf of `tree` is a global array spanning processes.
+    publish), its `ShardedPart` and its structure's `PartLayout`. None if
+    no leaf of `tree` is a global array spanning processes.
 
     Raises:
       UnsupportedLeafError: naming the leaf, for a typed PRNG key array
@@ -88,7 +92,7 @@ class Splitter:
     if known is None or known.signature != signature:
       if not any(_dlpack.spans_processes(x) for x in leaves):
         return None
-      known = _analyse(tree, leaves, treedef, signature)
+      known = _analyse(tree, treedef, signature)
       with self._lock:
         self._known = known
     pieces: dict[str, Any] = {}
@@ -101,39 +105,37 @@ class Splitter:
       if position not in shards:
         shards[position] = _dlpack.shard_arrays(x)
       pieces[key] = shards[position][shard]
-    rest = tuple(leaves[i] for i in range(len(leaves)) if i not in set(known.part.positions))
-    return pieces, replace(known.part, rest=rest)
+    return pieces, replace(known.part, rest=tuple(leaves[i] for i in known.rest)), known.layout
 
 
-def _analyse(tree: Any, leaves: list[Any], treedef: Any, signature: tuple[Any, ...]) -> _Known:
+def _analyse(tree: Any, treedef: Any, signature: tuple[Any, ...]) -> _Known:
   """The `_Known` of a new structure (see `Splitter.split`)."""
   import jax
 
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   process = jax.process_index()
+  leaves: list[tuple[int, Any]] = []  # (position in the flat tree, array leaf)
   entries: list[LeafEntry] = []
-  positions: list[int] = []
-  found: list[tuple[str, int, int, int, Box]] = []  # (key, position, shard index or -1, leaf, box)
   for position, (p, x) in enumerate(flat):
-    if not (_dlpack.is_array(x) or _dlpack.is_prng_key(x)):
-      continue
-    path = jax.tree_util.keystr(p)
     if _dlpack.is_prng_key(x):
       raise _dlpack.UnsupportedLeafError(
-          path, "is a typed PRNG key array; a multi-process publish sends arrays of numbers",
+          jax.tree_util.keystr(p), "is a typed PRNG key array; a multi-process publish sends arrays of numbers",
           "Publish its key data (jax.random.key_data) and wrap it with jax.random.wrap_key_data after the pull.")
-    i = len(entries)
-    entries.append(entry_of(path, x))
-    positions.append(position)
+    if _dlpack.is_array(x):
+      leaves.append((position, x))
+      entries.append(entry_of(jax.tree_util.keystr(p), x))
+  digest = hashlib.blake2b(f"{tuple(entries)!r}|{treedef}".encode(), digest_size=12).hexdigest()
+  found: list[tuple[str, int, int, int, Box]] = []  # (key, position, shard index or -1, leaf, box)
+  for i, (position, x) in enumerate(leaves):
     if _dlpack.spans_processes(x):
-      found += [(_key(i, box), position, j, i, box) for j, box in _dlpack.owned_shards(x)]
+      found += [(_key(digest, i, box), position, j, i, box) for j, box in _dlpack.owned_shards(x)]
     elif process == 0:
       box = _dlpack.full_box(tuple(int(n) for n in x.shape))
-      found.append((_key(i, box), position, -1, i, box))
+      found.append((_key(digest, i, box), position, -1, i, box))
   found.sort(key=lambda t: t[0])  # the order the pieces' dict flattens in
   take = [(key, position, j) for key, position, j, _, _ in found]
-  pieces = [(i, box) for _, _, _, i, box in found]
-  digest = hashlib.blake2b(f"{tuple(entries)!r}|{treedef}".encode(), digest_size=12).hexdigest()
-  part = ShardedPart(process, jax.process_count(), digest, tuple(entries), treedef, tuple(positions),
-                     tuple(pieces))
-  return _Known(signature, part, take)
+  positions = tuple(position for position, _ in leaves)
+  part = ShardedPart(process, jax.process_count(), digest)
+  layout = PartLayout(process, digest, tuple(entries), treedef, positions, tuple((i, box) for *_, i, box in found))
+  taken = set(positions)
+  return _Known(signature, part, layout, take, [i for i in range(len(flat)) if i not in taken])
