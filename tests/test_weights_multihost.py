@@ -73,6 +73,7 @@ def test_every_generator_kind_pulls_a_version_of_two_trainer_processes(pack, env
   ts = trainers(pack=pack, **env)
   gens = {
       "torch": Generator.options(runtime_env=worker_env(**env)).remote("torch"),
+      "atomic": Generator.options(runtime_env=worker_env(**env)).remote("torch", atomic=True),
       "jax": Generator.options(runtime_env=worker_env(XLA_FLAGS=THREE, **env)).remote("jax"),
       "tp0": Generator.options(runtime_env=worker_env(**env)).remote("tp", rank=0),
       "tp1": Generator.options(runtime_env=worker_env(**env)).remote("tp", rank=1),
@@ -84,7 +85,7 @@ def test_every_generator_kind_pulls_a_version_of_two_trainer_processes(pack, env
     results = dict(zip(gens, ray.get([g.pull.remote(handle) for g in gens.values()])))
     for name, r in results.items():
       assert r["error"] is None, (name, r["error"])
-      kind = "tp" if name.startswith("tp") else name
+      kind = "tp" if name.startswith("tp") else "torch" if name == "atomic" else name
       assert r["shas"] == want(whole, kind, int(name[-1]) if kind == "tp" else 0), name
       assert r["version"] == version and r["step"] == version and r["in_place"], (name, r)
     assert results["jax"]["devices"] == {"w": 3, "b": 3, "emb": 3}
