@@ -722,12 +722,13 @@ def test_tests_named_in_the_docs_exist():
 def test_benchmark_pages_are_what_the_generator_writes(page):
   """A committed benchmark page is exactly what `rdt-jax bench` writes from the
   committed JSON beside it: no figure or heading is edited by hand."""
-  from rdt_jax.bench import _mapped, _report, _reshard, _twohost, _weights  # imports Ray: only here
+  from rdt_jax.bench import _mapped, _multihost, _report, _reshard, _twohost, _weights  # imports Ray: only here
 
   doc = json.loads(page.with_suffix(".json").read_text())
   generate = {
       "bench-reshard": _reshard.markdown, "bench-weight-sync": _weights.markdown,
-      "bench-weight-sync-mapped": _mapped.markdown,
+      "bench-weight-sync-mapped": _mapped.markdown, "bench-weight-sync-trainers": _multihost.markdown,
+      "bench-weight-sync-trainers-twohost": _multihost.markdown,
       "bench-weight-sync-gpu": _weights.markdown, "bench-twohost": _twohost.markdown,
   }.get(page.stem, _report.markdown)
   assert generate(doc) == page.read_text(), f"{page.name} differs from what the generator writes from its JSON"
