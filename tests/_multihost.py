@@ -84,6 +84,16 @@ class Trainer:
     self.params = {**step(arrays), "step": version}
     return self.pub.publish(self.params, version=version)
 
+  def publish_key(self) -> str:
+    """A publish of the tree with a typed PRNG key beside the global arrays: the error."""
+    import jax
+
+    try:
+      self.pub.publish({**self.params, "rng": jax.random.key(0)}, version=10**6)
+    except rdt_jax.UnsupportedLeafError as e:
+      return str(e)
+    return "published"
+
   def expected(self) -> dict:
     """Each leaf's global bytes (gathered from every process: a collective)."""
     from jax.experimental import multihost_utils

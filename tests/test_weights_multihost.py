@@ -133,6 +133,10 @@ def test_combine_checks_the_parts_naming_the_process():
   combined = rdt_jax.WeightsHandle.combine(list(reversed(h2)))  # any order
   assert [p.shards.process for p in combined.parts] == [0, 1]
   assert len(pickle.dumps(combined)) < 8192  # the parts' layouts are not in it
+  with pytest.raises(ValueError, match="pull_named takes the handle of one publisher"):
+    rdt_jax.WeightSubscriber(None).pull_named(combined)
+  errors = ray.get([a.publish_key.remote() for a in ts])
+  assert all("['rng']" in e and "typed PRNG key array in a tree that spans processes" in e for e in errors), errors
   # Each process publishes what it holds with replica_id 0: w's rows of both its devices; b (replicated
   # on all four) once, by process 0; emb's two column blocks (replicated over dp) by process 0 alone.
   layouts = layouts_of(combined.parts, 60)

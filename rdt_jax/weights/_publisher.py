@@ -220,8 +220,8 @@ class WeightPublisher:
       ValueError: if `version` is not greater than the newest one.
       RuntimeError: if the publisher is closed.
       UnsupportedLeafError: naming the leaf, for a leaf the transport cannot
-        send, or a typed PRNG key array spanning processes (nothing is
-        published).
+        send, or a typed PRNG key array in a tree that spans processes
+        (nothing is published).
     """
     started = time.perf_counter()
     version = int(version)

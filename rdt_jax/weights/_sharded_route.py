@@ -45,7 +45,7 @@ from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._parts import PartLayout, ShardedPart, check_coverage, check_part_layout
 from rdt_jax.weights._protocol import ask_object
-from rdt_jax.weights._pull import Pull, committing
+from rdt_jax.weights._pull import Pull, committing, torn
 from rdt_jax.weights._routes import can_read_directly, kept_table, pull_buckets, pull_node_local
 
 __all__ = ["PartPlan", "ShardedPlan", "pull_sharded", "pull_sharded_mapped"]
@@ -304,7 +304,7 @@ def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple
   routes = {sub.route for i, sub in enumerate(subs) if i in needed}
   pull.route = routes.pop() if len(routes) == 1 else "mixed"
   pull.objects = sum(sub.objects for sub in subs)
-  pull.kept = subs[0].kept
+  pull.kept = next((subs[i].kept for i in needed), None)
   if plan.dest.commits_into_template:
     with committing(pull):
       arrays = plan.dest.commit(staging)
@@ -316,12 +316,12 @@ def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple
 def _read_tree(sub: Pull, part: PartPlan, staging: int) -> None:
   """A part sent as a pytree (or packed in device memory: asked for as
   one): its value through Ray, the runs copied out of its pieces."""
+  import jax
+
   handle = sub.handle
   ref = handle.ref if handle.packed is None else ask_object(handle, sub.label, sub.left(), sub.current)
   value = ray.get(ref, timeout=sub.left())
   sub.route, sub.objects = "ray", 1
-  import jax
-
   pieces = [x if isinstance(x, np.ndarray) else _dlpack.convert_leaf(x, "numpy", sub.label)
             for x in jax.tree_util.tree_leaves(value)]
   part.copy_from(pieces, staging, sub.label)
@@ -373,8 +373,13 @@ def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, Sh
   pull.check_cancelled()
   if not atomic:
     pull.tear()
-  for path, array in arrays.items():
-    mapped.write(path, array)
+  try:
+    for path, array in arrays.items():
+      mapped.write(path, array)
+  except BaseException as e:
+    if not atomic:
+      torn(e, handle.version, "while it wrote the engine's tensors")
+    raise
   with committing(pull):
     mapped.finish()
   return nbytes

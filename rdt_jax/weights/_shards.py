@@ -53,7 +53,6 @@ def _key(digest: str, i: int, box: Box) -> str:
   return f"{digest}|{i:09d}@" + ",".join(f"{a}:{b}" for a, b in box)
 
 
-
 @dataclass
 class _Known:
   """A structure `split` has seen: its signature, and what it takes of a tree."""
@@ -78,8 +77,8 @@ class Splitter:
     no leaf of `tree` is a global array spanning processes.
 
     Raises:
-      UnsupportedLeafError: naming the leaf, for a typed PRNG key array
-        spanning processes.
+      UnsupportedLeafError: naming the leaf, for a typed PRNG key array in
+        a tree that spans processes.
     """
     import jax
 
@@ -119,7 +118,8 @@ def _analyse(tree: Any, treedef: Any, signature: tuple[Any, ...]) -> _Known:
   for position, (p, x) in enumerate(flat):
     if _dlpack.is_prng_key(x):
       raise _dlpack.UnsupportedLeafError(
-          jax.tree_util.keystr(p), "is a typed PRNG key array; a multi-process publish sends arrays of numbers",
+          jax.tree_util.keystr(p), "is a typed PRNG key array in a tree that spans processes; a multi-process publish "
+          "sends arrays of numbers",
           "Publish its key data (jax.random.key_data) and wrap it with jax.random.wrap_key_data after the pull.")
     if _dlpack.is_array(x):
       leaves.append((position, x))
