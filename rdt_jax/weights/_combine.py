@@ -45,6 +45,7 @@ def combine(handles: Sequence[WeightsHandle]) -> WeightsHandle:
       of different versions, structures or streams, a process missing or
       given twice, or pieces that leave part of a leaf uncovered or give
       one element twice (naming the leaf and the processes).
+    RuntimeError, MetadataError, ray.exceptions.RayError: as `layouts_of`.
   """
   parts = list(handles)
   if not parts:
@@ -92,7 +93,7 @@ def combine(handles: Sequence[WeightsHandle]) -> WeightsHandle:
       _checked[key] = None
       while len(_checked) > 8:
         _checked.popitem(last=False)
-  # The global structure's digest too: the parts' own digests cover their pieces, not the global paths.
+  # The parts' digests cover the global structure already (through their pieces' keys); it is named here too.
   structure = hashlib.blake2b("|".join((first.shards.digest, *key)).encode(), digest_size=12).hexdigest()
   return WeightsHandle(first.version, None, first.publisher, first.actor, structure, None, first.stream,
                        parts=ordered)
