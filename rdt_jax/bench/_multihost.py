@@ -278,15 +278,8 @@ def _across_hosts(plan: dict[str, Any]) -> dict[str, Any]:
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="rdt-jax-trainers-"))
   hosts = _twohost.TwoHosts(workdir, pythonpath=[package_parent], tag="train", cpus=6)
   hosts.start()
-  try:
-    done = hosts.run(["-m", "rdt_jax.bench._multihost", json.dumps(plan)], timeout=3600)
-  finally:
-    hosts.stop()
-  sys.stderr.write("\n".join(x for x in done.stdout.splitlines() if not x.startswith("{")) + "\n")
-  lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-  if done.returncode != 0 or not lines:
-    raise RuntimeError(f"the two-host driver failed (exit {done.returncode}): {done.stderr[-3000:]}")
-  return {**lines[-1], "link": f"veth pair {_twohost.SUBNET}.2 (host B: trainer processes) -> "
+  measured = _twohost.drive(hosts, "rdt_jax.bench._multihost", plan, "the two-host trainers benchmark")
+  return {**measured, "link": f"veth pair {_twohost.SUBNET}.2 (host B: trainer processes) -> "
                                f"{_twohost.SUBNET}.1 (host A: generators, driver)"}
 
 

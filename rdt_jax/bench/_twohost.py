@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
-    "HEAD_PORT", "SUBNET", "Host", "TwoHosts", "markdown", "measure", "namespaces_available", "run",
+    "HEAD_PORT", "SUBNET", "Host", "TwoHosts", "drive", "markdown", "measure", "namespaces_available", "run",
 ]
 
 #: The subnet of the veth pair: host A is .1, host B is .2.
@@ -503,14 +503,7 @@ def run(args: argparse.Namespace) -> dict:
   date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
   print(f"rdt-jax bench --two-host: starting the two nodes (load average {load_start})", flush=True)
   hosts.start()
-  try:
-    done = hosts.run(["-m", "rdt_jax.bench._twohost", json.dumps(plan)], timeout=3600)
-  finally:
-    hosts.stop()
-  sys.stderr.write("\n".join(x for x in done.stdout.splitlines() if not x.startswith("{")) + "\n")
-  lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-  if done.returncode != 0 or not lines:
-    raise RuntimeError(f"the two-host benchmark's driver failed (exit {done.returncode}): {done.stderr[-3000:]}")
+  measured = drive(hosts, "rdt_jax.bench._twohost", plan, "the two-host benchmark")
   from rdt_jax.bench._env import git_state as _git_state
   from rdt_jax.bench._env import versions as _versions
 
@@ -525,7 +518,7 @@ def run(args: argparse.Namespace) -> dict:
           "note": "shared host: other jobs may run during the benchmark; see the load averages",
       },
       "paths": {k: v[0] for k, v in PATHS.items()},
-      **lines[-1],
+      **measured,
   }
   from rdt_jax.bench import _report
 
@@ -534,6 +527,25 @@ def run(args: argparse.Namespace) -> dict:
   (out / "bench-twohost.md").write_text(text)
   sys.stdout.write(text)
   return doc
+
+
+def drive(hosts: TwoHosts, module: str, plan: dict, what: str) -> dict:
+  """Runs `python -m module '<plan as JSON>'` as a driver on host A of the
+  started cluster `hosts`, then stops the cluster; echoes the driver's
+  other lines to stderr and returns the last JSON line it printed.
+
+  Raises:
+    RuntimeError: naming `what`, if the driver failed or printed no JSON.
+  """
+  try:
+    done = hosts.run(["-m", module, json.dumps(plan)], timeout=3600)
+  finally:
+    hosts.stop()
+  sys.stderr.write("\n".join(x for x in done.stdout.splitlines() if not x.startswith("{")) + "\n")
+  lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+  if done.returncode != 0 or not lines:
+    raise RuntimeError(f"{what}'s driver failed (exit {done.returncode}): {done.stderr[-3000:]}")
+  return lines[-1]
 
 
 def _loadavg() -> list[float]:

@@ -29,7 +29,7 @@ from rdt_jax import _dlpack, _layout, _limits, _memory, _receive_mode
 from rdt_jax import _node_local as node_local
 from rdt_jax.weights._packed import PackedLayoutInfo
 
-__all__ = ["PackedPlan", "bucket_runs", "unflatten"]
+__all__ = ["PackedPlan", "PreparedReads", "bucket_runs", "unflatten"]
 
 
 @dataclass
@@ -115,8 +115,7 @@ class PackedPlan:
         leaf.framework == "copy" for leaf in self._new)
     self._direct = [(leaf.pointer + d, s, n) for leaf in self.leaves if leaf.kind == "in_place" and not atomic
                     for d, s, n in leaf.runs]
-    self._prepared: OrderedDict[tuple[int, int], node_local.Prepared] = OrderedDict()
-    self._lock = threading.Lock()
+    self._prepared = PreparedReads()
 
   def _leaf(self, i: int, path: str, kind: str, shape: tuple[int, ...], what: str, target: Any,
             offset: int, size: int) -> _Leaf:
@@ -214,18 +213,7 @@ class PackedPlan:
   def prepared(self, remote: int, staging: int) -> node_local.Prepared:
     """The node-local read of a version at publisher address `remote` into
     the pool buffer at `staging`, prepared once per pair of addresses."""
-    key = (remote, staging)
-    with self._lock:
-      found = self._prepared.get(key)
-      if found is not None:
-        self._prepared.move_to_end(key)
-        return found
-    found = node_local.Prepared([(local, remote + s, n) for local, s, n in self.pairs(staging)])
-    with self._lock:
-      self._prepared[key] = found
-      while len(self._prepared) > _limits.WEIGHTS_PREPARED_KEPT:
-        self._prepared.popitem(last=False)
-    return found
+    return self._prepared.get(remote, staging, self.pairs)
 
   def commit(self, buffer: np.ndarray | None) -> list[Any]:
     """Makes the pulled array leaves, in structure order, after the bytes
@@ -268,6 +256,34 @@ class PackedPlan:
       for (i, _, leaf), x in zip(host_jax, made):
         out[i] = _finish_jax(x, leaf)
     return out
+
+
+class PreparedReads:
+  """A plan's node-local reads, prepared once per pair of addresses (the
+  publisher's buffer, the pull's staging buffer); the last
+  `_limits.WEIGHTS_PREPARED_KEPT` pairs are kept."""
+
+  def __init__(self) -> None:
+    self._kept: OrderedDict[tuple[int, int], node_local.Prepared] = OrderedDict()
+    self._lock = threading.Lock()
+
+  def get(self, remote: int, staging: int,
+          pairs: Callable[[int], list[tuple[int, int, int]]]) -> node_local.Prepared:
+    """The read of the buffer at publisher address `remote` into staging at
+    `staging`; `pairs(staging)` gives its (local address, offset in the
+    buffer, nbytes) runs when it is first prepared."""
+    key = (remote, staging)
+    with self._lock:
+      found = self._kept.get(key)
+      if found is not None:
+        self._kept.move_to_end(key)
+        return found
+    found = node_local.Prepared([(local, remote + s, n) for local, s, n in pairs(staging)])
+    with self._lock:
+      self._kept[key] = found
+      while len(self._kept) > _limits.WEIGHTS_PREPARED_KEPT:
+        self._kept.popitem(last=False)
+    return found
 
 
 def _spans(leaf: _Leaf) -> list[tuple[int, int, tuple[int, ...]]]:

@@ -80,13 +80,18 @@ class Pull:
 
 
 @contextlib.contextmanager
-def committing(pull: Pull) -> Iterator[None]:
+def committing(pull: Pull, writes: bool = True) -> Iterator[None]:
   """Around the copy of a pull's arrived bytes into the template's arrays
   (an atomic pull's staging, a device template's copy, the engine tensors
   of a mapped pull): if it raises, the template may hold some of the
   version's bytes, so the subscriber's version becomes None, atomic or not,
   and the error says so. (On the host these copies are memcpys that do not
-  fail; on a device a copy may.)"""
+  fail; on a device a copy may.) With `writes=False` the step it wraps
+  writes no template array (a packed plan that only makes new arrays), and
+  it does nothing."""
+  if not writes:
+    yield
+    return
   try:
     yield
     if _faults.ON:

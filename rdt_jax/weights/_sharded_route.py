@@ -28,7 +28,6 @@ import ctypes
 import dataclasses
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -42,7 +41,7 @@ from rdt_jax.weights._handle import WeightsHandle, check_template, label
 from rdt_jax.weights._mapping import MappedPlan, Source
 from rdt_jax.weights._packed import PackedLayoutInfo
 from rdt_jax.weights._packed_checks import check_layout, check_source
-from rdt_jax.weights._packed_plan import PackedPlan, unflatten
+from rdt_jax.weights._packed_plan import PackedPlan, PreparedReads, unflatten
 from rdt_jax.weights._parts import PartLayout, ShardedPart, check_coverage, check_part_layout
 from rdt_jax.weights._protocol import ask_object
 from rdt_jax.weights._pull import Pull, committing, torn
@@ -74,8 +73,7 @@ class PartPlan:
     self.nbytes = sum(n for *_, n in runs)
     #: True if a read writes into the template (runs not into staging).
     self.writes_in_place = any(not staged for _, staged, _, _, _ in runs)
-    self._prepared: OrderedDict[tuple[int, int], node_local.Prepared] = OrderedDict()
-    self._lock = threading.Lock()
+    self._prepared = PreparedReads()
 
   def pairs(self, staging: int) -> list[tuple[int, int, int]]:
     """(local address, offset in the part's packed buffer, nbytes) of every
@@ -87,17 +85,7 @@ class PartPlan:
   def prepared(self, remote: int, staging: int) -> node_local.Prepared:
     """The node-local read of the part's buffer at publisher address
     `remote`, prepared once per pair of addresses."""
-    key = (remote, staging)
-    with self._lock:
-      found = self._prepared.get(key)
-      if found is not None:
-        return found
-    found = node_local.Prepared([(local, remote + s, n) for local, s, n in self.pairs(staging)])
-    with self._lock:
-      self._prepared[key] = found
-      while len(self._prepared) > _limits.WEIGHTS_PREPARED_KEPT:
-        self._prepared.popitem(last=False)
-    return found
+    return self._prepared.get(remote, staging, self.pairs)
 
   def copy_from(self, pieces: Sequence[np.ndarray], staging: int, where: str) -> None:
     """Copies the runs out of the part's pieces, received as host arrays.
@@ -226,14 +214,16 @@ def _ask_layouts(pull: Pull, subs: list[Pull]) -> list[tuple[PartLayout, PackedL
 
 
 def _plan(pull: Pull, subs: list[Pull], plans: dict[str, ShardedPlan], template: list[tuple[str, Any]],
-          atomic: bool) -> ShardedPlan:
+          atomic: bool, answers: list[tuple[PartLayout, PackedLayoutInfo | None]] | None) -> ShardedPlan:
   """The plan of the pulled combined structure, made at its first pull
-  (`_ask_layouts`, then the template checked against the global structure)."""
+  (`_ask_layouts`, unless the caller asked them as `answers`, then the
+  template checked against the global structure)."""
   handle = pull.handle
   plan = plans.get(handle.structure)
   if plan is not None:
     return plan
-  answers = _ask_layouts(pull, subs)
+  if answers is None:
+    answers = _ask_layouts(pull, subs)
   layouts = [layout for layout, _ in answers]
   check_template(template, layouts[0].entries)
   plan = ShardedPlan(layouts, [packed for _, packed in answers], dict(template), atomic)
@@ -243,8 +233,8 @@ def _plan(pull: Pull, subs: list[Pull], plans: dict[str, ShardedPlan], template:
   return plan
 
 
-def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple[str, Any]],
-                 atomic: bool) -> tuple[Any, int]:
+def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple[str, Any]], atomic: bool,
+                 answers: list[tuple[PartLayout, PackedLayoutInfo | None]] | None = None) -> tuple[Any, int]:
   """A pull of a combined handle, the subscriber's lock held: each part's
   needed bytes read from its trainer process, all parts at once. Returns
   the pulled value and the bytes read.
@@ -258,7 +248,7 @@ def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple
   """
   handle = pull.handle
   subs = [_part_pull(pull, part) for part in handle.parts]
-  plan = _plan(pull, subs, plans, template, atomic)
+  plan = _plan(pull, subs, plans, template, atomic, answers)
   for sub, part in zip(subs, plan.parts):
     if part.info is not None:
       check_source(sub.handle.packed, sub.label, cast(PackedPlan, part), handle.version)
@@ -305,10 +295,7 @@ def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple
   pull.route = routes.pop() if len(routes) == 1 else "mixed"
   pull.objects = sum(sub.objects for sub in subs)
   pull.kept = next((subs[i].kept for i in needed), None)
-  if plan.dest.commits_into_template:
-    with committing(pull):
-      arrays = plan.dest.commit(staging)
-  else:
+  with committing(pull, plan.dest.commits_into_template):
     arrays = plan.dest.commit(staging)
   return unflatten(plan.info, arrays, rest), sum(plan.parts[i].nbytes for i in needed)
 
@@ -348,8 +335,10 @@ def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, Sh
   """
   handle = pull.handle
   known = plans.get(handle.structure)
+  answers = None  # asked at a structure's first pull, for its plan and the sharded pull's
   if known is None:
-    entries = _ask_layouts(pull, [_part_pull(pull, part) for part in handle.parts])[0][0].entries
+    answers = _ask_layouts(pull, [_part_pull(pull, part) for part in handle.parts])
+    entries = answers[0][0].entries
     mapped = MappedPlan(entries, template, source, atomic)
     arrays: dict[str, np.ndarray] = {}
     flat: list[tuple[str, Any]] = []
@@ -368,7 +357,7 @@ def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, Sh
   mapped.begin()
   # Into this subscriber's own arrays: the engine's tensors are not written yet.
   inner = dataclasses.replace(pull, set_version=lambda _: None)
-  _, nbytes = pull_sharded(inner, sharded, flat, atomic=False)
+  _, nbytes = pull_sharded(inner, sharded, flat, False, answers)
   pull.route, pull.objects, pull.kept = inner.route, inner.objects, inner.kept
   pull.check_cancelled()
   if not atomic:

@@ -447,9 +447,7 @@ class WeightSubscriber:
     if not (_routes.can_read_directly(source) and _routes.pull_node_local(pull, plan, staging, self.atomic)):
       _routes.pull_buckets(pull, plan, staging, self.atomic)
     pull.check_cancelled()
-    if not plan.commits_into_template:
-      return unflatten(plan.info, plan.commit(staging), source.rest)
-    with committing(pull):
+    with committing(pull, plan.commits_into_template):
       return unflatten(plan.info, plan.commit(staging), source.rest)
 
   # ---- versions packed in device memory (rdt_jax.weights._device)
