@@ -69,6 +69,32 @@ def has_jax_transfer() -> bool:
   return True
 
 
+@functools.lru_cache(maxsize=1)
+def _single_device_sharding_type() -> type:
+  from jax.sharding import SingleDeviceSharding
+
+  return SingleDeviceSharding
+
+
+def sharding_key(sharding: Any) -> Any:
+  """What of jax `sharding` decides how its arrays may be packed, cheap to
+  hash and compare: for a `SingleDeviceSharding` its device and memory kind,
+  else the sharding itself.
+
+  `SingleDeviceSharding.__hash__` and `__eq__` are Python (about 2 us a leaf,
+  the largest share of `_dlpack.packable`'s time for many leaves); its
+  device (a C++ object) and memory kind mean the same. jax 0.10 to 0.12 keep
+  them as `_device` and `_memory_kind`; where a jax keeps them elsewhere, the
+  sharding is its own key (correct, and slower).
+  """
+  if type(sharding) is _single_device_sharding_type():
+    try:
+      return sharding._device, sharding._memory_kind  # type: ignore[attr-defined]
+    except AttributeError:
+      pass
+  return sharding
+
+
 def array_impl_type() -> type:
   """The concrete class of live `jax.Array`s (`jaxlib._jax.ArrayImpl` in 0.10).
 

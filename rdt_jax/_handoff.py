@@ -38,6 +38,8 @@ class _SerializationState(threading.local):
     self.context: Any = None
     self.root: Any = None
     self.paths: dict[int, str] | None = None
+    # (tree_flatten's leaves, treedef) of `root`, once flattened; () if jax cannot flatten it.
+    self.flat: tuple[Any, ...] | None = None
     # id(leaf) -> (leaf, DescribedLeaf) of the serialization in progress.
     self.described: dict[int, tuple[Any, _dlpack.DescribedLeaf]] = {}
     # The cyclic GC pause of a serialization of many leaves (`record_described`).
@@ -50,7 +52,7 @@ serializing = _SerializationState()
 def begin_serialization(transport: str, context: Any, root: Any) -> None:
   """Marks this thread as serializing `root` for rdt_jax transport `transport`."""
   serializing.transport, serializing.context, serializing.root = transport, context, root
-  serializing.paths, serializing.described = None, {}
+  serializing.paths, serializing.described, serializing.flat = None, {}, None
 
 
 def end_serialization() -> None:
@@ -60,7 +62,7 @@ def end_serialization() -> None:
   failed) are dropped here, so nothing of a failed serialization stays.
   """
   serializing.transport, serializing.context, serializing.root = None, None, None
-  serializing.paths, serializing.described = None, {}
+  serializing.paths, serializing.described, serializing.flat = None, {}, None
   if serializing.gc_pause is not None:
     serializing.gc_pause.close()
     serializing.gc_pause = None
@@ -77,35 +79,62 @@ def leaf_path(leaf: Any) -> str:
   return serializing.paths.get(id(leaf), "")
 
 
-def _paths_of(root: Any) -> dict[int, str]:
-  """id -> pytree path of each leaf of `root` (the first path of a leaf that
-  appears twice); {} for a value jax cannot flatten.
+def flattened() -> tuple[list[Any], Any] | None:
+  """`jax.tree_util.tree_flatten` of the value being serialized: its leaves
+  and treedef, flattened once per serialization; None for a value jax
+  cannot flatten (a dict whose keys do not sort)."""
+  if serializing.flat is None:
+    serializing.flat = _flatten(serializing.root) or ()
+  return serializing.flat or None
 
-  The paths of a structure are computed once (`tree_flatten_with_path` and
-  a `keystr` per leaf) and kept for the last `PATHS_KEPT` structures, keyed
-  by treedef: a value of a structure seen before costs a `tree_flatten`."""
+
+def _flatten(root: Any) -> tuple[list[Any], Any] | None:
   import jax
 
   try:
-    flat, treedef = jax.tree_util.tree_flatten(root)
+    return jax.tree_util.tree_flatten(root)
   except Exception:  # a value jax cannot flatten: paths stay unknown
-    return {}
+    return None
+
+
+def structure_paths(treedef: Any, root: Any, count: int) -> tuple[str, ...] | None:
+  """The pytree path of each of the `count` leaves of `root` (of structure
+  `treedef`), in `tree_flatten` order, as `keystr` prints them; None where
+  jax cannot name them. Computed once per structure and kept for the last
+  `PATHS_KEPT` structures."""
+  import jax
+
   with _paths_lock:
     names = _paths_by_structure.get(treedef)
     if names is not None:
       _paths_by_structure.move_to_end(treedef)
-  if names is None or len(names) != len(flat):
+  if names is None or len(names) != count:
     try:
       with_path, _ = jax.tree_util.tree_flatten_with_path(root)
     except Exception:
-      return {}
+      return None
     names = tuple(jax.tree_util.keystr(path) for path, _ in with_path)
-    if len(names) != len(flat):
-      return {}
+    if len(names) != count:
+      return None
     with _paths_lock:
       _paths_by_structure[treedef] = names
       while len(_paths_by_structure) > _limits.PATHS_KEPT:
         _paths_by_structure.popitem(last=False)
+  return names
+
+
+def _paths_of(root: Any) -> dict[int, str]:
+  """id -> pytree path of each leaf of `root` (the first path of a leaf that
+  appears twice); {} for a value jax cannot flatten. A value of a structure
+  seen before costs a `tree_flatten` (`structure_paths`), none more for the
+  value being serialized (`flattened`)."""
+  found = flattened() if root is serializing.root and root is not None else _flatten(root)
+  if found is None:
+    return {}
+  flat, treedef = found
+  names = structure_paths(treedef, root, len(flat))
+  if names is None:
+    return {}
   paths: dict[int, str] = {}
   setdefault = paths.setdefault
   for name, x in zip(names, flat):

@@ -6,15 +6,22 @@ object, the transport describes, exports, plans and rebuilds each. On the
 producer, while Ray's serializer runs (`begin` ... `finish`, called by
 `rdt_jax._ray.serialization`), each packable leaf (`_dlpack.packable`:
 an unsharded host `jax.Array` of at most `_limits.PACK_MAX_CHUNK` bytes) is
-taken here instead of becoming a tensor of its own: the pickle holds
-`(slot, k)`, the k-th leaf of the pack in Ray's tensor `slot`. At the end
-every packed leaf is copied (`block_until_ready` once, then one memmove
-each) into one pooled host buffer laid out as the consumer's receive buffer
-(`_layout.host_layout`), which takes tensor `slot`'s place. Ray and the
-transport then move one numpy array; the leaf table (each leaf's spec and
-its position among all the value's leaves) travels in the transport's
+taken here instead of becoming a tensor of its own: the pickle names the
+k-th leaf of the pack in Ray's tensor `slot` (`rdt_jax._ray.serialization`).
+At the end every packed leaf is copied (`block_until_ready` once, then one
+memmove each) into one pooled host buffer laid out as the consumer's receive
+buffer (`_layout.host_layout`), which takes tensor `slot`'s place. Ray and
+the transport then move one numpy array; the leaf table (each leaf's spec
+and its position among all the value's leaves) travels in the transport's
 metadata (`DlpackTransportMetadata.packed`), and the consumer rebuilds the
 leaves from the received buffer (`rdt_jax.transports._packed`).
+
+The table is made once per pytree structure (`rdt_jax._pack_table`): the
+structure's last value left what it packed (`_Structure`: each packed leaf's
+place among `tree_flatten`'s leaves, its kind, its position), and while the
+leaves a serialization packs are the arrays at those places, of those
+kinds, met in that order, it gets the same table; at the first leaf that is
+not, the table is made anew from the leaves (and kept for the next value).
 
 Only jax leaves are packed: a `jax.Array` is immutable, so a copy taken at
 return is what a consumer would read anyway. NumPy and torch leaves, which
@@ -31,46 +38,67 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from rdt_jax import _dlpack, _handoff, _layout, _limits, _memory, _settings
+from rdt_jax import _dlpack, _handoff, _layout, _limits, _memory, _pack_table, _settings
+from rdt_jax._pack_table import PackTable
 
-__all__ = ["PACKED_PATH", "PackTable", "begin", "end", "finish", "take", "take_table"]
+__all__ = ["PACKED_PATH", "PackTable", "begin", "end", "finish", "structures_kept", "take", "take_table"]
 
 #: The path of a pack buffer's own leaf spec (no pytree path looks like it).
 PACKED_PATH = "<packed leaves>"
 
 
-@dataclass
-class PackTable:
-  """What a consumer needs to rebuild a pack's leaves from its buffer.
+class _Structure(NamedTuple):
+  """What the last value of one pytree structure packed, for the next one.
 
   Attributes:
-    specs: each packed leaf's spec, in pack order (chunks as `host_layout`
-      places them in the buffer).
-    positions: each packed leaf's position among all the leaves of the
-      value, in the order Ray's serializer met them (the order a positional
-      target lists them in).
+    order: per packed leaf (pack order), its index among `tree_flatten`'s leaves.
+    kinds: per packed leaf, its `PackKind` (the one `_dlpack.packable` keeps).
+    positions: per packed leaf, its position among the value's leaves.
+    table: the pack's table (`rdt_jax._pack_table`).
   """
 
-  specs: list[_dlpack.LeafSpec]
+  order: list[int]
+  kinds: list[_dlpack.PackKind]
   positions: list[int]
+  table: PackTable
 
 
-class _Packing(threading.local):
-  """The pack of the serialization running on this thread, if any."""
+#: treedef -> what its last value packed; most recently used last, at most `PATHS_KEPT`.
+_structures: OrderedDict[Any, _Structure] = OrderedDict()
+_structures_lock = threading.Lock()
 
-  def __init__(self) -> None:
-    self.decided = False  # whether this value packs was decided (at its first jax leaf)
-    self.active = False
-    self.slot = -1  # the pack buffer's index in Ray's tensors, once reserved
+
+class _Pack:
+  """The pack of one value being serialized (on one thread)."""
+
+  __slots__ = ("addresses", "expect", "flat", "kinds", "leaves", "positions", "slot", "treedef")
+
+  def __init__(self, flat: list[Any], treedef: Any, expect: _Structure | None):
+    self.slot = -1  # the pack buffer's index in `tensors`, once reserved
     self.leaves: list[Any] = []  # the packed jax arrays, in pack order
     self.kinds: list[_dlpack.PackKind] = []
     self.addresses: list[int] = []
     self.positions: list[int] = []
-    self.nbytes = 0  # the pack buffer's size so far (each leaf aligned, as `host_layout`)
+    self.flat = flat  # the value's leaves in tree_flatten order
+    self.treedef = treedef
+    # What the structure's last value packed, while every leaf met so far is
+    # the leaf that value packed at the same place (None once one is not).
+    self.expect = expect
+
+
+#: `_Packing.pack` before the value's first jax leaf decided whether it packs.
+_UNDECIDED: Any = object()
+
+
+class _Packing(threading.local):
+  """The serialization running on this thread: `_UNDECIDED`, its `_Pack`, or
+  None (no serialization, or a value that does not pack)."""
+
+  pack: Any = None
 
 
 _packing = _Packing()
@@ -78,23 +106,29 @@ _packing = _Packing()
 
 def begin() -> None:
   """Starts a serialization on this thread (nothing packed yet)."""
-  _packing.__init__()  # type: ignore[misc]
+  _packing.pack = _UNDECIDED
 
 
 def end() -> None:
   """Ends what `begin` started; what was not finished is dropped."""
-  _packing.__init__()  # type: ignore[misc]
+  _packing.pack = None
 
 
-def _decide(leaf: Any) -> bool:
-  """At the value's first jax leaf: whether this value packs (enough leaves)."""
-  _packing.decided = True
+def _decide() -> _Pack | None:
+  """At the value's first jax leaf: its `_Pack` if it packs (enough leaves),
+  knowing what its structure packed last time; else None."""
+  _packing.pack = None
   minimum = _settings.value("RDT_JAX_PACK_MIN_LEAVES")
   if minimum <= 0:
-    return False
-  _handoff.leaf_path(leaf)  # the value's leaf paths, computed once per structure
-  _packing.active = len(_handoff.serializing.paths or ()) >= minimum
-  return _packing.active
+    return None
+  found = _handoff.flattened()
+  if found is None or len(found[0]) < minimum:
+    return None
+  flat, treedef = found
+  with _structures_lock:
+    expect = _structures.get(treedef)
+  _packing.pack = pack = _Pack(flat, treedef, expect)
+  return pack
 
 
 def take(leaf: Any, tensors: list[Any]) -> tuple[int, int] | None:
@@ -102,20 +136,30 @@ def take(leaf: Any, tensors: list[Any]) -> tuple[int, int] | None:
   consumer finds it (the k-th leaf of the pack in Ray's tensor `slot`); None
   if it travels as a tensor of its own. `tensors` is Ray's list of the
   value's tensors so far; the first packed leaf reserves the pack's slot."""
-  p = _packing
-  if not (p.active or (not p.decided and _decide(leaf))):
+  p = _packing.pack
+  if p is None:
     return None
+  if p is _UNDECIDED:
+    p = _decide()
+    if p is None:
+      return None
   found = _dlpack.packable(leaf, _limits.PACK_MAX_CHUNK)
   if found is None:
     return None
   if p.slot < 0:
     tensors.append(None)  # the pack buffer's place, filled by `finish`
     p.slot = len(tensors) - 1
-  k = len(p.leaves)
-  p.leaves.append(leaf)
-  p.kinds.append(found[0])
+  leaves = p.leaves
+  k = len(leaves)
+  kind = found[0]
+  expect = p.expect
+  if expect is not None and not (
+      k < len(expect.order) and expect.kinds[k] is kind and p.flat[expect.order[k]] is leaf
+  ):
+    p.expect = None  # not the leaf the structure's last value packed here: this table is made anew
+  leaves.append(leaf)
+  p.kinds.append(kind)
   p.addresses.append(found[1])
-  p.nbytes += _memory.aligned(found[0].chunks[0].nbytes)
   # Leaves met before this one: k packed, and every tensor but the pack's slot.
   p.positions.append(k + len(tensors) - 1)
   return p.slot, k
@@ -125,20 +169,54 @@ def finish(tensors: list[Any]) -> None:
   """Copies this serialization's packed leaves into one pooled host buffer
   and puts it in the pack's slot of `tensors` (Ray's list, as serialized),
   described for the transport's extract under `PACKED_PATH`."""
-  p = _packing
-  if not p.leaves:
+  p = _packing.pack
+  if p is None or p is _UNDECIDED or not p.leaves:
     return
+  table = _table(p)
+  starts, sizes, need = table.layout()
   _dlpack.block_until_ready(p.leaves)
-  buffer = _memory.host_pool.acquire(max(p.nbytes, 1))
-  _layout.copy_packed_into(buffer, p.addresses, p.kinds)
-  paths = _handoff.serializing.paths or {}
-  specs = [
-      _dlpack.packed_spec(paths.get(id(leaf), ""), kind) for leaf, kind in zip(p.leaves, p.kinds)
-  ]
+  buffer = _memory.host_pool.acquire(max(need, 1))
+  _layout.copy_packed_into(buffer, p.addresses, starts, sizes)
   tensors[p.slot] = buffer
   _handoff.record_described(buffer, _dlpack.describe(buffer, PACKED_PATH))
-  _remember(buffer, PackTable(specs, p.positions))
+  _remember(buffer, table)
   end()
+
+
+def _table(p: _Pack) -> PackTable:
+  """The pack table of `p`: the one its structure's last value made, if
+  the leaves, their kinds and their positions are those it packed; else
+  made now (and kept for the structure's next value)."""
+  expect = p.expect
+  if expect is not None and len(expect.order) == len(p.leaves) and expect.positions == p.positions:
+    with _structures_lock:
+      if p.treedef in _structures:
+        _structures.move_to_end(p.treedef)
+    _pack_table.keep(expect.table)
+    return expect.table
+  paths = [_handoff.leaf_path(leaf) for leaf in p.leaves]
+  table = _pack_table.make([_dlpack.packed_spec(path, kind) for path, kind in zip(paths, p.kinds)], p.positions)
+  index: dict[int, int] = {}
+  for i, x in enumerate(p.flat):
+    index.setdefault(id(x), i)
+  order = [index.get(id(leaf), -1) for leaf in p.leaves]
+  # A packed leaf that is no leaf of the pytree (a typed key's data, made per
+  # serialization; an array inside an object jax does not flatten) can never
+  # be met again: such a structure's tables are made anew every time.
+  if -1 not in order:
+    structure = _Structure(order, list(p.kinds), list(p.positions), table)
+    with _structures_lock:
+      _structures[p.treedef] = structure
+      _structures.move_to_end(p.treedef)
+      while len(_structures) > _limits.PATHS_KEPT:
+        _structures.popitem(last=False)
+  return table
+
+
+def structures_kept() -> int:
+  """How many structures' packs are kept for their next value (at most `_limits.PATHS_KEPT`)."""
+  with _structures_lock:
+    return len(_structures)
 
 
 # --------------------------------------------------------------------------

@@ -15,8 +15,8 @@ one string, and long integer lists (addresses) as packed bytes
 
 from __future__ import annotations
 
-import itertools
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
-from rdt_jax import _layout, _limits
-from rdt_jax._dlpack import ChunkSpec, LeafSpec, UnsupportedLeafError, spec_problem
+from rdt_jax import _limits, _pack_table
+from rdt_jax._compact import CompactInts, CompactLeaves, Undecodable
+from rdt_jax._dlpack import LeafSpec, UnsupportedLeafError, spec_problem
 from rdt_jax._error_base import RdtJaxError
 from rdt_jax._leaf_pack import PACKED_PATH
 
@@ -36,7 +37,8 @@ _SIGNATURE = itemgetter(1, 2, 3, 4, 5, 6)
 _SHAPE_DTYPE = itemgetter(1, 2)
 _DEVICE = itemgetter(4)
 
-_SEP = "\x00"
+# The compact forms under the names this module's tests and older code use.
+_Leaves, _Ints, _Undecodable = CompactLeaves, CompactInts, Undecodable
 
 
 class MetadataError(UnsupportedLeafError, RdtJaxError, ValueError):
@@ -128,108 +130,6 @@ def _length(x: object) -> str:
     return f"no ({type(x).__name__})"
 
 
-class _Undecodable:
-  """A field whose packed form could not be decoded: `validate` refuses it
-  (unpickling cannot raise an error naming the object)."""
-
-  def __init__(self, problem: str):
-    self.problem = problem
-
-  def __repr__(self) -> str:
-    return f"<undecodable: {self.problem}>"
-
-
-class _Leaves:
-  """The pickled form of a list of unsharded, single-chunk `LeafSpec`s.
-
-  Attributes:
-    paths: every leaf's path, joined by NUL.
-    signatures: the distinct (shape, dtype, framework, device) of the leaves.
-    index: per leaf, its signature's position (packed unsigned ints).
-  """
-
-  __slots__ = ("index", "paths", "signatures")
-
-  def __init__(self, paths: str, signatures: list[tuple], index: bytes):
-    self.paths, self.signatures, self.index = paths, signatures, index
-
-  def __reduce__(self) -> tuple[Any, ...]:
-    return _Leaves, (self.paths, self.signatures, self.index)
-
-  @staticmethod
-  def encode(leaves: list[LeafSpec]) -> _Leaves | None:
-    """The compact form of `leaves`, or None if some leaf needs its full spec
-    (sharded, several chunks, or a path holding NUL)."""
-    table: dict[tuple, int] = {}
-    index = array("I")
-    for leaf in leaves:
-      if type(leaf) is not LeafSpec:
-        return None  # pickled as it is (and refused on arrival)
-      chunks = leaf.chunks
-      if (
-          leaf.sharding is not None or type(chunks) is not tuple or len(chunks) != 1
-          or type(chunks[0]) is not ChunkSpec or chunks[0].shape != leaf.shape
-          or type(leaf.path) is not str
-      ):
-        return None
-      key = (leaf.shape, leaf.dtype, leaf.framework, leaf.device, chunks[0].nbytes)
-      try:
-        i = table.get(key)
-      except TypeError:  # an unhashable field
-        return None
-      if i is None:
-        i = table[key] = len(table)
-      index.append(i)
-    paths = _SEP.join([leaf.path for leaf in leaves])
-    if paths.count(_SEP) != max(0, len(leaves) - 1):
-      return None
-    return _Leaves(paths, list(table), index.tobytes())
-
-  def decode(self) -> tuple[list[LeafSpec], list[tuple]]:
-    """The leaf specs, equal to those encoded, and their `tensor_meta`
-    entries (one `(shape, dtype)` tuple shared per signature)."""
-    index = array("I")
-    index.frombytes(self.index)
-    if not index:
-      return [], []
-    specs = [
-        (shape, dtype, framework, device, (ChunkSpec(shape, nbytes),), None)
-        for shape, dtype, framework, device, nbytes in self.signatures
-    ]
-    pairs = [(s[0], s[1]) for s in self.signatures]
-    new = tuple.__new__
-    leaves = [new(LeafSpec, (path, *specs[i])) for path, i in zip(self.paths.split(_SEP), index)]
-    return leaves, [pairs[i] for i in index]
-
-
-class _Ints:
-  """A long list of ints, pickled as packed bytes of the narrowest signed
-  type that holds them (one byte each for device ids and region ids)."""
-
-  __slots__ = ("data", "typecode")
-
-  def __init__(self, typecode: str, data: bytes):
-    self.typecode, self.data = typecode, data
-
-  def __reduce__(self) -> tuple[Any, ...]:
-    return _Ints, (self.typecode, self.data)
-
-  @staticmethod
-  def encode(values: list[int]) -> _Ints | None:
-    """The packed form of `values`, or None if some value exceeds int64."""
-    lo, hi = min(values), max(values)
-    for typecode in ("b", "h", "i", "q"):
-      bits = 8 * array(typecode).itemsize - 1
-      if -(1 << bits) <= lo and hi < (1 << bits):
-        return _Ints(typecode, array(typecode, values).tobytes())
-    return None
-
-  def decode(self) -> list[int]:
-    values = array(self.typecode)
-    values.frombytes(self.data)
-    return values.tolist()
-
-
 @dataclass
 class DlpackTransportMetadata(TensorTransportMetadata):
   """Metadata every rdt_jax transport produces for an RDT object.
@@ -261,7 +161,10 @@ class DlpackTransportMetadata(TensorTransportMetadata):
     packed: None, or `(slot, specs, positions)` when many small jax leaves
       of the value travel as one host buffer, leaf `slot` (`rdt_jax._leaf_pack`):
       each packed leaf's spec, laid out in that buffer as `host_layout` places
-      them, and its position among all the value's leaves.
+      them, and its position among all the value's leaves. `specs` and
+      `positions` are read-only sequences (tuples) that every object of one
+      structure shares: a pack's table is made, pickled and checked once per
+      structure in each process (`rdt_jax._pack_table`).
   """
 
   # Narrows Ray's annotation (torch or numpy pairs) to the numpy pairs rdt_jax writes.
@@ -271,7 +174,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
   inline: bytes | None = None
   origin: tuple[str, int, int, int] | None = None
   producer: str | None = None
-  packed: tuple[int, list[LeafSpec], list[int]] | None = None
+  packed: tuple[int, Sequence[LeafSpec], Sequence[int]] | None = None
 
   # Ray compares metadata by identity (its NIXL metadata does the same).
   __eq__ = object.__eq__
@@ -316,12 +219,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
         state["tensor_meta"] = None  # rebuilt from the leaves
     pack = state.get("packed")
     if type(pack) is tuple and len(pack) == 3:
-      specs, positions = pack[1], pack[2]
-      state["packed"] = (
-          pack[0],
-          (_Leaves.encode(specs) if type(specs) is list and specs else None) or specs,
-          (_Ints.encode(positions) if type(positions) is list and positions else None) or positions,
-      )
+      state["packed"] = (pack[0], *_pack_table.wire(pack[1], pack[2]))  # encoded once per table
     for key, value in state.items():
       if type(value) is list and len(value) >= _limits.METADATA_PACK_INTS_MIN and all(type(v) is int for v in value):
         packed_ints = _Ints.encode(value)
@@ -346,15 +244,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
         state["tensor_meta"] = tensor_meta
     pack = state.get("packed")
     if type(pack) is tuple and len(pack) == 3:
-      specs, positions = pack[1], pack[2]
-      try:
-        if type(specs) is _Leaves:
-          specs = specs.decode()[0]
-        if type(positions) is _Ints:
-          positions = positions.decode()
-      except (ValueError, TypeError, IndexError) as e:
-        specs = _Undecodable(str(e))
-      state["packed"] = (pack[0], specs, positions)
+      state["packed"] = (pack[0], *_pack_table.received(pack[1], pack[2]))  # decoded once per table
     self.__dict__.update(state)
 
   def validate(self, obj_id: str) -> None:
@@ -418,11 +308,13 @@ class DlpackTransportMetadata(TensorTransportMetadata):
       raise MetadataError(obj_id, "producer", f"is {producer!r}, not a Ray actor id in hex")
 
   def _check_packed(self, obj_id: str) -> None:
-    """The pack's buffer leaf, its leaves' specs (each signature once) and
-    their positions (increasing, within the value's leaves)."""
+    """The pack's buffer leaf and its table: the table itself once per
+    table (`PackTable.problem`: each signature's spec, the positions
+    increasing), and for this object that the positions fall among its
+    leaves and the buffer holds what the table lays out."""
     pack = self.packed
     if type(pack) is not tuple or len(pack) != 3:
-      raise MetadataError(obj_id, "packed", f"is {pack!r}, not (slot, specs, positions)")
+      raise MetadataError(obj_id, "packed", f"is {pack!r:.200}, not (slot, specs, positions)")
     slot, specs, positions = pack
     leaves = self.leaves
     if type(slot) is not int or not 0 <= slot < len(leaves):
@@ -431,28 +323,16 @@ class DlpackTransportMetadata(TensorTransportMetadata):
     if buffer.path != PACKED_PATH or buffer.framework != "numpy" or buffer.device != "cpu" or len(buffer.shape) != 1 \
         or buffer.dtype != np.uint8:
       raise MetadataError(obj_id, f"leaves[{slot}]", "is not a pack buffer (1-D uint8 numpy in host memory)")
-    if type(specs) is not list or not specs:
-      raise MetadataError(obj_id, "packed[1]", f"is {specs!r}, not a list of leaf specs")
-    first: dict[Any, int] = {}
-    for i, spec in enumerate(specs):
-      if type(spec) is not LeafSpec or tuple.__len__(spec) != 7 or type(spec.path) is not str:
-        raise MetadataError(obj_id, f"packed[1][{i}]", f"is a {type(spec).__name__}, not a LeafSpec")
-      try:
-        first.setdefault(_SIGNATURE(spec), i)
-      except TypeError:
-        raise MetadataError(obj_id, f"packed[1][{i}]", "has an unhashable field", spec.path) from None
-    for i in first.values():
-      spec = specs[i]
-      problem = spec_problem(spec)
-      if problem is not None:
-        raise MetadataError(obj_id, f"packed[1][{i}].{problem[0]}", problem[1], spec.path)
-      if spec.framework != "jax" or spec.device != "cpu" or spec.sharding is not None or len(spec.chunks) != 1:
-        raise MetadataError(obj_id, f"packed[1][{i}]", "is not an unsharded host jax leaf", spec.path)
+    table = _pack_table.of(specs)
+    if table is None or table.positions is not positions:
+      table = _pack_table.PackTable(specs, positions)  # not one this process keeps: checked now
+    problem = table.problem()
+    if problem is not None:
+      raise MetadataError(obj_id, *problem)
     total = len(specs) + len(leaves) - 1
-    check_ints(obj_id, "packed[2]", positions, len(specs), 0, total)
-    if any(a >= b for a, b in itertools.pairwise(positions)):
-      raise MetadataError(obj_id, "packed[2]", "is not increasing")
-    _, need = _layout.host_layout(specs)
+    if positions[-1] >= total:
+      raise MetadataError(obj_id, "packed[2]", f"names position {positions[-1]} of a value of {total} leaves")
+    need = table.layout()[2]
     if need > buffer.nbytes:
       raise MetadataError(obj_id, "packed[1]", f"lays out {need} bytes in a buffer of {buffer.nbytes}")
 

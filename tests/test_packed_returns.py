@@ -114,6 +114,11 @@ class Node:
   def numpy_leaf(self, value):
     return value["numpy"].copy()
 
+  def pack_counts(self):
+    from rdt_jax import _leaf_pack, _pack_table
+
+    return {**_pack_table.counts(), "structures": _leaf_pack.structures_kept()}
+
   def into_targets(self, refs, target):
     # Arrays from Ray's object store are read-only: targets are copies.
     target = jax.tree_util.tree_map(lambda x: x.copy() if isinstance(x, np.ndarray) else x, target)
@@ -171,7 +176,7 @@ def test_a_many_leaf_value_travels_as_one_buffer_and_arrives_byte_for_byte(produ
   # Ray sees the pack, the big leaf, numpy and torch: four tensors.
   assert len(meta.tensor_meta) == len(meta.leaves) == 4
   assert len(meta.value_leaves()) == packed_count() + 3
-  assert positions == sorted(positions)
+  assert list(positions) == sorted(positions)
   # The driver gets the same value.
   assert fingerprint(ray.get(ref)) == want()
 
@@ -320,3 +325,56 @@ def test_which_jax_leaves_may_pack():
   assert _dlpack.packable(deleted, 1 << 10) is None
   spec = _dlpack.packed_spec("['a']", kind)
   assert (spec.path, spec.shape, spec.dtype, spec.framework, spec.device) == ("['a']", (2, 3), np.int16, "jax", "cpu")
+
+
+# ---- one table per structure (rdt_jax._pack_table): made once, never a wrong one
+
+
+def plain_leaves(order: str = "reversed", n: int = 96, change: str = ""):
+  """A value of `n` small jax leaves only (no typed key: a key's data is made
+  anew at each serialization), inserted in `order`; `change` alters one leaf:
+  its shape, its dtype, or makes it a NumPy array (which never packs)."""
+  keys = list(range(n)) if order == "sorted" else list(reversed(range(n))) if order == "reversed" else \
+      [i for i in range(n) if i % 2] + [i for i in range(n) if not i % 2]
+  small = {}
+  for i in keys:
+    x = jnp.arange(6, dtype=jnp.float32).reshape(2, 3) + i
+    if i == 17 and change == "shape":
+      x = x.reshape(3, 2)
+    elif i == 17 and change == "dtype":
+      x = x.astype(jnp.int16)
+    elif i == 17 and change == "numpy":
+      x = np.asarray(x)
+    small[f"w{i:03d}"] = x
+  return {"small": small, "step": n}
+
+
+def test_a_structure_returned_again_reuses_its_table_on_every_side(producer, consumer):
+  before = ray.get(producer.pack_counts.remote())
+  refs = [producer.make.remote(plain_leaves) for _ in range(3)]
+  for ref in refs:
+    assert ray.get(consumer.fingerprint.remote(ref)) == fingerprint(plain_leaves())
+  after = ray.get(producer.pack_counts.remote())
+  assert after["made"] == before["made"] + 1  # made for the first value, reused for the other two
+  assert after["structures"] >= 1
+  # The driver (the refs' owner) decoded the table once and holds one object for all three.
+  specs = [_meta(ref).packed[1] for ref in refs]
+  assert specs[0] is specs[1] is specs[2]
+  assert [s.path for s in specs[0]][:2] == ["['small']['w095']", "['small']['w094']"]  # the producer's order
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "numpy"])
+def test_a_changed_leaf_or_order_under_one_structure_is_never_read_with_the_old_table(producer, consumer, change):
+  """Values jax flattens to one treedef but that pack differently (insertion
+  order, one leaf's shape or dtype, a leaf that does not pack) each get the
+  table of their own leaves, in any sequence."""
+  sequence = [("reversed", ""), ("sorted", ""), ("reversed", change), ("interleaved", ""), ("reversed", ""),
+              ("reversed", change), ("reversed", change)]
+  for order, changed in sequence:
+    ref = producer.make.remote(plain_leaves, order, 96, changed)
+    want_print = fingerprint(plain_leaves(order, 96, changed))
+    assert ray.get(consumer.fingerprint.remote(ref)) == want_print, (order, changed)
+    assert fingerprint(ray.get(ref)) == want_print
+    paths = [s.path for s in _meta(ref).packed[1]]
+    first = f"['small']['w{(95 if order == 'reversed' else 0 if order == 'sorted' else 1):03d}']"
+    assert paths[0] == first, (order, changed, paths[:3])

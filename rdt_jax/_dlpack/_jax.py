@@ -141,9 +141,10 @@ def packed_spec(path: str, kind: PackKind) -> LeafSpec:
   return tuple.__new__(LeafSpec, (path, chunks[0].shape, kind.dtype, "jax", "cpu", chunks, None))
 
 
-#: (sharding, shape, dtype, max bytes) -> its `PackKind`, or None where such a
-#: leaf is never packable; bounded by `_limits.PACK_KINDS_MAX`.
-_PACK_KINDS: dict[tuple[Any, ...], PackKind | None] = {}
+#: (sharding key, shape, dtype, max bytes) -> its `PackKind` and the buffer
+#: layout (jaxlib's `PjRtLayout`, or None) of a row-major array of it, or None
+#: where such a leaf is never packable; bounded by `_limits.PACK_KINDS_MAX`.
+_PACK_KINDS: dict[tuple[Any, ...], tuple[PackKind, Any] | None] = {}
 
 
 def packable(x: Any, max_nbytes: int) -> tuple[PackKind, int] | None:
@@ -154,32 +155,36 @@ def packable(x: Any, max_nbytes: int) -> tuple[PackKind, int] | None:
 
   Packable: a live, unsharded `jax.Array` (not a PRNG key) on one cpu device
   this process can address, in the default layout, of a dtype rdt_jax moves,
-  of at most `max_nbytes` bytes. The checks are made once per sharding,
-  shape and dtype (`PackKind`); per leaf only whether it is deleted, its
-  buffer's layout and its address are read. Does not wait for the array:
-  the caller waits for every packed leaf at once (`block_until_ready`)
-  before copying.
+  of at most `max_nbytes` bytes. The checks are made once per device, shape
+  and dtype (`PackKind`); per leaf only whether it is deleted, its buffer's
+  layout (compared with the kind's row-major one) and its address are read.
+  Does not wait for the array: the caller waits for every packed leaf at once
+  (`block_until_ready`) before copying.
   """
   if x.is_deleted():  # deleted or donated: `describe` says so (and a deleted
     return None  # array's buffer layout must not be read: it crashes jaxlib 0.10)
-  key = (x.sharding, x.shape, x.dtype, max_nbytes)
+  key = (_compat.sharding_key(x.sharding), x.shape, x.dtype, max_nbytes)
   try:
-    kind = _PACK_KINDS[key]
+    found = _PACK_KINDS[key]
   except KeyError:
-    kind = _pack_kind(x, max_nbytes)
+    found = _pack_kind(x, max_nbytes)
     if len(_PACK_KINDS) < _limits.PACK_KINDS_MAX:
-      _PACK_KINDS[key] = kind
-  if kind is None:
+      _PACK_KINDS[key] = found
+  if found is None:
     return None
-  if _layout_problem(x) is not None:  # per leaf: one layout compared once known row-major
+  kind, row_major = found
+  # Per leaf: one layout compared with the kind's row-major one (or checked in full).
+  if (row_major is None or getattr(x, "_pjrt_layout", None) != row_major) and _layout_problem(x) is not None:
     return None
   return kind, (int(x.unsafe_buffer_pointer()) if kind.chunks[0].nbytes else 0)
 
 
-def _pack_kind(x: Any, max_nbytes: int) -> PackKind | None:
-  """The `PackKind` of `x`'s device, shape and dtype, or None if leaves like
-  it are never packable (not on one addressable cpu device, a dtype rdt_jax
-  does not move, or more than `max_nbytes` bytes)."""
+def _pack_kind(x: Any, max_nbytes: int) -> tuple[PackKind, Any] | None:
+  """The `PackKind` of `x`'s device, shape and dtype, with the buffer layout
+  of a row-major array of it (None if the backend reports none, or `x` is
+  not row-major); None if leaves like it are never packable (not on one
+  addressable cpu device, a dtype rdt_jax does not move, or more than
+  `max_nbytes` bytes)."""
   devices = x.sharding.device_set
   if len(devices) != 1 or not x.is_fully_addressable:
     return None
@@ -195,7 +200,8 @@ def _pack_kind(x: Any, max_nbytes: int) -> PackKind | None:
     return None
   known = _LOCAL_DEVICES.setdefault(device, parse_device(device))
   chunks = single_chunk(shape, "", "jax", dtype, "cpu", known.index, 0, None).spec.chunks
-  return PackKind(dtype, chunks, known.index)
+  row_major = getattr(x, "_pjrt_layout", None) if _layout_problem(x) is None else None
+  return PackKind(dtype, chunks, known.index), row_major
 
 
 def placement_problem(x: Any) -> str | None:

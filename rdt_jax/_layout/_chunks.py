@@ -13,7 +13,6 @@ import numpy as np
 
 from rdt_jax import _limits
 from rdt_jax._dlpack._bytes import host_bytes
-from rdt_jax._dlpack._jax import PackKind
 from rdt_jax._dlpack._specs import ChunkSpec, DescribedLeaf, LeafSpec
 from rdt_jax._memory._host import aligned
 
@@ -52,21 +51,25 @@ def pack_host_chunks(leaves: list[DescribedLeaf]) -> bytes:
   ])
 
 
-def copy_packed_into(buffer: np.ndarray, addresses: list[int], kinds: list[PackKind]) -> None:
-  """Copies packed host leaves, each of `kinds[i]` at `addresses[i]`, into
-  `buffer` one after another, each at the offset `host_layout` gives it
-  among their specs; the leaves' buffers hold their final values."""
+def copy_packed_into(buffer: np.ndarray, addresses: list[int], starts: list[int], sizes: list[int]) -> None:
+  """Copies packed host leaves into `buffer`: `sizes[i]` bytes from
+  `addresses[i]` to offset `starts[i]` (as `host_layout` lays them out); the
+  leaves' buffers hold their final values.
+
+  Raises:
+    ValueError: if a leaf would land outside `buffer` (nothing is copied).
+  """
   import ctypes
 
+  if len(addresses) != len(starts) or len(starts) != len(sizes):
+    raise ValueError(f"{len(addresses)} addresses for {len(starts)} packed leaves")
+  if starts and starts[-1] + sizes[-1] > buffer.nbytes:
+    raise ValueError(f"packed leaves end at byte {starts[-1] + sizes[-1]} of a buffer of {buffer.nbytes}")
   base = int(buffer.__array_interface__["data"][0])
   move = ctypes.memmove
-  offset = 0
-  for address, kind in zip(addresses, kinds):
-    nbytes = kind.chunks[0].nbytes
+  for address, start, nbytes in zip(addresses, starts, sizes):
     if nbytes:
-      move(base + offset, address, nbytes)
-    offset += aligned(nbytes)
-  assert offset <= buffer.nbytes
+      move(base + start, address, nbytes)
 
 
 def pack_layout(specs: list[LeafSpec], alignment: int = _limits.DEVICE_ALIGNMENT) -> tuple[list[list[int]], int]:

@@ -11,8 +11,10 @@ torch, say) runs, or the default pickle.
 from __future__ import annotations
 
 import importlib
+import operator
 import pickle
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,21 +54,51 @@ def _take_leaf(leaf: Any) -> tuple[Callable[[int], Any], tuple[int]]:
   return _leaf_from_transfer, (len(tensors) - 1,)
 
 
-def _take_jax_leaf(leaf: Any) -> tuple[Callable[..., Any], tuple[int, ...]]:
+def _take_jax_leaf(leaf: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
   """Moves jax leaf `leaf` out of band: into the value's pack if it may be
-  packed (`rdt_jax._leaf_pack`), else as a tensor of its own (`_take_leaf`)."""
-  tensors = _handoff.serializing.context._thread_local.rdt_tensors
+  packed (`rdt_jax._leaf_pack`), else as a tensor of its own (`_take_leaf`).
+
+  A packed leaf pickles as `operator.getitem(pack, k)`, where `pack` is one
+  `_Pack` object per value: the pickler writes it once and refers to it from
+  every other packed leaf, so the unpickler finds the pack's leaves once
+  (`_leaf_from_transfer`) and takes each with a C call, no Python per leaf."""
+  here = _pack_of_thread
+  tensors = here.tensors
+  if tensors is None:  # once per serialization: Ray makes the list as it starts
+    tensors = here.tensors = _handoff.serializing.context._thread_local.rdt_tensors
   packed = _leaf_pack.take(leaf, tensors)
   if packed is None:
     return _take_leaf(leaf)
-  return _leaf_from_pack, packed
+  slot, k = packed
+  if k == 0:  # the value's first packed leaf (each serialization counts from 0)
+    here.pack = _Pack(slot)
+  return operator.getitem, (here.pack, k)
 
 
-def _leaf_from_pack(slot: int, k: int) -> Any:
-  """Deserializer: the k-th leaf of the pack the transport delivered as tensor
-  `slot` (rebuilt there from the pack buffer, `rdt_jax.transports._packed`),
-  found as `_leaf_from_transfer` finds a leaf."""
-  return _leaf_from_transfer(slot)[k]
+class _Pack:
+  """The pack of the value being serialized: pickled as the tuple of packed
+  leaves the transport delivers as tensor `slot` (rebuilt there from the
+  pack buffer, `rdt_jax.transports._packed`), found as `_leaf_from_transfer`
+  finds a leaf."""
+
+  __slots__ = ("slot",)
+
+  def __init__(self, slot: int):
+    self.slot = slot
+
+  def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
+    return _leaf_from_transfer, (self.slot,)
+
+
+class _PackOfThread(threading.local):
+  """The serialization running on this thread: its `_Pack`, and Ray's list
+  of its out-of-band leaves (None until its first jax leaf)."""
+
+  pack: _Pack | None = None
+  tensors: list[Any] | None = None
+
+
+_pack_of_thread = _PackOfThread()
 
 
 def _leaf_from_transfer(index: int) -> Any:
@@ -202,12 +234,14 @@ def wrap_serialize_rdt_objects() -> None:
     self._rdt_custom_serializer_registered[data_type] = True
     _handoff.begin_serialization(tensor_transport, self, value)
     _leaf_pack.begin()
+    _pack_of_thread.tensors = _pack_of_thread.pack = None
     try:
       serialized, leaves = original(self, _whole(value), tensor_transport)
       _leaf_pack.finish(leaves)
       _handoff.finish_serialization(leaves)
       return serialized, leaves
     finally:
+      _pack_of_thread.tensors = _pack_of_thread.pack = None
       _leaf_pack.end()
       _handoff.end_serialization()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,7 @@ class DlpackFetchRequest(FetchRequest):
   producer: str | None = None
   pack: _packed.Split | None = None  # a pack's target, for `finish` (`_packed`)
   in_place_at: float | None = None  # when every byte was in place (`time.monotonic`), once known
-  packed: tuple[int, list[Any], list[int]] | None = None
+  packed: tuple[int, Sequence[Any], Sequence[int]] | None = None
   started: float = field(default_factory=time.perf_counter)  # for rdt_jax's metrics
   nbytes: int = 0  # bytes the plan receives, for rdt_jax's metrics
 

@@ -23,13 +23,13 @@ the value in the order the producer's serializer met them, packed or not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout, _memory
+from rdt_jax import _dlpack, _memory, _pack_table
 from rdt_jax._dlpack import LeafSpec
-from rdt_jax._memory import aligned
 from rdt_jax._metadata import DlpackTransportMetadata, MetadataError
 from rdt_jax._targets import Target, align_targets
 from rdt_jax.transports._destinations import memory_kind
@@ -76,7 +76,7 @@ def split_target(meta: DlpackTransportMetadata, target: Target | None) -> Split:
 
 
 def unpack(
-    buffer: np.ndarray, specs: list[LeafSpec], target: Target | None, mode: str, obj_id: str
+    buffer: np.ndarray, specs: Sequence[LeafSpec], target: Target | None, mode: str, obj_id: str
 ) -> tuple[Any, ...]:
   """The packed leaves, rebuilt from the received pack `buffer` (uint8, host)
   as `mode` and `target` ask, in pack order.
@@ -85,15 +85,16 @@ def unpack(
     MetadataError: if the specs lay out more bytes than `buffer` holds.
     ValueError, UnsupportedLeafError: for a target that does not fit.
   """
+  starts, _, need = _layout_of(specs)
+  if need > buffer.nbytes:
+    raise MetadataError(obj_id, "packed", f"lays out {need} bytes in a buffer of {buffer.nbytes}")
   if target is None:
-    leaves = _views_as_received(buffer, specs, mode, obj_id)
+    leaves = _views_as_received(buffer, specs, starts, mode, obj_id)
     if leaves is not None:
       return leaves
-  plan = ReceivePlan(specs, mode, target, obj_id)
+  plan = ReceivePlan(list(specs), mode, target, obj_id)
   try:
     destinations = plan.allocate()
-    offsets, _ = _layout.host_layout(specs)
-    starts = [offset for leaf_offsets in offsets for offset in leaf_offsets]
     view = memoryview(buffer.data)
     for d in destinations:
       if d.nbytes:
@@ -105,15 +106,24 @@ def unpack(
   return tuple(plan.build())
 
 
-def _views_as_received(buffer: np.ndarray, specs: list[LeafSpec], mode: str, obj_id: str) -> tuple[Any, ...] | None:
-  """The packed leaves without a target: zero-copy views of `buffer` (laid out
-  as `host_layout` places `specs`), each as the framework and device a
-  `ReceivePlan` gives its dtype in `mode` (decided once per dtype, not per
-  leaf); jax leaves made in one call per device. None where some dtype
-  arrives in device memory (the caller plans and copies instead).
+def _layout_of(specs: Sequence[LeafSpec]) -> tuple[list[int], list[int], int]:
+  """Where each packed leaf lies in the buffer (`PackTable.layout`): its
+  table's, laid out once per table, for specs of a table this process keeps."""
+  table = _pack_table.of(specs)
+  return (table if table is not None else _pack_table.PackTable(specs, ())).layout()
+
+
+def _views_as_received(
+    buffer: np.ndarray, specs: Sequence[LeafSpec], starts: list[int], mode: str, obj_id: str
+) -> tuple[Any, ...] | None:
+  """The packed leaves without a target: zero-copy views of `buffer` (leaf
+  `i` at byte `starts[i]`), each as the framework and device a `ReceivePlan`
+  gives its dtype in `mode` (decided once per dtype, not per leaf); jax
+  leaves made in one call per device. None where some dtype arrives in
+  device memory (the caller plans and copies instead). The caller checked
+  that the buffer holds every leaf.
 
   Raises:
-    MetadataError: if the specs lay out more bytes than `buffer` holds.
     UnsupportedLeafError: for a 64-bit leaf arriving as jax while x64 is off.
   """
   first: dict[Any, LeafSpec] = {}
@@ -123,22 +133,20 @@ def _views_as_received(buffer: np.ndarray, specs: list[LeafSpec], mode: str, obj
   plans = dict(zip(first, ReceivePlan(list(first.values()), mode, None, obj_id).plans))
   if any(memory_kind(p.device) != "host" for p in plans.values()):
     return None
+  frameworks = {dtype: plan.framework for dtype, plan in plans.items()}
+  view = np.ndarray
+  if all(f == "numpy" for f in frameworks.values()):
+    return tuple([view(spec.shape, spec.dtype, buffer, start) for spec, start in zip(specs, starts)])
   out: list[Any] = []
   jax_at: dict[Any, list[int]] = {}
-  offset = 0
-  for spec in specs:
-    nbytes = spec.chunks[0].nbytes
-    end = offset + nbytes
-    if end > buffer.nbytes:
-      raise MetadataError(obj_id, "packed", f"lays out past the end of a buffer of {buffer.nbytes} bytes")
-    view = buffer[offset:end].view(spec.dtype).reshape(spec.shape)
-    plan = plans[spec.dtype]
-    if plan.framework == "jax":
-      jax_at.setdefault(plan.device, []).append(len(out))
-    elif plan.framework != "numpy":
-      view = _dlpack.rebuild_view(view, plan.framework, plan.device, spec.path)
-    out.append(view)
-    offset += aligned(nbytes)
+  for spec, start in zip(specs, starts):
+    leaf = view(spec.shape, spec.dtype, buffer, start)
+    framework = frameworks[spec.dtype]
+    if framework == "jax":
+      jax_at.setdefault(plans[spec.dtype].device, []).append(len(out))
+    elif framework != "numpy":
+      leaf = _dlpack.rebuild_view(leaf, framework, plans[spec.dtype].device, spec.path)
+    out.append(leaf)
   for device, indices in jax_at.items():
     for i, array in zip(indices, _dlpack.host_to_jax_many([out[i] for i in indices], device)):
       out[i] = array

@@ -129,7 +129,18 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     """Each chunk inside user space, on device 0 if in host memory, and in
     the region it names: itself (`-1 - k`) or a listed staging region.
     Checked on arrays (a thousand chunks cost microseconds); the first
-    offending chunk is then named."""
+    offending chunk is then named; a few chunks are checked without arrays
+    (building them costs more than the loop)."""
+    if len(addresses) <= _limits.NIXL_CHECK_LOOP_MAX:
+      for k, (address, n, device, r, host) in enumerate(zip(addresses, sizes, device_ids, regions, hosts)):
+        span = spans.get(r) if r >= 0 else None
+        if not (
+            address + n <= _limits.NIXL_ADDRESS_LIMIT and not (host and device)
+            and (r == -1 - k if r < 0 else span is not None and span[0] <= address and address + n <= sum(span))
+        ):
+          break
+      else:
+        return
     a, size, region = (np.array(v, np.int64) for v in (addresses, sizes, regions))
     end = a + size
     index = np.arange(len(a))
