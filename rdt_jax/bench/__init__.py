@@ -248,7 +248,7 @@ def _document(
       ],
       "skips": state.skips,
       "summary": [s.to_json() for s in summaries],
-      "targets": [t.to_json() for t in _stats.targets(summaries, idle_cpu=_rdt_jax_idle(state))],
+      "targets": [t.to_json() for t in _stats.targets(summaries, idle_cpu=_rdt_jax_idle(state), splits=state.splits)],
       "overhead": _stats.overhead(summaries, state.splits, state.cases),
       "splits": state.splits,
       "plain_check": plain_check,

@@ -191,16 +191,18 @@ class BenchActor:
     """Takes `value` and reads none of it (`ray_rdt_floor`: no bytes arrive)."""
     return None, 0.0
 
-  def get_timed(self, refs: list[Any]) -> tuple[int, float, float]:
+  def get_timed(self, refs: list[Any]) -> tuple[int, float, float, float]:
     """Gets `refs[0]` here and reads it: (checksum, seconds the `ray.get`
-    took, seconds the reading took). The get is the consumer's share."""
+    took, seconds the reading took, seconds jax's own share of them took:
+    `_cases.jax_cost_s`, measured after). The get is the consumer's share."""
     import ray
 
     t0 = time.perf_counter()
     value = ray.get(refs[0])
     t1 = time.perf_counter()
     checksum = _cases.value_checksum(value)
-    return checksum, t1 - t0, time.perf_counter() - t1
+    t2 = time.perf_counter()
+    return checksum, t1 - t0, t2 - t1, _cases.jax_cost_s(value)
 
   def call_and_get(
       self, producer: Any, key: str, count: int, transport: str | None, batch: bool

@@ -21,6 +21,7 @@ nothing but NumPy (and torch or jax for device leaves, lazily).
 from __future__ import annotations
 
 import re
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Final
@@ -319,6 +320,27 @@ def numpy_to_jax(value: Any) -> Any:
   if isinstance(value, dict):
     return {k: jnp.asarray(v) for k, v in value.items()}
   return jnp.asarray(value)
+
+
+def jax_cost_s(value: Any) -> float:
+  """Seconds jax itself takes over `value`'s host `jax.Array` leaves on the
+  consumer: making each from host memory the way rdt_jax makes them (one
+  batched zero-copy call per device, `_dlpack.host_to_jax_many`) and
+  exposing each to NumPy, as the read does. Any path that hands a consumer
+  jax arrays pays it; the object store with NumPy does not."""
+  import jax
+
+  from rdt_jax import _dlpack
+
+  by_device: dict[Any, list[np.ndarray]] = {}
+  for x in value_leaves(value):
+    if isinstance(x, jax.Array) and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu":
+      by_device.setdefault(next(iter(x.devices())), []).append(np.asarray(x))  # zero-copy views
+  t0 = time.perf_counter()
+  for device, views in by_device.items():
+    for a in _dlpack.host_to_jax_many(views, _dlpack.parse_device(device)):
+      np.asarray(a)
+  return time.perf_counter() - t0
 
 
 def value_checksum(value: Any) -> int:

@@ -532,13 +532,13 @@ class ActorPath(Path):
     assert self.transport is not None
     t0 = time.perf_counter()
     refs, put_s = ray.get(g.producer.put_timed.remote(key, self.transport), timeout=timeout)
-    checksum, get_s, read_s = ray.get(g.consumers[0].get_timed.remote(refs), timeout=timeout)
+    checksum, get_s, read_s, jax_s = ray.get(g.consumers[0].get_timed.remote(refs), timeout=timeout)
     seconds = time.perf_counter() - t0
     del refs
     _check(checksum, g.prepared[key][0])
     return {
         "seconds": seconds, "producer_s": put_s, "consumer_s": get_s, "read_s": read_s,
-        "ray_s": seconds - put_s - get_s - read_s,
+        "ray_s": seconds - put_s - get_s - read_s, "jax_s": jax_s,
     }
 
   def _run_refs(self, case, variant, g, key, send, expected, timeout, memory) -> Measurement:
