@@ -85,8 +85,9 @@ class _Pack:
     self.positions: list[int] = []
     self.flat = flat  # the value's leaves in tree_flatten order
     self.treedef = treedef
-    # What the structure's last value packed, while every leaf met so far is
-    # the leaf that value packed at the same place (None once one is not).
+    # What the structure's last value packed, while every leaf packed so far
+    # is this value's array at the place that value's was, of the same kind
+    # (None once one is not).
     self.expect = expect
 
 
@@ -156,7 +157,7 @@ def take(leaf: Any, tensors: list[Any]) -> tuple[int, int] | None:
   if expect is not None and not (
       k < len(expect.order) and expect.kinds[k] is kind and p.flat[expect.order[k]] is leaf
   ):
-    p.expect = None  # not the leaf the structure's last value packed here: this table is made anew
+    p.expect = None  # not where the structure's last value had its k-th packed leaf: a table of its own
   leaves.append(leaf)
   p.kinds.append(kind)
   p.addresses.append(found[1])
