@@ -19,10 +19,19 @@ from typing import Any
 
 from rdt_jax._dlpack import ChunkSpec, LeafSpec
 
-__all__ = ["SEP", "CompactInts", "CompactLeaves", "Undecodable"]
+__all__ = ["SEP", "CompactInts", "CompactLeaves", "Undecodable", "length_of"]
 
 #: What joins the paths of a `CompactLeaves` (no `keystr` path holds it).
 SEP = "\x00"
+
+
+def length_of(x: object) -> str:
+  """How many entries `x`, a field from another process, holds, for an error
+  message ("no (int)" for a value without a length)."""
+  try:
+    return str(len(x))  # type: ignore[arg-type]
+  except TypeError:
+    return f"no ({type(x).__name__})"
 
 
 class Undecodable:

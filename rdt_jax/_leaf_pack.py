@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 from rdt_jax import _dlpack, _handoff, _layout, _limits, _memory, _pack_table, _settings
 from rdt_jax._pack_table import PackTable
 
-__all__ = ["PACKED_PATH", "PackTable", "begin", "end", "finish", "structures_kept", "take", "take_table"]
+__all__ = ["PACKED_PATH", "begin", "end", "finish", "structures_kept", "take", "take_table"]
 
 #: The path of a pack buffer's own leaf spec (no pytree path looks like it).
 PACKED_PATH = "<packed leaves>"

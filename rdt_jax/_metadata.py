@@ -25,7 +25,7 @@ import numpy as np
 from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
 
 from rdt_jax import _limits, _pack_table
-from rdt_jax._compact import CompactInts, CompactLeaves, Undecodable
+from rdt_jax._compact import CompactInts, CompactLeaves, Undecodable, length_of
 from rdt_jax._dlpack import LeafSpec, UnsupportedLeafError, spec_problem
 from rdt_jax._error_base import RdtJaxError
 from rdt_jax._leaf_pack import PACKED_PATH
@@ -108,7 +108,7 @@ def check_ints(obj_id: str, name: str, values: object, count: int, lo: int, hi: 
     MetadataError: naming the object, the field and the first offending entry.
   """
   if type(values) is not list or len(values) != count:
-    raise MetadataError(obj_id, name, f"holds {_length(values)} entries, not {count}")
+    raise MetadataError(obj_id, name, f"holds {length_of(values)} entries, not {count}")
   try:
     # C loops: every entry an int64 (array refuses anything else), none a bool.
     fine = not values or (
@@ -121,13 +121,6 @@ def check_ints(obj_id: str, name: str, values: object, count: int, lo: int, hi: 
       if type(v) is not int or not lo <= v < hi:
         raise MetadataError(obj_id, f"{name}[{i}]", f"is {v!r}, not an int in [{lo}, {hi})")
   return values
-
-
-def _length(x: object) -> str:
-  try:
-    return str(len(x))  # type: ignore[arg-type]
-  except TypeError:
-    return f"no ({type(x).__name__})"
 
 
 @dataclass
@@ -285,7 +278,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
         self._check_leaf(obj_id, i, leaves[i])
     tensor_meta = self.tensor_meta
     if type(tensor_meta) is not list or len(tensor_meta) != len(leaves):
-      raise MetadataError(obj_id, "tensor_meta", f"holds {_length(tensor_meta)} entries for {len(leaves)} leaves")
+      raise MetadataError(obj_id, "tensor_meta", f"holds {length_of(tensor_meta)} entries for {len(leaves)} leaves")
     if list(map(_SHAPE_DTYPE, leaves)) != tensor_meta:
       for i, (pair, leaf) in enumerate(zip(tensor_meta, leaves)):
         if type(pair) is not tuple or len(pair) != 2 or pair[0] != leaf.shape or pair[1] != leaf.dtype:
@@ -299,7 +292,7 @@ class DlpackTransportMetadata(TensorTransportMetadata):
     if inline is not None:
       want = sum(leaf.nbytes for leaf in leaves)
       if type(inline) is not bytes or len(inline) != want:
-        raise MetadataError(obj_id, "inline", f"holds {_length(inline)} bytes but the leaves describe {want}")
+        raise MetadataError(obj_id, "inline", f"holds {length_of(inline)} bytes but the leaves describe {want}")
     self._check_origin(obj_id)
     if self.packed is not None:
       self._check_packed(obj_id)

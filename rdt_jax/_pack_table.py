@@ -36,7 +36,7 @@ from operator import itemgetter
 from typing import Any
 
 from rdt_jax import _limits
-from rdt_jax._compact import CompactInts, CompactLeaves, Undecodable
+from rdt_jax._compact import CompactInts, CompactLeaves, Undecodable, length_of
 from rdt_jax._dlpack import LeafSpec, spec_problem
 from rdt_jax._memory import aligned
 
@@ -133,20 +133,13 @@ def table_problem(specs: Any, positions: Any) -> Problem | None:
     if spec.framework != "jax" or spec.device != "cpu" or spec.sharding is not None or len(spec.chunks) != 1:
       return f"packed[1][{i}]", "is not an unsharded host jax leaf", spec.path
   if not isinstance(positions, (list, tuple)) or len(positions) != len(specs):
-    return "packed[2]", f"holds {_length(positions)} entries for {len(specs)} packed leaves", ""
+    return "packed[2]", f"holds {length_of(positions)} entries for {len(specs)} packed leaves", ""
   for i, p in enumerate(positions):
     if type(p) is not int or p < 0:
       return f"packed[2][{i}]", f"is {p!r}, not a non-negative int", ""
   if any(a >= b for a, b in itertools.pairwise(positions)):
     return "packed[2]", "is not increasing", ""
   return None
-
-
-def _length(x: object) -> str:
-  try:
-    return str(len(x))  # type: ignore[arg-type]
-  except TypeError:
-    return f"no ({type(x).__name__})"
 
 
 # --------------------------------------------------------------------------
