@@ -31,6 +31,8 @@ if TYPE_CHECKING:
   from rdt_jax._dlpack import LeafSpec as LeafSpec
   from rdt_jax._dlpack import UnsupportedLeafError as UnsupportedLeafError
   from rdt_jax._error_base import RdtJaxError as RdtJaxError
+  from rdt_jax._errors import ArgumentTypeError as ArgumentTypeError
+  from rdt_jax._errors import SetupError as SetupError
   from rdt_jax._errors import TransportNotRegisteredError as TransportNotRegisteredError
   from rdt_jax._errors import UnknownObjectError as UnknownObjectError
   from rdt_jax._errors import UnsupportedRayError as UnsupportedRayError
@@ -54,9 +56,11 @@ if TYPE_CHECKING:
   from rdt_jax.transports.nixl.views import DeviceViewBusy as DeviceViewBusy
   from rdt_jax.weights import From as From
   from rdt_jax.weights import Fuse as Fuse
+  from rdt_jax.weights import MappingError as MappingError
   from rdt_jax.weights import PublishStats as PublishStats
   from rdt_jax.weights import PullStats as PullStats
   from rdt_jax.weights import StaleWeightsError as StaleWeightsError
+  from rdt_jax.weights import TemplateError as TemplateError
   from rdt_jax.weights import WeightPublisher as WeightPublisher
   from rdt_jax.weights import WeightsHandle as WeightsHandle
   from rdt_jax.weights import WeightSubscriber as WeightSubscriber
@@ -65,6 +69,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "ArgumentTypeError": "rdt_jax._errors",
     "AwaitNotSupportedError": "rdt_jax._aio_errors",
     "DescribedLeaf": "rdt_jax._dlpack",
     "Destination": "rdt_jax.transports._destinations",
@@ -74,6 +79,7 @@ _EXPORTS: dict[str, str] = {
     "From": "rdt_jax.weights",
     "Fuse": "rdt_jax.weights",
     "LeafSpec": "rdt_jax._dlpack",
+    "MappingError": "rdt_jax.weights",
     "MetadataError": "rdt_jax._metadata",
     "NixlError": "rdt_jax.transports.nixl.registrations",
     "Placement": "rdt_jax.transports._destinations",
@@ -84,8 +90,10 @@ _EXPORTS: dict[str, str] = {
     "RdtJaxError": "rdt_jax._error_base",
     "RefNotReadyError": "rdt_jax._aio_errors",
     "SettingError": "rdt_jax._settings",
+    "SetupError": "rdt_jax._errors",
     "Slice": "rdt_jax._layout",
     "StaleWeightsError": "rdt_jax.weights",
+    "TemplateError": "rdt_jax.weights",
     "TransportNotRegisteredError": "rdt_jax._errors",
     "UnknownObjectError": "rdt_jax._errors",
     "UnsupportedLeafError": "rdt_jax._dlpack",

@@ -19,7 +19,10 @@ from typing import Final
 from rdt_jax import _compat
 from rdt_jax._error_base import RdtJaxError
 
-__all__ = ["TransportNotRegisteredError", "UnknownObjectError", "UnsupportedRayError", "explain_unregistered"]
+__all__ = [
+    "ArgumentTypeError", "SetupError", "TransportNotRegisteredError", "UnknownObjectError", "UnsupportedRayError",
+    "explain_unregistered",
+]
 
 
 # Public as `rdt_jax.<name>`: tracebacks and pickles name the public path.
@@ -36,6 +39,27 @@ class UnsupportedRayError(RdtJaxError, RuntimeError):
   the setting `RDT_JAX_ALLOW_UNTESTED_RAY=1`, which turns the refusal into a
   warning.
   """
+
+
+class SetupError(RdtJaxError, RuntimeError):
+  """The process or actor a call runs in is not set up for it.
+
+  Raised by `WeightPublisher()` outside a Ray actor, or in an actor created
+  without `@ray.remote(enable_tensor_transport=True)`: a publisher answers
+  its subscribers' questions on the actor's system concurrency
+  group, which Ray makes only with that flag (without it each question
+  waits behind the method the actor runs, a whole training step), and only
+  such an actor gets its creator's transports. Node-locally such a
+  publisher seemed to work, and the first subscriber on another host
+  failed or waited. The message names the missing flag or call and the fix.
+  """
+
+
+class ArgumentTypeError(RdtJaxError, TypeError):
+  """An argument of a public rdt_jax call that is not of a type it takes:
+  a handle that is not a `WeightsHandle` (None, say), a `source=` that is
+  not a mapping or a function, a `rdt_jax.From` path that is not a str.
+  The message names what was given and what is taken."""
 
 
 class TransportNotRegisteredError(RdtJaxError, ValueError):
@@ -93,7 +117,7 @@ class UnknownObjectError(RdtJaxError, LookupError, AssertionError):
     return type(self), (str(self), self.object_id)
 
 
-for _cls in (TransportNotRegisteredError, UnknownObjectError, UnsupportedRayError):
+for _cls in (ArgumentTypeError, SetupError, TransportNotRegisteredError, UnknownObjectError, UnsupportedRayError):
   _cls.__module__ = _PUBLIC_MODULE
 
 

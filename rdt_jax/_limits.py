@@ -174,6 +174,17 @@ TRANSFER_REQUEST_THREADS: Final = 16
 #: Why: a publisher keeps a few versions, each in its own buffer; eight covers `keep` up to 8.
 WEIGHTS_PREPARED_KEPT: Final = 8
 
+#: Plans a weight subscriber keeps (one per structure and route it pulled, oldest dropped first).
+#: Why: a trainer publishes one structure at a time and changes it rarely (a new adapter, a
+#: rollback); four covers a few switches back and forth, and a plan dropped is made again.
+WEIGHTS_PLANS_KEPT: Final = 4
+
+#: Seconds between two checks, while a pull waits for the subscriber's lock or for its
+#: publisher's answer, that its `pull_async` was cancelled.
+#: Why: the wait is a lock or a Ray call that cannot be interrupted; 50 ms bounds how long a
+#: cancellation waits at about twenty wake-ups a second, only while a pull waits.
+WEIGHTS_CANCEL_POLL_S: Final = 0.05
+
 #: Threads that read the parts of a multi-process version at once (one per trainer process).
 #: Why: a part's read is a system call or a Ray fetch that waits, not work on a core; 64 covers
 #: a trainer of 64 processes in one round, and more processes queue for a thread.

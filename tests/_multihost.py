@@ -55,6 +55,12 @@ class Trainer:
   def pid(self) -> int:
     return os.getpid()
 
+  def recreate(self, pack: bool) -> None:
+    """A new publisher with another `pack` setting replaces this one: this
+    process's part of the same structure travels the other way."""
+    self.pub.close()
+    self.pub = rdt_jax.WeightPublisher(keep=2, pack=pack)
+
   def devices(self) -> tuple[int, int]:
     import jax
 

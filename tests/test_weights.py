@@ -675,6 +675,46 @@ def test_trainer_killed_before_a_node_local_pull_is_the_lifetime_error():
   ray.kill(g)
 
 
+@pytest.fixture
+def loaded_host():
+  """Two processes spinning on this host's two cores (`yes > /dev/null`)."""
+  import subprocess
+
+  spinners = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(2)]
+  yield
+  for p in spinners:
+    p.kill()
+    p.wait()
+
+
+def test_a_pull_after_ray_reports_the_trainer_dead_is_the_lifetime_error(loaded_host):
+  """`ray.kill` has returned and the driver sees `ActorDiedError`, while the
+  trainer's process still exists and its memory is readable (stopped here,
+  as a killed process on a loaded host may still be exiting): a node-local
+  pull refuses the bytes it can read, as every RDT fetch does."""
+  import signal
+
+  t = trainer()
+  g = generator("torch")
+  pid = ray.get(t.__ray_call__.remote(lambda self: os.getpid()))
+  try:
+    assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
+    handle = ray.get(t.publish.remote(2))
+    os.kill(pid, signal.SIGSTOP)
+    ray.kill(t)
+    with pytest.raises(ray.exceptions.ActorDiedError):
+      ray.get(t.publish.remote(3), timeout=ERROR_BOUND_S)
+    r = ray.get(g.try_pull.remote(handle), timeout=ERROR_BOUND_S * 2)
+    assert r["error"] is not None and "has died: the object died with it" in r["error"], r
+    assert r["version"] in (1, None), r  # refused: before the copy, or after it (torn)
+  finally:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    ray.kill(g)
+
+
 def test_timeout_mid_pull_is_a_failed_pull():
   t = trainer(**READ_PATH)
   g = generator("torch", RDT_JAX_FAULTS="nixl.wait:delay=3", UCX_TLS="tcp", **READ_PATH)

@@ -63,6 +63,24 @@ class Trainer:
     self.params = value if subtree is None else value[subtree]
     return self.pub.publish(self.params, version=version)
 
+  def recreate(self, pack: bool) -> None:
+    """A new publisher with another `pack` setting replaces this one: the
+    same structure now travels the other way."""
+    self.pub.close()
+    self.pub = rdt_jax.WeightPublisher(keep=2, pack=pack)
+
+  def publish_sparse(self, version: int):
+    """A tree whose mapped leaves are an empty one, early in the buffer
+    (inside a bucket no mapped byte lies in), and one in a later bucket."""
+    import jax.numpy as jnp
+
+    r = np.random.default_rng(version)
+    tree = {"a": r.standard_normal(4000, np.float32),  # 16,000 bytes: most of bucket 0
+            "b": np.zeros((0, 4), np.float32),  # empty, at offset 16,000 (bucket 0)
+            "c": r.standard_normal(96, np.float32),  # 384 bytes: the rest of bucket 0
+            "d": r.standard_normal(256, np.float32)}  # bucket 1
+    return self.pub.publish({k: jnp.asarray(v) for k, v in tree.items()}, version=version), tree
+
 
 def engine_source(name: str):
   """The torch engine's names and layouts of the published tree."""
@@ -201,6 +219,57 @@ def test_tensor_parallel_ranks_each_take_their_rows_of_a_fused_tensor(env):
     assert r["error"] is None, r["error"]
     np.testing.assert_array_equal(r["values"]["qkv.weight"], full[:, rank].reshape(-1, D))
   for a in (t, *ranks):
+    ray.kill(a)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["packed_then_pytree", "pytree_then_packed"])
+def test_a_structure_that_changes_route_keeps_its_mapped_pulls(first):
+  """The same structure, from a publisher created again with the other
+  `pack` setting: the engine's plan of it is the route's own, so every pull
+  succeeds, as a fresh subscriber's does."""
+  t = Trainer.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET))).remote(first)
+  g = engine()
+  check(ray.get(g.pull.remote(ray.get(t.publish.remote(1)))), 1)
+  ray.get(t.recreate.remote(not first))
+  for version in (2, 3):
+    check(ray.get(g.pull.remote(ray.get(t.publish.remote(version)))), version)
+  ray.get(t.recreate.remote(first))
+  check(ray.get(g.pull.remote(ray.get(t.publish.remote(4)))), 4)
+  for a in (t, g):
+    ray.kill(a)
+
+
+@ray.remote(enable_tensor_transport=True)
+class Sparse:
+  """An engine mapping an empty leaf and one in a later bucket."""
+
+  def __init__(self, atomic: bool):
+    import torch
+
+    self.tensors = {"empty": torch.ones(0, 4), "d": torch.zeros(256)}
+    self.sub = rdt_jax.WeightSubscriber(self.tensors, atomic=atomic, source={"empty": "b", "d": "d"})
+
+  def pull(self, handle) -> dict:
+    try:
+      self.sub.pull(handle)
+      error = None
+    except Exception as e:
+      error = f"{type(e).__name__}: {e}"
+    return {"error": error, "version": self.sub.version, "d": self.tensors["d"].numpy().copy(),
+            "objects": None if self.sub.last_pull is None else self.sub.last_pull.objects}
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+def test_an_empty_mapped_leaf_in_a_bucket_not_fetched_arrives_empty(atomic):
+  env = worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(BUCKET), **OUT_OF_BAND_ENV)
+  t, g = Trainer.options(runtime_env=env).remote(), Sparse.options(runtime_env=env).remote(atomic)
+  for version in (1, 2):
+    handle, tree = ray.get(t.publish_sparse.remote(version))
+    r = ray.get(g.pull.remote(handle))
+    assert r["error"] is None and r["version"] == version, r
+    np.testing.assert_array_equal(r["d"], tree["d"])
+    assert r["objects"] == 1, r  # bucket 1 only
+  for a in (t, g):
     ray.kill(a)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 
+import numpy as np
 import pytest
 import ray
 
@@ -113,6 +114,53 @@ def test_an_engine_maps_a_version_of_two_trainer_processes(atomic):
     assert r["shas"] == {"dense.weight": sha(whole["w"].T), "dense.bias": sha(whole["b"])}, r
     assert r["version"] == version and r["last"].nbytes == whole["w"].nbytes + whole["b"].nbytes, r
   for a in [*ts, g]:
+    ray.kill(a)
+
+
+@ray.remote(enable_tensor_transport=True)
+class Single:
+  """A one-process trainer whose versions the engine maps too, each of a
+  structure of its own (a non-array leaf named after it)."""
+
+  def __init__(self):
+    self.pub = rdt_jax.WeightPublisher(keep=2)
+
+  def publish(self, version: int, k: int) -> tuple:
+    import jax.numpy as jnp
+
+    w = np.arange(48, dtype=np.float32).reshape(8, 6) * 0.25 + version
+    b = np.arange(6, dtype=np.float32) - version
+    handle = self.pub.publish({"w": jnp.asarray(w), "b": jnp.asarray(b), f"tag{k}": k}, version=version)
+    return handle, {"dense.weight": sha(w.T), "dense.bias": sha(b)}
+
+
+def test_an_engine_keeps_one_plan_per_combined_structure_and_route():
+  """A combined structure, then four one-process structures (more than the
+  subscriber keeps plans of), then the combined structure again: its plan
+  is made anew as one piece, never half of it kept. Then the trainer
+  processes' parts change route (their publishers created again with
+  pack=False): the plans of the packed parts are not used for them."""
+  ts = trainers()
+  single = Single.remote()
+  engine, torch_gen = Generator.remote("engine"), Generator.remote("torch")
+
+  def combined(version: int) -> None:
+    handle = publish(ts, version)
+    whole = expected(ts)
+    r, t = ray.get([engine.pull.remote(handle), torch_gen.pull.remote(handle)])
+    assert r["error"] is None and t["error"] is None, (r["error"], t["error"])
+    assert r["shas"] == {"dense.weight": sha(whole["w"].T), "dense.bias": sha(whole["b"])}, version
+    assert t["shas"] == want(whole, "torch") and r["version"] == t["version"] == version
+
+  combined(1)
+  for k, version in enumerate(range(2, 6)):
+    handle, shas = ray.get(single.publish.remote(version, k))
+    r = ray.get(engine.pull.remote(handle))
+    assert r["error"] is None and r["shas"] == shas and r["version"] == version, r
+  combined(6)
+  ray.get([t.recreate.remote(False) for t in ts])
+  combined(7)
+  for a in [*ts, single, engine, torch_gen]:
     ray.kill(a)
 
 

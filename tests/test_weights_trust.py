@@ -68,9 +68,17 @@ class Trainer:
   def close(self) -> None:
     self.pub.close()
 
-  def recreate(self) -> None:
-    """A trainer that rolls back: a new publisher replaces the old one."""
+  def recreate(self, cycle: bool = False) -> None:
+    """A trainer that rolls back: a new publisher replaces the old one, with
+    no `close()`. `cycle`: the old one sits in a reference cycle, so only
+    the cyclic garbage collector ends it (collected here, before the new
+    publisher's first version)."""
+    import gc
+
+    if cycle:
+      self.pub._self = self.pub
     self.pub = rdt_jax.WeightPublisher(keep=self.keep, pack=self.pack)
+    gc.collect()
 
 
 @ray.remote(enable_tensor_transport=True, concurrency_groups={"probe": 1})
@@ -179,6 +187,27 @@ class AsyncGenerator:
     return state
 
 
+  async def cancel_waiting(self, running: object, waiting: object, after: float) -> dict:
+    """Starts a pull of `running` (a long one), then one of `waiting`, which
+    waits for the subscriber's lock; cancels the waiting one after `after`
+    s. How long the cancellation took, and what the running pull did."""
+    first = asyncio.ensure_future(self.sub.pull_async(running))
+    await asyncio.sleep(0.3)
+    second = asyncio.ensure_future(self.sub.pull_async(waiting))
+    await asyncio.sleep(after)
+    start = time.monotonic()
+    second.cancel()
+    try:
+      await second
+      outcome = "finished"
+    except asyncio.CancelledError:
+      outcome = "cancelled"
+    took = time.monotonic() - start
+    await first
+    return {"outcome": outcome, "took": took, "version": self.sub.version,
+            "holds": self.holds()}
+
+
 @ray.remote(enable_tensor_transport=True)
 class Colocated:
   """A trainer and a generator in one actor (verl's and slime's hybrid engine)."""
@@ -215,6 +244,35 @@ class Colocated:
     }
 
 
+@ray.remote(enable_tensor_transport=True)
+class ColocatedNamed:
+  """A trainer and an engine that loads weights by name, in one actor."""
+
+  def __init__(self, pack: bool):
+    self.pub = rdt_jax.WeightPublisher(keep=2, pack=pack)
+    self.sub = rdt_jax.WeightSubscriber(None)
+
+  def step(self, version: int, framework: str) -> dict:
+    """Publishes `version` (jax and numpy leaves), takes its pairs and
+    scales each in place, as an engine quantizing what it loads may; then
+    whether the kept version still holds its bytes."""
+    tree = {**params(version), "n": values(version, 64)}
+    handle = self.pub.publish(tree, version=version)
+    names = []
+    for name, x in self.sub.pull_named(handle, framework=framework):
+      names.append(name)
+      x *= 0
+    kept = self.pub._local_value(version)
+    if kept is None:  # packed: read the kept version back through a subscriber of its own
+      import torch
+
+      kept = rdt_jax.WeightSubscriber({"w": torch.zeros(N), "b": torch.zeros(8), "n": np.zeros(64, np.float32)})
+      kept = kept.pull(handle)
+    return {"names": sorted(names), "version": self.sub.version,
+            "w": bool(np.array_equal(np.asarray(kept["w"]), values(version))),
+            "n": bool(np.array_equal(np.asarray(kept["n"]), values(version, 64)))}
+
+
 def generator(atomic: bool = False, **env: str):
   return Generator.options(runtime_env=worker_env(**env)).remote(atomic)
 
@@ -239,6 +297,20 @@ def test_a_colocated_publisher_and_subscriber_move_the_bytes(pack):
       want = {"version": version, "template_held_version": True, "w_is_template": True, "b_own_buffer": True,
               "b_right": True, "kept_unchanged": True, "step": version}
       assert r == {False: want, True: want}, r
+  finally:
+    kill(actor)
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("pack", [False, True], ids=["pytree", "packed"])
+def test_a_colocated_pull_named_never_yields_the_kept_arrays(pack, framework):
+  """An engine that scales the yielded tensors in place leaves the kept
+  version as it was, as `pull` does."""
+  actor = ColocatedNamed.remote(pack)
+  try:
+    for version in (1, 2):
+      r = ray.get(actor.step.remote(version, framework), timeout=60)
+      assert r == {"names": ["['b']", "['n']", "['w']"], "version": version, "w": True, "n": True}, r
   finally:
     kill(actor)
 
@@ -315,6 +387,22 @@ def test_a_cancelled_pull_async_ends_like_a_failed_pull_and_writes_nothing_after
     kill(t, g)
 
 
+def test_cancelling_a_pull_async_that_waits_for_the_lock_returns_at_once():
+  """A pull runs for 6 s (an injected delay once its bytes are copied); a
+  second `pull_async` waits for the subscriber's lock and is cancelled 0.5 s
+  in: the cancellation returns within 2 s, not when the first pull
+  ends, and the first pull still lands."""
+  t = Trainer.remote(keep=4)
+  g = AsyncGenerator.options(runtime_env=worker_env(RDT_JAX_FAULTS="weights.copied:delay=6*1")).remote(False)
+  try:
+    running, waiting = ray.get([t.publish.remote(1), t.publish.remote(2)])
+    r = ray.get(g.cancel_waiting.remote(running, waiting, 0.5), timeout=60)
+    assert r["outcome"] == "cancelled" and r["took"] < 2.0, r
+    assert r["version"] == 1 and r["holds"] == 1, r
+  finally:
+    kill(t, g)
+
+
 # --------------------------------------------------------------------------
 # Publishers closed or created again
 
@@ -333,6 +421,26 @@ def test_a_handle_of_a_closed_or_replaced_publisher_is_stale():
     ray.get(t.close.remote())
     r = ray.get(g.try_pull.remote(fresh))
     assert r["stale"] and r["version"] == 4, r
+  finally:
+    kill(t, g)
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["replaced", "collected"])
+def test_a_replaced_publisher_s_handle_is_stale_for_a_generator_that_planned_its_structure(cycle):
+  """A trainer rolls back without `close()`: the old publisher ends when it
+  is replaced (or when the garbage collector finds it), its buffers go back
+  to the pool and the new publisher packs its versions into them. A
+  generator that already planned the structure pulls an old handle: stale,
+  never the new publisher's bytes under the old version."""
+  t, g = Trainer.remote(keep=3), generator()
+  try:
+    assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1  # the plan exists
+    old = ray.get([t.publish.remote(2), t.publish.remote(3)])[1]
+    ray.get(t.recreate.remote(cycle))
+    ray.get([t.publish.remote(v) for v in (4, 5, 6)])  # into the old publisher's buffers
+    r = ray.get(g.try_pull.remote(old))
+    assert r["stale"] and "closed or replaced" in r["error"] and r["version"] == 1, r
+    assert ray.get(g.template_holds.remote()) == 1
   finally:
     kill(t, g)
 

@@ -26,6 +26,7 @@ __all__ = [
     "rdt_fetch_timeout_s",
     "register_tensor_transport",
     "registered_transports",
+    "tensor_transport_enabled",
     "transport_info",
     "transport_manager",
     "transport_metadata",
@@ -192,6 +193,23 @@ def call_on_system_group(actor: Any, fn: Callable[..., Any], *args: Any) -> Any:
     methods.
   """
   return actor.__ray_call__.options(concurrency_group="_ray_system").remote(fn, *args)
+
+
+def tensor_transport_enabled(actor: Any) -> bool:
+  """True if `actor` (a handle; the current actor's from
+  `ray.get_runtime_context().current_actor`) was created with
+  `enable_tensor_transport=True` (or a method naming a tensor transport).
+
+  Touches: `ActorHandle._ray_enable_tensor_transport` (read).
+  Why: a weight publisher checks at construction that its actor can serve
+    a subscriber on another host: only such an actor has the `_ray_system`
+    concurrency group its subscribers' questions run on, and gets its
+    creator's transports; without the flag it would work on its own host
+    and fail on the first other one.
+  Retire when: Ray exposes an actor's tensor-transport setting publicly, or
+    fails on its own when such an actor stores an RDT object.
+  """
+  return bool(getattr(actor, "_ray_enable_tensor_transport", False))
 
 
 def current_actor_id() -> str | None:

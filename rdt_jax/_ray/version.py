@@ -145,6 +145,7 @@ def check_ray_shapes() -> list[str]:
     problems.append("ray._private.state.GlobalState._connect_and_get_accessor is missing")
   if not isinstance(getattr(cloudpickle.CloudPickler, "dispatch", None), MutableMapping):
     problems.append("ray.cloudpickle.CloudPickler.dispatch is not a mutable mapping")
+  problems.append(uses(ActorHandle.__init__, "ActorHandle.__init__", ("_ray_enable_tensor_transport",)))
   if not isinstance(getattr(ActorHandle, "_actor_id", None), property):
     problems.append("ray.actor.ActorHandle._actor_id is missing")
   if not isinstance(getattr(worker.Worker, "rdt_manager", None), property):

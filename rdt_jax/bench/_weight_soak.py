@@ -22,7 +22,10 @@ generator killed (and replaced); the trainer killed mid-round (and replaced by a
 standby trainer with a new publisher, republishing from up to 3 versions back;
 a publisher recreated instead while no standby runs yet);
 or the publisher recreated inside the trainer (closed, and a new one republishes
-the same version numbers; one publisher in four sends pytrees, `pack=False`).
+the same version numbers; one publisher in four sends pytrees, `pack=False`); or
+the publisher replaced inside the trainer without `close()` (a rollback by
+`self.pub = WeightPublisher(...)`: the old one ends when its last reference goes,
+and the new one packs its versions into the old one's pooled buffers).
 
 Checked, each a count that must be 0 for exit status 0:
 
@@ -548,10 +551,13 @@ class _Trainer(_Puller):
     self.next_version = 1
     self.publish_lock = threading.Lock()
 
-  def restart(self, incarnation: int, first_version: int, pack: bool) -> None:
-    """A new publisher (the old one closed) whose first version is `first_version`."""
+  def restart(self, incarnation: int, first_version: int, pack: bool, close: bool = True) -> None:
+    """A new publisher whose first version is `first_version`; the old one
+    closed, or (`close=False`) replaced without `close()`, as a trainer that
+    rolls back with `self.pub = WeightPublisher(...)` does: it ends when its
+    last reference goes, here at once."""
     with self.publish_lock:
-      if self.publisher is not None:
+      if self.publisher is not None and close:
         self.publisher.close()
       self.publisher = rdt_jax.WeightPublisher("jax_nixl", keep=KEEP, pack=pack)
       self.incarnation, self.next_version = incarnation, first_version
@@ -635,7 +641,7 @@ class _Soak:
     return max(1, self.last_version + 1 - self.rng.randint(0, MAX_ROLLBACK))
 
   def _event(self) -> None:
-    kind = self.rng.choices(["generator", "trainer", "publisher"], [0.4, 0.3, 0.3])[0]
+    kind = self.rng.choices(["generator", "trainer", "publisher", "replaced"], [0.4, 0.3, 0.15, 0.15])[0]
     if kind == "trainer" and not ray.wait([self.spare_ready], timeout=0)[0]:
       kind = "publisher"  # no standby runs yet: the rounds would wait for one to start
       self.counts["trainer_kills_deferred"] += 1
@@ -646,9 +652,10 @@ class _Soak:
       self._replace(f"generator{self.rng.randrange(len(self.generators))}")
     elif kind == "trainer":
       self._replace("trainer")
-    else:
+    else:  # the publisher closed and created again, or replaced without close()
       self.incarnation += 1
-      self.restarting = self.trainer.restart.remote(self.incarnation, self._rollback_to(), self._pack())
+      self.restarting = self.trainer.restart.remote(self.incarnation, self._rollback_to(), self._pack(),
+                                                    kind == "publisher")
 
   def _replace(self, name: str, kill: bool = True) -> Any:
     """Replaces actor `name` (killed unless `kill` is False): with a new generator, or
@@ -810,7 +817,8 @@ def _summary(report: dict) -> list[str]:
       f"({c.get('versions_pytree', 0)} as pytrees), "
       f"{c.get('pulls', 0)} pulls ({c.get('ok', 0)} ok, {gib:.2f} GiB), events {c.get('events', 0)} "
       f"(generator kills {c.get('event_generator', 0)}, trainer kills {c.get('event_trainer', 0)}, publishers "
-      f"recreated {c.get('event_publisher', 0)}); wrong versions {c.get('wrong_versions', 0)}, versions backwards "
+      f"closed and recreated {c.get('event_publisher', 0)}, replaced without close {c.get('event_replaced', 0)}); "
+      f"wrong versions {c.get('wrong_versions', 0)}, versions backwards "
       f"{c.get('backwards', 0)}, hangs {c.get('hangs', 0)}, other errors {c.get('other_errors', 0)}, late writes "
       f"{c.get('late_writes', 0)}, leaks {report['leaks']}"
       + (f" (hangs in a bucket fetch {c['hangs_in_bucket_fetch']})" if c.get("hangs_in_bucket_fetch") else ""),

@@ -35,7 +35,6 @@ refused with one error on every host.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ray.experimental.rdt.tensor_transport_manager import (
@@ -50,7 +49,7 @@ from rdt_jax.transports._aborts import AbortMarks
 from rdt_jax.transports._capabilities import ActorCapabilities
 from rdt_jax.transports._destinations import Destination, MemoryKind, Placement
 from rdt_jax.transports._extract import Exported
-from rdt_jax.transports._fetch import DlpackFetchRequest
+from rdt_jax.transports._fetch import DlpackFetchRequest, ReceiveCounts
 from rdt_jax.transports._plan import ReceivePlan
 from rdt_jax.transports._required import abstract_hook
 
@@ -135,8 +134,7 @@ class DlpackTransport(TensorTransportManager):
   def __init__(self) -> None:
     self._aborted = AbortMarks()
     self._actors = ActorCapabilities()
-    self._stats = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
-    self._stats_lock = threading.Lock()
+    self._stats = ReceiveCounts()
     # Objects the backend exported that Ray has not freed yet (`counters`).
     self._exported = Exported()
 
@@ -151,16 +149,10 @@ class DlpackTransport(TensorTransportManager):
     Args:
       reset: zero the counters after reading them.
     """
-    with self._stats_lock:
-      out = dict(self._stats)
-      if reset:
-        self._stats = dict.fromkeys(self._stats, 0)
-    return out
+    return self._stats.read(reset)
 
   def _count(self, **counts: int) -> None:
-    with self._stats_lock:
-      for k, v in counts.items():
-        self._stats[k] += v
+    self._stats.add(**counts)
 
   # ---- Ray's interface, shared by every backend.
 
@@ -318,6 +310,12 @@ class DlpackTransport(TensorTransportManager):
     return _fetch.wrap_errors(
         self.name, obj_id, self.start_receive, obj_id, meta, communicator_metadata, plan.destinations
     )
+
+  def route_of(self, handle: Any) -> str:
+    """How a receive moves its bytes, given what `start_receive` (or
+    `start_pull`) returned, for rdt_jax's DEBUG log of each transfer: the
+    transport's name, unless a backend with several routes says which."""
+    return self.name
 
   def wait_fetch_complete(
       self, fetch_request: DlpackFetchRequest, timeout: float = -1

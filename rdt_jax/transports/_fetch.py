@@ -19,6 +19,8 @@ the sender never blocks on a receive that will not come.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -36,7 +38,33 @@ from rdt_jax.transports._plan import ReceivePlan
 if TYPE_CHECKING:
   from rdt_jax.transports._base import DlpackTransport
 
-__all__ = ["DlpackFetchRequest", "check_producer", "complete", "finish", "start", "unpack", "wrap_errors"]
+__all__ = [
+    "DlpackFetchRequest", "ReceiveCounts", "check_producer", "complete", "finish", "start", "unpack", "wrap_errors",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ReceiveCounts:
+  """What a process's fetches asked one backend to move
+  (`DlpackTransport.receive_stats`), counted under a lock of its own."""
+
+  def __init__(self) -> None:
+    self._counts = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
+    self._lock = threading.Lock()
+
+  def add(self, **counts: int) -> None:
+    with self._lock:
+      for k, v in counts.items():
+        self._counts[k] += v
+
+  def read(self, reset: bool = False) -> dict[str, int]:
+    """The counts (zeroed after reading them with `reset`)."""
+    with self._lock:
+      out = dict(self._counts)
+      if reset:
+        self._counts = dict.fromkeys(self._counts, 0)
+    return out
 
 
 @dataclass
@@ -58,6 +86,7 @@ class DlpackFetchRequest(FetchRequest):
   packed: tuple[int, Sequence[Any], Sequence[int]] | None = None
   started: float = field(default_factory=time.perf_counter)  # for rdt_jax's metrics
   nbytes: int = 0  # bytes the plan receives, for rdt_jax's metrics
+  route: str = "in band"  # how the bytes moved (`DlpackTransport.route_of`), for the DEBUG log
 
   def __post_init__(self) -> None:
     _ray.fetch.track_fetch(self)
@@ -117,6 +146,7 @@ def start(
         plan = request.plan = _plan(meta, target, obj_id, pack)
         plan.allocate(t.reads_parts, stage=True)
         request.handle = t._start(obj_id, meta, communicator_metadata, plan)
+    request.route = t.route_of(request.handle) if plan.destinations else "nothing to move"
     if request.handle is None:  # nothing in flight: the backend moved the bytes in `_start`
       request.in_place_at = time.monotonic()
   except BaseException as e:
@@ -202,9 +232,16 @@ def finish(t: DlpackTransport, request: DlpackFetchRequest, timeout: float) -> l
     check_producer(t, request.obj_id, request.producer, failed=False, in_place_at=request.in_place_at)
     if request.packed is not None:
       leaves = unpack(request, leaves)
-    _metrics.count_transfer(t.name, request.nbytes, time.perf_counter() - request.started, True)
+    seconds = time.perf_counter() - request.started
+    _metrics.count_transfer(t.name, request.nbytes, seconds, True)
+    if logger.isEnabledFor(logging.DEBUG):
+      logger.debug("rdt_jax: %s received object %s: %d bytes in %.2f ms (%s)", t.name, request.obj_id,
+                   request.nbytes, seconds * 1e3, request.route)
     return leaves
   _metrics.count_transfer(t.name, 0, 0.0, False)
+  if logger.isEnabledFor(logging.DEBUG):
+    logger.debug("rdt_jax: %s failed to receive object %s after %.2f ms (%s): %s", t.name, request.obj_id,
+                 (time.perf_counter() - request.started) * 1e3, request.route, type(error).__name__)
   try:
     check_producer(t, request.obj_id, request.producer, failed=True)  # before the backend's error
     raise error

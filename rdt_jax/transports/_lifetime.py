@@ -63,8 +63,8 @@ class ProducerDiedError(RdtJaxError, RuntimeError):
   on the consumer when a fetch finds its producer actor dead, after any
   failure and after a read that seemed to succeed (its bytes are refused).
   Ray wraps it: `ray.get` raises Ray's `RayDirectTransportError` caused by it
-  (`except ray.exceptions.RayError`, then `e.__cause__`); a weight pull raises
-  it as it is. Keep the producer alive, and the ref in scope, until every
+  (`except ray.exceptions.RayError`, then `e.__cause__`), and so does a
+  weight pull, whatever its route. Keep the producer alive, and the ref in scope, until every
   consumer has fetched the object.
   """
 

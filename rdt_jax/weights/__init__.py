@@ -56,8 +56,11 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
   `DevicePlan`;
 * `_packed_plan`: the subscriber's plan of a packed structure, the pulled
   value, buckets;
+* `_plans`: a subscriber's plans, one entry each, keyed by structure and
+  route;
 * `_protocol`: the subscriber's questions to the publisher and their typed
   answers;
+* `_kept`: a publisher's kept versions and its end, by one rule;
 * `_publisher`: `WeightPublisher` and its kept versions;
 * `_routes`: the read routes (node-local, buckets through Ray, pytree,
   colocated);
@@ -73,7 +76,9 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
 """
 
 from rdt_jax.weights import _combine  # noqa: F401  (installs WeightsHandle.combine)
+from rdt_jax.weights._handle import MappingError as MappingError
 from rdt_jax.weights._handle import StaleWeightsError as StaleWeightsError
+from rdt_jax.weights._handle import TemplateError as TemplateError
 from rdt_jax.weights._handle import WeightsHandle as WeightsHandle
 from rdt_jax.weights._mapping import From as From
 from rdt_jax.weights._mapping import Fuse as Fuse
@@ -83,6 +88,6 @@ from rdt_jax.weights._stats import PullStats as PullStats
 from rdt_jax.weights._subscriber import WeightSubscriber as WeightSubscriber
 
 __all__ = [
-    "From", "Fuse", "PublishStats", "PullStats", "StaleWeightsError", "WeightPublisher", "WeightSubscriber",
-    "WeightsHandle",
+    "From", "Fuse", "MappingError", "PublishStats", "PullStats", "StaleWeightsError", "TemplateError",
+    "WeightPublisher", "WeightSubscriber", "WeightsHandle",
 ]

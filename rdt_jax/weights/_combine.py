@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import ray
 
 from rdt_jax import _limits, _ray
+from rdt_jax._errors import ArgumentTypeError
 from rdt_jax.weights import _handle
 from rdt_jax.weights._handle import WeightsHandle, label
 from rdt_jax.weights._parts import PartLayout, check_coverage, check_part_layout
@@ -40,7 +41,7 @@ def combine(handles: Sequence[WeightsHandle]) -> WeightsHandle:
   process for its part's layout once per structure.
 
   Raises:
-    TypeError: for a value that is not a `WeightsHandle`.
+    ArgumentTypeError: (a `TypeError`) for a value that is not a `WeightsHandle`.
     ValueError: for no handles, a handle of a single-process publish, parts
       of different versions, structures or streams, a process missing or
       given twice, or pieces that leave part of a leaf uncovered or give
@@ -52,7 +53,7 @@ def combine(handles: Sequence[WeightsHandle]) -> WeightsHandle:
     raise ValueError("WeightsHandle.combine needs the handles of every trainer process; it got none.")
   for h in parts:
     if not isinstance(h, WeightsHandle):
-      raise TypeError(f"WeightsHandle.combine takes WeightsHandles (from WeightPublisher.publish), got "
+      raise ArgumentTypeError(f"WeightsHandle.combine takes WeightsHandles (from WeightPublisher.publish), got "
                       f"{type(h).__name__}.")
     if h.shards is None:
       raise ValueError(

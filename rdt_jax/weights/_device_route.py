@@ -1,7 +1,9 @@
 """The read route of a weight version packed in device memory, on its
 publisher's host: `pull_device_local` copies it through CUDA IPC straight
 into the subscriber's CUDA tensors (`rdt_jax.weights._device.DevicePlan`),
-with the publisher's kept-versions table read before and after, as
+with the publisher's kept-versions table read before and after, and a
+failure handled by the one rule of every node-local route
+(`rdt_jax.weights._routes.node_local_read`), as
 `rdt_jax.weights._routes.pull_node_local` does for host memory. The
 overview is `rdt_jax.weights._device`.
 """
@@ -13,10 +15,9 @@ import logging
 
 from rdt_jax import _faults, _memory, _process
 from rdt_jax.weights._device import DevicePlan
-from rdt_jax.weights._handle import replaced_error
-from rdt_jax.weights._packed import ForeignTable, PackedSource
-from rdt_jax.weights._pull import Pull, torn
-from rdt_jax.weights._routes import dead_publisher_error, kept_table, read_table, read_table_or_empty
+from rdt_jax.weights._packed import PackedSource
+from rdt_jax.weights._pull import Pull
+from rdt_jax.weights._routes import checked_after_read, kept_table, node_local_read
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,9 @@ def pull_device_local(pull: Pull, plan: DevicePlan, source: PackedSource) -> boo
   Raises:
     StaleWeightsError: the version is not kept (before or after the copy),
       or its publisher was closed or replaced.
-    RayDirectTransportError: the publisher's memory could not be read.
+    RayDirectTransportError: the publisher's memory could not be read, or
+      Ray reports its actor dead.
   """
-  handle = pull.handle
-  obj_id = pull.label
   try:
     kept_table(pull, source)
   except PermissionError:
@@ -56,29 +56,12 @@ def pull_device_local(pull: Pull, plan: DevicePlan, source: PackedSource) -> boo
     return False
   try:
     pull.tear()
-    try:
+    with node_local_read(pull, source, writes_template=True):
       plan.copy(base)
       if _faults.ON:
         _faults.hit("weights.copied")
-      kept = read_table(source, handle.publisher)
-      if handle.version not in kept:
-        raise pull.stale(kept, after_read=True)
-      pull.route, pull.kept = "cuda_ipc", kept
-    except BaseException as e:
-      error = e
-      if isinstance(e, ForeignTable):
-        error = replaced_error(handle, pull.current)
-      elif isinstance(e, OSError):
-        now = read_table_or_empty(source, handle.publisher)
-        error = pull.stale(now, after_read=True) if handle.version not in now else (
-            dead_publisher_error(obj_id, handle.actor, e))
-      try:
-        torn(error, handle.version, "while it copied into the template")
-        if error is e:
-          raise
-        raise error from None
-      finally:
-        del error  # a local naming the raised error would hold this frame in a cycle with it
+      pull.kept = checked_after_read(pull, source)
+      pull.route = "cuda_ipc"
   finally:
     mapping.__exit__(None, None, None)
   return True

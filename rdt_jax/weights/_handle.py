@@ -17,14 +17,19 @@ from typing import Any, Final
 
 from rdt_jax import _dlpack, _layout
 from rdt_jax._error_base import RdtJaxError
+from rdt_jax._errors import ArgumentTypeError
 from rdt_jax.weights._packed import PackedSource
 from rdt_jax.weights._parts import ShardedPart
 
 __all__ = [
   "LeafEntry",
+  "MappingError",
   "StaleWeightsError",
+  "TemplateError",
   "WeightsHandle",
   "array_paths",
+  "check_handle",
+  "check_newer",
   "check_template",
   "digest",
   "flatten",
@@ -65,7 +70,27 @@ class StaleWeightsError(RdtJaxError, RuntimeError):
     return type(self), (str(self), self.version, self.current, self.kept)
 
 
-StaleWeightsError.__module__ = "rdt_jax"
+class TemplateError(RdtJaxError, ValueError):
+  """A subscriber's template that does not fit what it pulls: a leaf path
+  the published value lacks or has in excess, another shape, dtype or key
+  implementation, a template that holds no array. Raised by
+  `WeightSubscriber()` or at a structure's first pull, before any byte
+  moves (the template and `version` are unchanged); the message names the
+  leaf path."""
+
+
+class MappingError(TemplateError):
+  """A `source=` mapping that does not fit (a `TemplateError`): a template
+  leaf with no entry, a published path that is no leaf, a transform
+  (`rdt_jax.From`'s transpose, reshape, index; `rdt_jax.Fuse`'s parts) that
+  does not give the template tensor's shape, a cast that is not between
+  floating-point dtypes, two template leaves over one tensor's memory with
+  different sources. Raised before any byte moves, naming the template
+  leaf."""
+
+
+for _cls in (StaleWeightsError, TemplateError, MappingError):
+  _cls.__module__ = "rdt_jax"
 
 
 #: `WeightsHandle.combine`'s implementation, installed by `rdt_jax.weights._combine`
@@ -139,7 +164,7 @@ class WeightsHandle:
       The version's handle (its `parts` in process order).
 
     Raises:
-      TypeError: for a value that is not a `WeightsHandle`.
+      ArgumentTypeError: (a `TypeError`) for a value that is not a `WeightsHandle`.
       ValueError: for no handles; a handle of a publish whose leaves span
         no processes; parts of different versions, structures or streams;
         a process missing or given twice; pieces that leave part of a leaf
@@ -229,7 +254,7 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
   before any byte moves.
 
   Raises:
-    ValueError: naming the first leaf path the template lacks or has in
+    TemplateError: naming the first leaf path the template lacks or has in
       excess, or whose template leaf has another shape, dtype or key
       implementation than the published leaf.
     UnsupportedLeafError: naming the leaf, for a `Slice` outside its shape.
@@ -238,7 +263,7 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
   published = {entry[0] for entry in structure}
   extra = [p for p in by_path if p not in published]
   if extra:
-    raise ValueError(
+    raise TemplateError(
         f"The template has a leaf at {extra[0] or '(the value itself)'} that the published value lacks "
         f"(published leaves: {', '.join(sorted(published)[:8])}{', ...' if len(published) > 8 else ''}). "
         "Build the template with the published value's structure."
@@ -247,21 +272,21 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
     path, kind, shape, _ = entry
     name = path or "(the value itself)"
     if path not in by_path:
-      raise ValueError(
+      raise TemplateError(
           f"The template has no leaf at {name}; the published value has {_describe(entry)} there. "
           "Build the template with the published value's structure."
       )
     leaf = by_path[path]
     if isinstance(leaf, _layout.Slice):
       if kind == "key":
-        raise ValueError(f"The template leaf at {name} is a Slice; the published leaf is {_describe(entry)}.")
+        raise TemplateError(f"The template leaf at {name} is a Slice; the published leaf is {_describe(entry)}.")
       leaf.box(shape, path)  # raises, naming the leaf
       continue
     if _dlpack.is_sharding(leaf):
       continue
     got = entry_of(path, leaf)
     if got != entry:
-      raise ValueError(
+      raise TemplateError(
           f"The template leaf at {name} has {_describe(got)}, but the published leaf has {_describe(entry)}. "
           "Pass a template leaf of the published shape and dtype (or an rdt_jax.Slice, or a sharding)."
       )
@@ -270,6 +295,13 @@ def check_template(template: list[tuple[str, Any]], structure: tuple[LeafEntry, 
 # --------------------------------------------------------------------------
 # Publisher
 
+
+
+def check_handle(handle: Any) -> None:
+  """Raises `ArgumentTypeError` (a `TypeError`) unless `handle` is a `WeightsHandle`."""
+  if not isinstance(handle, WeightsHandle):
+    raise ArgumentTypeError(
+        f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
 
 
 def check_newer(handle: WeightsHandle, current: int | None, reached: int | None) -> None:

@@ -31,13 +31,15 @@ from typing import Any
 import numpy as np
 
 from rdt_jax import _dlpack, _layout, _memory
+from rdt_jax._errors import ArgumentTypeError
+from rdt_jax.weights._handle import MappingError
 from rdt_jax.weights._named import leaf_parts
 from rdt_jax.weights._packed_checks import check_layout
 from rdt_jax.weights._protocol import Published
 from rdt_jax.weights._pull import Pull, committing
 from rdt_jax.weights._staging import empty_like
 
-__all__ = ["From", "Fuse", "MappedPlan", "Source", "check_source_mapping", "dotted", "pull_mapped"]
+__all__ = ["From", "Fuse", "MappedPlan", "Source", "check_source_mapping", "dotted", "mapped_plan", "pull_mapped"]
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,13 @@ class From:
 
   def __post_init__(self) -> None:
     if not isinstance(self.path, str):
-      raise TypeError(f"rdt_jax.From: path must be a str (a published leaf's path), got {type(self.path).__name__}.")
+      raise ArgumentTypeError(
+          f"rdt_jax.From: path must be a str (a published leaf's path), got {type(self.path).__name__}.")
     for name in ("transpose", "reshape"):
       value = getattr(self, name)
       if value is not None:
         if not isinstance(value, Sequence) or not all(isinstance(n, (int, np.integer)) for n in value):
-          raise TypeError(f"rdt_jax.From({self.path!r}): {name} must be a sequence of ints, got {value!r}.")
+          raise ArgumentTypeError(f"rdt_jax.From({self.path!r}): {name} must be a sequence of ints, got {value!r}.")
         object.__setattr__(self, name, tuple(int(n) for n in value))
     if self.index is not None:
       index = self.index.index if isinstance(self.index, _layout.Slice) else self.index
@@ -100,7 +103,7 @@ class Fuse:
 
   def __init__(self, *parts: From | str, axis: int = 0):
     if not parts:
-      raise ValueError("rdt_jax.Fuse needs at least one part.")
+      raise MappingError("rdt_jax.Fuse needs at least one part.")
     made = tuple(p if isinstance(p, From) else From(p) for p in parts)
     object.__setattr__(self, "parts", made)
     object.__setattr__(self, "axis", int(axis))
@@ -126,9 +129,9 @@ def dotted(path: str) -> str | None:
 
 
 def check_source_mapping(source: Any) -> None:
-  """Raises TypeError unless `source` is a mapping or a callable."""
+  """Raises `ArgumentTypeError` (a `TypeError`) unless `source` is a mapping or a callable."""
   if not (isinstance(source, Mapping) or callable(source)):
-    raise TypeError(f"source must be a mapping from template paths to rdt_jax.From / Fuse / str / None, or a "
+    raise ArgumentTypeError(f"source must be a mapping from template paths to rdt_jax.From / Fuse / str / None, or a "
                     f"function of the template path; got {type(source).__name__}.")
 
 
@@ -143,7 +146,7 @@ def _spec(source: Source, path: str) -> Fuse | None:
       spec = source[name]
     else:
       known = ", ".join(sorted(map(str, source))[:4])
-      raise ValueError(f"The template leaf {path} has no entry in source (its keys: {known}, ...); give its "
+      raise MappingError(f"The template leaf {path} has no entry in source (its keys: {known}, ...); give its "
                        "published path, rdt_jax.From or rdt_jax.Fuse, or None to leave it alone.")
   else:
     spec = source(path)
@@ -151,7 +154,7 @@ def _spec(source: Source, path: str) -> Fuse | None:
     return spec
   if isinstance(spec, (str, From)):
     return Fuse(spec)
-  raise TypeError(f"The source of template leaf {path} is a {type(spec).__name__}; give a published path, "
+  raise ArgumentTypeError(f"The source of template leaf {path} is a {type(spec).__name__}; give a published path, "
                   "rdt_jax.From, rdt_jax.Fuse or None.")
 
 
@@ -181,7 +184,7 @@ class MappedPlan:
     atomic: whether writes land in staging arrays, committed after the pull.
 
   Raises:
-    ValueError: naming the template leaf, for a source path the published
+    MappingError: naming the template leaf, for a source path the published
       value lacks, a transform that does not give the leaf's shape, a dtype
       that cannot be cast, or two template leaves sharing memory.
     UnsupportedLeafError: naming the leaf, for a template leaf that is not a
@@ -215,7 +218,7 @@ class MappedPlan:
       if key in seen:
         if seen[key][1] == spec:
           continue  # the same tensor listed twice (a state dict's tied names): written once
-        raise ValueError(f"The template leaves {seen[key][0]} and {target} are one tensor with different "
+        raise MappingError(f"The template leaves {seen[key][0]} and {target} are one tensor with different "
                          "sources: a pull would write one over the other. Map each tensor once.")
       seen[key] = (target, spec)
       dest = empty_like(into) if atomic else into
@@ -235,27 +238,27 @@ class MappedPlan:
     shape, dtype = tuple(int(n) for n in into.shape), _dlpack.dtype_of(into)
     axis = spec.axis + len(shape) if spec.axis < 0 else spec.axis
     if not 0 <= axis < max(1, len(shape)):
-      raise ValueError(f"The template leaf {target} has {len(shape)} axes; its Fuse axis {spec.axis} is not one.")
+      raise MappingError(f"The template leaf {target} has {len(shape)} axes; its Fuse axis {spec.axis} is not one.")
     out, at = [], 0
     for part in spec.parts:
       path = part.path if part.path in by_path else aliases.get(part.path)
       if path is None:
         near = ", ".join(sorted(by_path)[:6])
         why = "names several published leaves" if part.path in aliases else "is not a published leaf"
-        raise ValueError(f"The template leaf {target} maps to {part.path!r}, which {why} "
+        raise MappingError(f"The template leaf {target} maps to {part.path!r}, which {why} "
                          f"(published leaves: {near}{', ...' if len(by_path) > 6 else ''}).")
       _, kind, src_shape, what = by_path[path]
       if kind != "array":
-        raise ValueError(f"The template leaf {target} maps to {path}, a typed PRNG key: map its key data "
+        raise MappingError(f"The template leaf {target} maps to {path}, a typed PRNG key: map its key data "
                          "elsewhere (jax.random.key_data) or leave it out.")
       got, perm, reshape, box = _transformed(target, path, tuple(src_shape), part)
       src_dtype = _dlpack.np_dtype_from_name(what)
       if src_dtype != dtype and not (_floating(src_dtype) and _floating(dtype)):
-        raise ValueError(f"The template leaf {target} has dtype {dtype.name}; its source {path} is {src_dtype.name}: "
+        raise MappingError(f"The template leaf {target} has dtype {dtype.name}; its source {path} is {src_dtype.name}: "
                          "rdt_jax casts only between floating-point dtypes.")
       if len(got) != len(shape) or any(g != s for i, (g, s) in enumerate(zip(got, shape)) if i != axis or
                                        len(spec.parts) == 1):
-        raise ValueError(f"The template leaf {target} has shape {shape}; its source {path} gives {got} after "
+        raise MappingError(f"The template leaf {target} has shape {shape}; its source {path} gives {got} after "
                          f"{_describe(part)}" + (f" (a Fuse part: every axis but {axis} must match)"
                                                  if len(spec.parts) > 1 else "") + ".")
       n = got[axis] if got else 1
@@ -264,7 +267,7 @@ class MappedPlan:
       out.append((path, _Write(writer, target, chunkable)))
       at += n
     if len(spec.parts) > 1 and at != shape[axis]:
-      raise ValueError(f"The template leaf {target} has {shape[axis]} along axis {axis}; its Fuse parts give {at} "
+      raise MappingError(f"The template leaf {target} has {shape[axis]} along axis {axis}; its Fuse parts give {at} "
                        f"({', '.join(p.path for p in spec.parts)}).")
     return out
 
@@ -319,14 +322,14 @@ def _transformed(target: str, path: str, shape: tuple[int, ...], part: From) -> 
   perm = part.transpose
   if perm is not None:
     if sorted(perm) != list(range(len(shape))):
-      raise ValueError(f"The template leaf {target} transposes {path} (shape {shape}) by {perm}, which is not a "
+      raise MappingError(f"The template leaf {target} transposes {path} (shape {shape}) by {perm}, which is not a "
                        f"permutation of its {len(shape)} axes.")
     shape = tuple(shape[i] for i in perm)
     perm = None if perm == tuple(range(len(shape))) else perm
   reshape = part.reshape
   if reshape is not None:
     if math.prod(reshape) != math.prod(shape) or any(n < 0 for n in reshape):
-      raise ValueError(f"The template leaf {target} reshapes {path} from {shape} to {reshape}, which holds "
+      raise MappingError(f"The template leaf {target} reshapes {path} from {shape} to {reshape}, which holds "
                        "another number of elements.")
     same = reshape == shape
     shape = reshape
@@ -350,32 +353,34 @@ def _check_overlap(seen: dict[tuple[str, int, int], tuple[str, Fuse]]) -> None:
   spans = sorted((device, ptr, ptr + n, target) for (device, ptr, n), (target, _) in seen.items() if n)
   for a, b in itertools.pairwise(spans):
     if a[0] == b[0] and b[1] < a[2]:
-      raise ValueError(f"The template leaves {a[3]} and {b[3]} share memory with different sources: a pull "
+      raise MappingError(f"The template leaves {a[3]} and {b[3]} share memory with different sources: a pull "
                        "would write one over the other. Map each tensor once.")
 
 
-def pull_mapped(pull: Pull, plans: dict[str, tuple[Published, MappedPlan]], template: Sequence[tuple[str, Any]],
-                source: Source, atomic: bool) -> int:
-  """One pull of a subscriber with `source=`, its lock held: the plan of the
-  version's structure (made and checked at its first pull), then each
+def mapped_plan(pull: Pull, template: Sequence[tuple[str, Any]], source: Source,
+                atomic: bool) -> tuple[Published, MappedPlan]:
+  """The plan of a subscriber with `source=` for the structure and route of
+  `pull`'s version, made at its first pull: the publisher's answer (the
+  structure and, for a packed route, its layout, checked here once) and the
+  mapping checked against it (`MappedPlan`)."""
+  handle = pull.handle
+  published = pull.ask(want_structure=True)
+  if published is None:
+    raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
+  if published.packed is not None:  # checked once here, not at every pull of the structure
+    check_layout(published.packed, published.entries, pull.label)
+  return published, MappedPlan(published.entries, template, source, atomic)
+
+
+def pull_mapped(pull: Pull, known: tuple[Published, MappedPlan], atomic: bool) -> int:
+  """One pull of a subscriber with `source=`, its lock held, with the plan
+  `mapped_plan` made for the version's structure and route: each
   published leaf it needs written as it arrives. Returns the bytes read.
 
   With `atomic=False` the pull marks the template torn at its first write;
   with `atomic=True` the writes land in staging arrays, copied into the
   engine tensors once every leaf arrived.
   """
-  handle = pull.handle
-  known = plans.get(handle.structure)
-  if known is None:
-    published = pull.ask(want_structure=True)
-    if published is None:
-      raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
-    if published.packed is not None:  # checked once here, not at every pull of the structure
-      check_layout(published.packed, published.entries, pull.label)
-    known = (published, MappedPlan(published.entries, template, source, atomic))
-    if len(plans) >= 4:  # structures change rarely: keep the last few
-      plans.pop(next(iter(plans)))
-    plans[handle.structure] = known
   published, plan = known
   plan.begin()
   nbytes, torn = 0, atomic

@@ -13,7 +13,10 @@ version's `(path, array)` pairs a bucket at a time:
   crosses a bucket boundary is assembled in a buffer of its own;
 * any other version (a pytree, or packed in device memory): the version's
   one RDT object through Ray, whole (its memory is then the version's, not
-  a bucket's).
+  a bucket's). From a publisher in this very process Ray hands back the
+  stored arrays themselves (route "colocated"): `renamed` yields copies of
+  them, so an engine that changes a yielded tensor in place never changes
+  the kept version.
 
 A bucket's leaves are yielded only once the publisher still kept the
 version after the bucket's bytes arrived (the kept-versions table read
@@ -40,10 +43,18 @@ from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import StaleWeightsError, flatten
 from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 from rdt_jax.weights._packed_checks import check_layout, check_source
-from rdt_jax.weights._protocol import Published, ask_buckets, ask_object
+from rdt_jax.weights._protocol import Published, ask_buckets, ask_object, publishers
 from rdt_jax.weights._publisher import bucket_bytes
 from rdt_jax.weights._pull import Pull
-from rdt_jax.weights._routes import await_bucket, can_read_directly, dead_publisher_error, fetcher, kept_table
+from rdt_jax.weights._routes import (
+  await_bucket,
+  can_read_directly,
+  checked_after_read,
+  fetcher,
+  kept_table,
+  node_local_read,
+  own_copy,
+)
 
 __all__ = ["groups", "leaf_parts", "named_leaves", "renamed"]
 
@@ -158,14 +169,10 @@ def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], sour
       stop = end if first_row is None else at + count * row
       kept_table(pull, source, after_read=after)
       buf = _memory.host_pool.acquire(max(1, stop - at))
-      if stop > at:
-        try:
+      with node_local_read(pull, source, writes_template=False):
+        if stop > at:  # refused (PermissionError) before the first pair: the caller reads through Ray instead
           node_local.read(origin, [(_memory.host_pointer(buf), source.buffer + at, stop - at)])
-        except PermissionError:
-          raise  # before the first pair: the caller reads through Ray instead
-        except OSError as e:
-          raise dead_publisher_error(pull.label, pull.handle.actor, e) from None
-      pull.kept = kept_table(pull, source, after_read=True)
+        pull.kept = checked_after_read(pull, source)
       pull.route = "node_local"
       after = True
       if first_row is not None:
@@ -210,6 +217,13 @@ def _buckets(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], wanted:
     while j < n and layout.offsets[j] < b1:
       offset, nbytes = layout.offsets[j], layout.sizes[j]
       path, shape = entries[j][0], info.shapes[j]
+      if pending is None and carry is None and offset < b0 and offset + nbytes <= b0:
+        # Wholly in buckets before this one that were not fetched: a leaf not
+        # wanted, or a wanted one with no bytes (no bucket holds a byte of it).
+        if not nbytes and (wanted is None or path in wanted):
+          yield path, _typed(np.empty(0, np.uint8), entries[j], shape), None
+        j += 1
+        continue
       if pending is None and carry is None and offset >= b0 and offset + nbytes <= b1:
         if wanted is None or path in wanted:
           yield path, _typed(raw[offset - b0 : offset - b0 + nbytes], entries[j], shape), None
@@ -270,13 +284,18 @@ def _needed(layout: Any, entries: Sequence[Any], wanted: Container[str] | None, 
 
 
 def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any, int | None]]:
+  """The version's one RDT object, whole: its arrays as they arrived, or
+  (route "colocated": its publisher lives in this process, and Ray hands
+  back the stored objects) the kept arrays themselves, which the caller
+  must not let anyone write (`renamed` copies them)."""
   handle = pull.handle
   ref = handle.ref
   if ref is None:  # packed in device memory: its tree, made by the publisher at the first request
     ref = ask_object(handle, pull.label, pull.left(), pull.current)
+  colocated = publishers.get(handle.publisher) is not None
   value = ray.get(ref, timeout=pull.left())
   pull.ask(after_read=True)
-  pull.route, pull.objects = "ray", 1
+  pull.route, pull.objects = ("colocated", 0) if colocated else ("ray", 1)
   for path, x in flatten(value):
     if wanted is not None and path not in wanted:
       continue
@@ -287,10 +306,12 @@ def _whole(pull: Pull, wanted: Container[str] | None) -> Iterator[tuple[str, Any
 
 
 def renamed(pairs: Iterable[tuple[str, Any]], rename: Callable[[str], str | None] | None, framework: str,
-            counted: list[int]) -> Iterator[tuple[str, Any]]:
-  """`pairs` under the engine's names (`rename`; a leaf it maps to None is
-  skipped) as `framework`'s arrays ("torch" or "numpy"); `counted[0]` adds
-  up every leaf's bytes, skipped ones included."""
+            counted: list[int], pull: Pull) -> Iterator[tuple[str, Any]]:
+  """`pairs` (of `pull`'s version) under the engine's names (`rename`; a
+  leaf it maps to None is skipped) as `framework`'s arrays ("torch" or
+  "numpy"); `counted[0]` adds up every leaf's bytes, skipped ones included.
+  Where a pair may alias memory its publisher keeps (`pull`'s route is
+  "colocated"), the array yielded is a copy of its own."""
   cpu = _dlpack.Device("cpu")
   for path, x in pairs:
     counted[0] += int(x.nbytes)
@@ -301,6 +322,8 @@ def renamed(pairs: Iterable[tuple[str, Any]], rename: Callable[[str], str | None
       out = x if framework == "numpy" else _dlpack.rebuild_view(x, "torch", cpu, path)
     else:
       out = _dlpack.convert_leaf(x, framework, path)  # type: ignore[arg-type]
+    if pull.route == "colocated":
+      out = own_copy(out)
     del x
     yield name, out
     del out  # no view of a bucket is held here once the caller asks for the next pair

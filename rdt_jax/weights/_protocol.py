@@ -10,7 +10,9 @@ Ray's system concurrency group (so a trainer busy with a step still answers):
   object of its tree. Answered with an `ObjectAnswer`.
 
 Both run in the publisher's process and find the publisher by id in
-`publishers` (a publisher registers itself there). On the subscriber's side
+`publishers` (a publisher registers itself there), on the actor that
+`serving_actor` checked, when the publisher was made, can serve subscribers
+on any host. On the subscriber's side
 `ask` and `ask_buckets` send them and check the answer before anything of it
 is used: nothing from the publisher is trusted until its type and bounds
 hold, and a version the publisher does not keep is `StaleWeightsError`.
@@ -19,12 +21,13 @@ hold, and a version the publisher does not keep is `StaleWeightsError`.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import ray
 
-from rdt_jax import _limits, _ray
+from rdt_jax import _errors, _limits, _ray
 from rdt_jax._metadata import MetadataError
 from rdt_jax.weights._handle import LeafEntry, WeightsHandle, stale_error
 from rdt_jax.weights._packed import PackedLayoutInfo
@@ -44,6 +47,7 @@ __all__ = [
   "object_query",
   "publishers",
   "query",
+  "serving_actor",
 ]
 
 
@@ -164,15 +168,19 @@ def ask(handle: WeightsHandle, where: str, timeout: float | None, want_structure
 
 
 def ask_kept(handle: WeightsHandle, where: str, timeout: float | None, want_structure: bool, current: int | None,
-             after_read: bool = False) -> tuple[Published | None, tuple[int, ...]]:
-  """`ask`, returning the versions the publisher keeps as well.
+             after_read: bool = False, get: Callable[[Any, float | None], Any] | None = None,
+             ) -> tuple[Published | None, tuple[int, ...]]:
+  """`ask`, returning the versions the publisher keeps as well. `get(ref,
+  timeout)` waits for the answer (`ray.get` by default; a pull passes its
+  own, which stops when the pull is cancelled).
 
   Raises:
     As `ask`.
   """
   ref = _ray.state.call_on_system_group(handle.actor, query, handle.publisher,
                                    handle.structure if want_structure else None)
-  kept, structure = check_answer(ray.get(ref, timeout=timeout), where)
+  answer = ray.get(ref, timeout=timeout) if get is None else get(ref, timeout)
+  kept, structure = check_answer(answer, where)
   if kept is None or handle.version not in kept:
     raise stale_error(handle, kept, current, after_read)
   return structure, kept
@@ -219,3 +227,38 @@ def ask_object(handle: WeightsHandle, where: str, timeout: float | None, current
   if reply.refs is None:
     raise stale_error(handle, kept, current, after_read=False)
   return reply.refs[0]
+
+
+def serving_actor(transport: str) -> Any:
+  """The handle of the actor a publisher of `transport` lives in, once it
+  is known to serve subscribers on any host: rdt_jax's transports are
+  registered in this process, and the actor has tensor transport on.
+
+  Raises:
+    SetupError: outside an actor, or an actor without
+      `enable_tensor_transport=True`.
+    TransportNotRegisteredError: `transport` cannot be registered here.
+  """
+  from rdt_jax import _registry  # registers the transports: loaded only by a publisher
+
+  actor = ray.get_runtime_context().current_actor if ray.is_initialized() and _ray.state.in_ray_worker() else None
+  if actor is None:
+    raise _errors.SetupError(
+        "WeightPublisher lives in a Ray actor (the trainer's, with @ray.remote(enable_tensor_transport=True)): "
+        "subscribers ask that actor which versions it keeps. Create it in the actor's __init__ or a method."
+    )
+  if not _ray.state.tensor_transport_enabled(actor):
+    raise _errors.SetupError(
+        "WeightPublisher's actor was created without enable_tensor_transport=True. Its subscribers' questions "
+        "(which versions it keeps, the RDT objects of a version for a subscriber on another host) run on the "
+        "actor's system concurrency group, which Ray makes only for such an actor: without it they wait "
+        "behind whatever method the actor runs (a whole training step), and Ray gives the actor none of its "
+        "creator's transports. Add enable_tensor_transport=True to the trainer's @ray.remote(...)."
+    )
+  registered = _registry.register()  # what the driver's register() gives an actor it creates, here for sure
+  if transport not in registered:
+    why, _ = _errors.explain_unregistered(transport, registered, in_worker=True)
+    raise _errors.TransportNotRegisteredError(
+        f"WeightPublisher(transport={transport!r}): the transport is not registered in this process. "
+        f"{why or 'It is not an rdt_jax transport.'}", transport)
+  return actor

@@ -6,6 +6,9 @@ of its own, `rdt_jax.weights._device`) or as one RDT object of the tree,
 and answers its subscribers' questions (`rdt_jax.weights._protocol`) about
 them. A version leaves the kept-versions table before its memory can
 be reused; its objects are freed after.
+
+A publisher ends by one rule (`rdt_jax.weights._kept.end_publisher`),
+whichever way it ends: `close()`, or its last reference gone.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import numpy as np
@@ -25,30 +28,16 @@ from rdt_jax import _dlpack, _layout, _limits, _memory, _metrics, _ray, _setting
 from rdt_jax.weights._device import DeviceBuffer, DeviceBuffers, device_arrays
 from rdt_jax.weights._handle import STREAM_NAME, LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
+from rdt_jax.weights._kept import Kept, end_publisher, free_objects
 from rdt_jax.weights._packed import EMPTY, PublishedStructure, Stream
 from rdt_jax.weights._packed_plan import unflatten
-from rdt_jax.weights._protocol import Answer, ObjectAnswer, Published, publishers
+from rdt_jax.weights._protocol import Answer, ObjectAnswer, Published, publishers, serving_actor
 from rdt_jax.weights._shards import Splitter
 from rdt_jax.weights._stats import PublishStats
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["WeightPublisher", "bucket_bytes"]
-
-
-@dataclass
-class _Kept:
-  """A version its publisher keeps readable."""
-
-  version: int
-  ref: Any  # a pytree version's RDT object (None for a packed version)
-  digest: str  # its structure's
-  buffer: Any  # a packed version's buffer, else None
-  buckets: list[Any] | None = None  # a packed version's bucket objects, made at the first request
-  bucket_bytes: int = 0  # their size (the last may be shorter)
-  value: Any = None  # a pytree version's value, as its RDT object holds it (for subscribers in this process)
-  frameworks: tuple[str, ...] = ()  # a version packed in device memory: each array leaf's framework
-  rest: tuple[Any, ...] = ()  # and its non-array leaves
 
 
 def bucket_bytes() -> int:
@@ -120,9 +109,19 @@ class WeightPublisher:
       `WeightsHandle.stream`. Give each stream its own (`"policy"`,
       `"lora"`).
 
+  A publisher checks at construction that its process can serve every
+  subscriber, on its own host and on others: it registers rdt_jax's
+  transports in this process (`rdt_jax.register()`, idempotent: what the
+  driver's call gives an actor it creates), and refuses an actor created
+  without `enable_tensor_transport=True`.
+
   Raises:
     ValueError: for `keep` < 1, a two-sided transport, or another `name`.
-    RuntimeError: outside a Ray actor.
+    SetupError: (a `RuntimeError`) outside a Ray actor, or in an actor
+      created without `@ray.remote(enable_tensor_transport=True)`; the
+      message names the fix.
+    TransportNotRegisteredError: `transport` cannot run in this process
+      (its dependency is missing here); the message names it.
   """
 
   def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True, name: str = "weights"):
@@ -141,19 +140,14 @@ class WeightPublisher:
           f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
           "cannot pull them. Use 'jax_nixl' (or 'jax_transfer')."
       )
-    actor = ray.get_runtime_context().current_actor if ray.is_initialized() and _ray.state.in_ray_worker() else None
-    if actor is None:
-      raise RuntimeError(
-          "WeightPublisher lives in a Ray actor (the trainer's, with @ray.remote(enable_tensor_transport=True)): "
-          "subscribers ask that actor which versions it keeps. Create it in the actor's __init__ or a method."
-      )
+    actor = serving_actor(transport)
     self.transport = transport
     self.keep = keep
     self.name = name
     self._actor = actor
     self._id = uuid.uuid4().hex
     self._lock = threading.Lock()
-    self._kept: list[_Kept] = []
+    self._kept: list[Kept] = []
     # digest -> (structure, packed layout or None)
     self._structures: dict[str, Published] = {}
     self.pack = bool(pack)
@@ -164,6 +158,10 @@ class WeightPublisher:
     self._splitter = Splitter()  # this process's part of a multi-process version (rdt_jax.weights._shards)
     self._closed = False
     publishers[self._id] = self
+    # Runs `_end` when this publisher is collected without close(): it holds
+    # the table and every kept version's memory, never the publisher itself.
+    self._finalizer = weakref.finalize(self, end_publisher, self._id, self._stream, self._kept, self._lock,
+                                       self._device_buffers, collected=True)
 
   @property
   def versions(self) -> tuple[int, ...]:
@@ -276,10 +274,16 @@ class WeightPublisher:
     value = None if packed is not None else _device_copies(tree)
     ref = None if value is None else ray.put(value, _tensor_transport=self.transport)
     with self._lock:
+      if self._closed:  # closed while this version was packed: its memory goes back, nothing is kept
+        if isinstance(buffer, DeviceBuffer):
+          self._device_buffers.release(buffer)
+        if ref is not None:
+          _ray.state.free_now(ref.hex())
+        raise RuntimeError("This WeightPublisher was closed while it published; create a new one to publish again.")
       if layout is not None and self._structures[digest].shards is None:
         self._structures[digest] = dataclasses.replace(self._structures[digest], shards=layout)
       dropped = self._drop_oldest(self.keep - 1)
-      self._kept.append(_Kept(version, ref, digest, buffer, value=value,
+      self._kept.append(Kept(version, ref, digest, buffer, value=value,
                               frameworks=info.frameworks if packed is not None and info is not None else (),
                               rest=rest if packed is not None else ()))
       if self._stream is not None and packed is not None:
@@ -295,7 +299,7 @@ class WeightPublisher:
       self._stats = dataclasses.replace(
           st, published=st.published + 1, last_version=version, last_kind=kind, last_nbytes=nbytes,
           last_seconds=time.perf_counter() - started, objects=st.objects + (ref is not None))
-    _free(dropped)
+    free_objects(dropped)
     self._reuse(dropped)
     _metrics.count_publish(self.name, kind, nbytes, time.perf_counter() - started)
     return WeightsHandle(version, ref, self._id, self._actor, digest, packed, self.name, shards)
@@ -342,7 +346,7 @@ class WeightPublisher:
       raise
     return buf
 
-  def _reuse(self, dropped: list[_Kept]) -> None:
+  def _reuse(self, dropped: list[Kept]) -> None:
     """Returns the device buffers of versions that left the window (and
     the kept-versions table) to be packed into again."""
     for k in dropped:
@@ -383,7 +387,7 @@ class WeightPublisher:
         entry.bucket_bytes = size
       return ObjectAnswer(tuple(entry.buckets), entry.bucket_bytes, kept)
 
-  def _drop_oldest(self, room: int) -> list[_Kept]:
+  def _drop_oldest(self, room: int) -> list[Kept]:
     """Drops the oldest kept versions until at most `room` are left (lock
     held): out of the kept-versions table first, so no subscriber reads a
     version whose buffer may be reused; the caller frees their objects."""
@@ -395,15 +399,19 @@ class WeightPublisher:
     return dropped
 
   def close(self) -> None:
-    """Frees every kept version; later pulls of them raise `StaleWeightsError`."""
+    """Frees every kept version; later pulls of them raise `StaleWeightsError`.
+
+    A publisher that is not closed ends the same way when its last
+    reference goes (replaced by a new one, collected, or at the process's
+    exit): its handles are stale from then on, never another publisher's
+    bytes. Closing says when.
+    """
     with self._lock:
       self._closed = True
-      dropped = self._drop_oldest(0)
-      if self._stream is not None:
-        self._stream.table.retire()
-    _free(dropped)
-    self._device_buffers.close([k.buffer for k in dropped if isinstance(k.buffer, DeviceBuffer)])
-    publishers.pop(self._id, None)
+    ending = self._finalizer.detach()
+    if ending is not None:  # not ended yet
+      args: tuple[Any, ...] = ending[2]
+      end_publisher(*args, collected=False)
 
   def _answer(self, structure: str | None) -> Answer:
     """The versions kept (None once closed) and, if asked, the structure
@@ -423,11 +431,3 @@ class WeightPublisher:
         return None
       entry = next((k for k in self._kept if k.version == version), None)
       return None if entry is None else entry.value
-
-
-def _free(dropped: list[_Kept]) -> None:
-  """Frees the RDT objects of versions that left the window (those made)."""
-  for k in dropped:
-    for ref in ([k.ref] if k.ref is not None else []) + (k.buckets or []):
-      _ray.state.free_now(ref.hex())
-

@@ -12,6 +12,7 @@ template's arrays (`committing`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -19,15 +20,67 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rdt_jax import _faults
+import ray
+
+from rdt_jax import _faults, _limits
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, stale_error
 from rdt_jax.weights._protocol import Published, ask_kept
 
-__all__ = ["Pull", "PullCancelled", "committing", "torn"]
+__all__ = ["Pull", "PullCancelled", "PullLock", "committing", "pull_threads", "torn"]
 
 
 class PullCancelled(Exception):
   """A `pull_async` whose task was cancelled, stopped at its next step."""
+
+
+class PullLock:
+  """One pull of a subscriber at a time, whoever calls (threads,
+  `pull_async`, Ray's concurrency groups)."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+
+  def acquire(self, version: int, deadline: float | None, cancel: threading.Event | None) -> None:
+    """Takes the lock for a pull of `version`, waiting at most until
+    `deadline`, and while `cancel` is not set: a cancelled `pull_async`
+    stops waiting within `_limits.WEIGHTS_CANCEL_POLL_S`, however long the
+    pull that holds the lock runs (a stalled fetch, a paused `pull_named`
+    iteration).
+
+    Raises:
+      GetTimeoutError: the deadline passed first.
+      PullCancelled: `cancel` was set first.
+    """
+    step = _limits.WEIGHTS_CANCEL_POLL_S
+    while True:
+      left = None if deadline is None else max(0.0, deadline - time.monotonic())
+      if cancel is None:
+        wait = -1.0 if left is None else left
+      else:
+        wait = step if left is None else min(step, left)
+      if self._lock.acquire(timeout=wait):
+        return
+      if cancel is not None and cancel.is_set():
+        raise PullCancelled(f"The pull of version {version} was cancelled while it waited for another pull of "
+                            "this subscriber.")
+      if left is not None and left <= wait:
+        raise ray.exceptions.GetTimeoutError(
+            f"The pull of version {version} ran out of time waiting for another pull of this subscriber.")
+
+  def release(self) -> None:
+    self._lock.release()
+
+
+_threads: list[concurrent.futures.ThreadPoolExecutor] = []
+_threads_lock = threading.Lock()
+
+
+def pull_threads() -> concurrent.futures.ThreadPoolExecutor:
+  """The threads `pull_async` runs pulls in (created at the first one)."""
+  with _threads_lock:
+    if not _threads:
+      _threads.append(concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="rdt-jax-pull"))
+    return _threads[0]
 
 
 @dataclass
@@ -74,9 +127,33 @@ class Pull:
 
   def ask(self, want_structure: bool = False, after_read: bool = False) -> Published | None:
     """`rdt_jax.weights._protocol.ask` for this pull's version (the versions
-    kept are recorded in `kept`)."""
-    structure, self.kept = ask_kept(self.handle, self.label, self.left(), want_structure, self.current, after_read)
+    kept are recorded in `kept`), stopping if the pull is cancelled while
+    it waits for the answer (`wait`)."""
+    structure, self.kept = ask_kept(self.handle, self.label, self.left(), want_structure, self.current, after_read,
+                                    self.wait)
     return structure
+
+  def wait(self, ref: Any, timeout: float | None) -> Any:
+    """`ray.get(ref, timeout=timeout)` for a question to the publisher,
+    which writes nothing, so a cancelled pull may leave it: checked for
+    cancellation every `_limits.WEIGHTS_CANCEL_POLL_S` while it waits.
+
+    Raises:
+      PullCancelled: the pull was cancelled first.
+      GetTimeoutError: as `ray.get`.
+    """
+    if self.cancel is None:
+      return ray.get(ref, timeout=timeout)
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+      step = _limits.WEIGHTS_CANCEL_POLL_S if end is None else min(_limits.WEIGHTS_CANCEL_POLL_S,
+                                                                    max(0.0, end - time.monotonic()))
+      try:
+        return ray.get(ref, timeout=step)
+      except ray.exceptions.GetTimeoutError:
+        self.check_cancelled()
+        if end is not None and time.monotonic() >= end:
+          raise
 
 
 @contextlib.contextmanager

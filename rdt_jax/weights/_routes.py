@@ -23,14 +23,17 @@ arrived, that the version was still kept.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import ray
 
-from rdt_jax import _dlpack, _faults, _layout, _limits, _memory, _ray, _targets
+from rdt_jax import _dlpack, _faults, _layout, _limits, _memory, _process, _ray, _targets
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports import _lifetime
@@ -52,13 +55,17 @@ __all__ = [
   "await_bucket",
   "can_read_directly",
   "check_structure_once",
+  "checked_after_read",
   "dead_publisher_error",
   "fetcher",
   "kept_table",
+  "node_local_read",
+  "own_copy",
   "pull_buckets",
   "pull_colocated",
   "pull_node_local",
   "pull_pytree",
+  "read_failure",
   "read_table",
   "read_table_or_empty",
   "torn",
@@ -130,18 +137,103 @@ def can_read_directly(source: PackedSource | None) -> bool:
 
 def dead_publisher_error(obj_id: str, actor: Any, error: BaseException) -> BaseException:
   """The error of a node-local pull that failed to read the publisher's
-  memory: Ray's `RayDirectTransportError` with the lifetime error if the
-  publisher's actor died, else with what the read reported."""
+  memory: Ray's `RayDirectTransportError` with the lifetime error (its
+  cause) if the publisher's actor died, else with what the read reported."""
   from ray.exceptions import RayDirectTransportError
 
   try:
     _lifetime.check_producer(obj_id, _ray.state.actor_id(actor))
   except _lifetime.ProducerDiedError as e:
-    return RayDirectTransportError(str(e))
+    out = RayDirectTransportError(str(e))
+    out.__cause__ = e
+    return out
   return RayDirectTransportError(
       f"The node-local read of packed object {obj_id} from its publisher's process failed: {error}. "
       "The publishing actor may be exiting; pull a newer version once it runs again."
   )
+
+
+def read_failure(pull: Pull, source: PackedSource, error: BaseException) -> BaseException:
+  """The error a node-local read of `pull`'s version (host memory, or
+  device memory through CUDA IPC) raises when it, or a check of it, failed
+  with `error`. The one rule of every node-local route, for a publisher
+  that no longer is what the pull planned against:
+
+  * its table names another publisher, or none (`ForeignTable`: closed,
+    replaced, collected): `StaleWeightsError`, "closed or replaced";
+  * its process is gone (`ProcessLookupError`): Ray's
+    `RayDirectTransportError` with the lifetime error if Ray reports its
+    actor dead;
+  * its memory could not be read (another `OSError`): `StaleWeightsError`
+    if the table no longer keeps the version (a version unmapped under the
+    copy), else as for a process gone;
+  * anything else (the kernel refusing the read, `PermissionError`, which
+    the caller answers by reading through Ray; a stale version, a dead
+    actor found after the read, a fault, a cancellation): `error` itself.
+  """
+  handle = pull.handle
+  if isinstance(error, PermissionError):
+    return error
+  if isinstance(error, ForeignTable):
+    return replaced_error(handle, pull.current)
+  if isinstance(error, OSError) and not isinstance(error, ProcessLookupError):
+    now = read_table_or_empty(source, handle.publisher)
+    if handle.version not in now:
+      return pull.stale(now, after_read=True)
+  if isinstance(error, OSError):
+    return dead_publisher_error(pull.label, handle.actor, error)
+  return error
+
+
+@contextlib.contextmanager
+def node_local_read(pull: Pull, source: PackedSource, writes_template: bool) -> Iterator[None]:
+  """Around a node-local read of `pull`'s version and its checks after
+  (`checked_after_read`): a failure raises `read_failure`'s error, with the
+  torn note if the read may have written the template (`writes_template`;
+  the caller marked it torn before the first byte)."""
+  try:
+    yield
+  except BaseException as e:
+    error = read_failure(pull, source, e)
+    try:
+      if writes_template:
+        torn(error, pull.handle.version, "while it copied into the template")
+      if error is e:
+        raise
+      raise error from None
+    finally:
+      del error  # a local naming the raised error would hold this frame in a cycle with it
+
+
+def checked_after_read(pull: Pull, source: PackedSource) -> set[int]:
+  """After a node-local read of `pull`'s version: the versions its
+  publisher keeps, read from its table again, with the version among them,
+  and its actor alive by Ray's account, as for every RDT fetch
+  (`rdt_jax.transports._lifetime`): bytes read from a publisher that Ray
+  reports dead are refused, even while its exiting process is readable.
+
+  Raises:
+    StaleWeightsError: the version was freed while it was read.
+    ForeignTable: the publisher was closed or replaced (`read_failure`
+      makes it stale).
+    RayDirectTransportError: the publisher's actor is dead; its cause is
+      `ProducerDiedError`.
+  """
+  handle = pull.handle
+  kept = read_table(source, handle.publisher)
+  if handle.version not in kept:
+    raise pull.stale(kept, after_read=True)
+  if source.origin == _process.identity():
+    return kept  # this very process: alive
+  message = _lifetime.died(pull.label, _ray.state.actor_id(handle.actor), time.monotonic())
+  if message is not None:
+    from ray.exceptions import RayDirectTransportError
+
+    died = _lifetime.ProducerDiedError(message)
+    error = RayDirectTransportError(message)
+    error.__cause__ = died
+    raise error
+  return kept
 
 
 def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, atomic: bool) -> bool:
@@ -152,11 +244,11 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
   Raises:
     StaleWeightsError: the version is not kept (before or after the copy),
       or its publisher was closed or replaced.
-    RayDirectTransportError: the publisher's memory could not be read.
+    RayDirectTransportError: the publisher's memory could not be read, or
+      Ray reports its actor dead.
   """
-  handle, source = pull.handle, pull.handle.packed
+  source = pull.handle.packed
   assert source is not None and source.origin is not None
-  obj_id = pull.label
   try:
     kept_table(pull, source)
   except PermissionError:
@@ -164,7 +256,7 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
   writes_template = not atomic and plan.writes_in_place
   if writes_template:
     pull.tear()
-  try:
+  with node_local_read(pull, source, writes_template):
     try:
       base = 0 if staging is None else _memory.host_pointer(staging)
       node_local.read(source.origin, plan.prepared(source.buffer, base))
@@ -174,30 +266,8 @@ def pull_node_local(pull: Pull, plan: PackedPlan, staging: np.ndarray | None, at
       return False
     if _faults.ON:
       _faults.hit("weights.copied")
-    kept = read_table(source, handle.publisher)
-    if handle.version not in kept:
-      raise pull.stale(kept, after_read=True)
-    pull.route, pull.kept = "node_local", kept
-  except BaseException as e:
-    error = e
-    if isinstance(e, ForeignTable):
-      error = replaced_error(handle, pull.current)
-    elif isinstance(e, OSError) and not isinstance(e, ProcessLookupError):
-      now = read_table_or_empty(source, handle.publisher)
-      # A version larger than the host pool keeps is unmapped when dropped:
-      # a read of it then fails instead of reading reused memory.
-      error = pull.stale(now, after_read=True) if handle.version not in now else (
-          dead_publisher_error(obj_id, handle.actor, e))
-    elif isinstance(e, ProcessLookupError):
-      error = dead_publisher_error(obj_id, handle.actor, e)
-    try:
-      if writes_template:
-        torn(error, handle.version, "while it copied into the template")
-      if error is e:
-        raise
-      raise error from None
-    finally:
-      del error  # a local naming the raised error would hold this frame in a cycle with it
+    pull.kept = checked_after_read(pull, source)
+    pull.route = "node_local"
   return True
 
 
@@ -402,9 +472,9 @@ def _local_leaf(path: str, x: Any, want: Any, copies: list[tuple[Any, Any]]) -> 
     x = x[tuple(slice(a, b) for a, b in box)]
     want = want.into
     if want is None:
-      return _own_copy(x)
+      return own_copy(x)
   if want is None:
-    return _own_copy(x)
+    return own_copy(x)
   if _dlpack.is_sharding(want) or _dlpack.framework_of(want) == "jax":
     import jax
 
@@ -416,8 +486,9 @@ def _local_leaf(path: str, x: Any, want: Any, copies: list[tuple[Any, Any]]) -> 
   return want
 
 
-def _own_copy(x: Any) -> Any:
-  """A copy of array `x` in its own framework and device."""
+def own_copy(x: Any) -> Any:
+  """A copy of array `x` in its own framework and device (writable, and
+  aliasing nothing)."""
   fw = _dlpack.framework_of(x)
   if fw == "jax":
     import jax

@@ -47,7 +47,7 @@ from rdt_jax.weights._protocol import ask_object
 from rdt_jax.weights._pull import Pull, committing, torn
 from rdt_jax.weights._routes import can_read_directly, kept_table, pull_buckets, pull_node_local
 
-__all__ = ["PartPlan", "ShardedPlan", "pull_sharded", "pull_sharded_mapped"]
+__all__ = ["MappedShardedPlan", "PartPlan", "ShardedPlan", "pull_sharded", "pull_sharded_mapped", "sharded_plan"]
 
 #: One run of a part: (piece index, into staging?, destination (address, or
 #: offset in staging), source offset in the piece, nbytes).
@@ -213,31 +213,24 @@ def _ask_layouts(pull: Pull, subs: list[Pull]) -> list[tuple[PartLayout, PackedL
   return answers
 
 
-def _plan(pull: Pull, subs: list[Pull], plans: dict[str, ShardedPlan], template: list[tuple[str, Any]],
-          atomic: bool, answers: list[tuple[PartLayout, PackedLayoutInfo | None]] | None) -> ShardedPlan:
-  """The plan of the pulled combined structure, made at its first pull
-  (`_ask_layouts`, unless the caller asked them as `answers`, then the
-  template checked against the global structure)."""
-  handle = pull.handle
-  plan = plans.get(handle.structure)
-  if plan is not None:
-    return plan
+def sharded_plan(pull: Pull, template: list[tuple[str, Any]], atomic: bool,
+                 answers: list[tuple[PartLayout, PackedLayoutInfo | None]] | None = None) -> ShardedPlan:
+  """The plan of the pulled combined structure and its parts' routes, made
+  at its first pull: every part's layout asked (`_ask_layouts`, unless the
+  caller asked them as `answers`), then the template checked against the
+  global structure."""
   if answers is None:
-    answers = _ask_layouts(pull, subs)
+    answers = _ask_layouts(pull, [_part_pull(pull, part) for part in pull.handle.parts])
   layouts = [layout for layout, _ in answers]
   check_template(template, layouts[0].entries)
-  plan = ShardedPlan(layouts, [packed for _, packed in answers], dict(template), atomic)
-  if len(plans) >= 4:  # structures change rarely: keep the last few
-    plans.pop(next(iter(plans)))
-  plans[handle.structure] = plan
-  return plan
+  return ShardedPlan(layouts, [packed for _, packed in answers], dict(template), atomic)
 
 
-def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple[str, Any]], atomic: bool,
-                 answers: list[tuple[PartLayout, PackedLayoutInfo | None]] | None = None) -> tuple[Any, int]:
-  """A pull of a combined handle, the subscriber's lock held: each part's
-  needed bytes read from its trainer process, all parts at once. Returns
-  the pulled value and the bytes read.
+def pull_sharded(pull: Pull, plan: ShardedPlan, atomic: bool) -> tuple[Any, int]:
+  """A pull of a combined handle, the subscriber's lock held, with the plan
+  `sharded_plan` made for its structure and routes: each part's needed
+  bytes read from its trainer process, all parts at once. Returns the
+  pulled value and the bytes read.
 
   Raises:
     StaleWeightsError: a part's version is not kept (before or after its
@@ -248,7 +241,6 @@ def pull_sharded(pull: Pull, plans: dict[str, ShardedPlan], template: list[tuple
   """
   handle = pull.handle
   subs = [_part_pull(pull, part) for part in handle.parts]
-  plan = _plan(pull, subs, plans, template, atomic, answers)
   for sub, part in zip(subs, plan.parts):
     if part.info is not None:
       check_source(sub.handle.packed, sub.label, cast(PackedPlan, part), handle.version)
@@ -316,28 +308,35 @@ def _read_tree(sub: Pull, part: PartPlan, staging: int) -> None:
   sub.ask(after_read=True)
 
 
-def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, ShardedPlan],
-                        template: list[tuple[str, Any]], source: Source, atomic: bool) -> int:
-  """A pull of a combined handle by a subscriber with `source=` (an
-  engine's own names and layouts), its lock held; returns the bytes read.
+@dataclasses.dataclass(frozen=True)
+class MappedShardedPlan:
+  """The plan of a subscriber with `source=` (an engine's own names and
+  layouts) for one combined structure and its parts' routes, whole: the
+  mapping, the host arrays the mapped published leaves are assembled in
+  (one more copy of those leaves in memory, where a one-process version
+  needs about a bucket), and the plan of the reads into them. One piece,
+  made and dropped together: the reads always write into these arrays.
 
-  The published leaves the mapping reads are assembled from every part
-  into host arrays of their own (kept per structure: one more copy of
-  those leaves in memory, where a one-process version needs about a
-  bucket), by `pull_sharded` (leaves the mapping does not read are not
-  read); then each is written through the mapping as a one-process mapped
-  pull writes it. With `atomic=False` the template is torn from the first
-  of those writes; with `atomic=True` they land in staging, committed at
-  the end.
-
-  Raises:
-    As `pull_sharded`, and as `MappedPlan` at a structure's first pull.
+  Attributes:
+    mapped: the mapping into the engine's tensors.
+    arrays: the host array of each published leaf the mapping reads, by path.
+    reads: the plan of the combined version's reads into `arrays` (leaves
+      the mapping does not read are not read).
   """
-  handle = pull.handle
-  known = plans.get(handle.structure)
-  answers = None  # asked at a structure's first pull, for its plan and the sharded pull's
-  if known is None:
-    answers = _ask_layouts(pull, [_part_pull(pull, part) for part in handle.parts])
+
+  mapped: MappedPlan
+  arrays: dict[str, np.ndarray]
+  reads: ShardedPlan
+
+  @classmethod
+  def make(cls, pull: Pull, template: list[tuple[str, Any]], source: Source, atomic: bool) -> MappedShardedPlan:
+    """Made at the combined structure's first pull: every part's layout
+    asked once, the mapping checked against the global structure.
+
+    Raises:
+      As `sharded_plan`, and as `MappedPlan`.
+    """
+    answers = _ask_layouts(pull, [_part_pull(pull, part) for part in pull.handle.parts])
     entries = answers[0][0].entries
     mapped = MappedPlan(entries, template, source, atomic)
     arrays: dict[str, np.ndarray] = {}
@@ -349,21 +348,35 @@ def pull_sharded_mapped(pull: Pull, plans: dict[str, Any], sharded: dict[str, Sh
       else:  # not read: an empty Slice of it
         empty = np.empty((0, *shape[1:]), _dlpack.np_dtype_from_name(what))
         flat.append((path, _layout.Slice((slice(0, 0),), into=empty)))
-    known = (mapped, flat, arrays)
-    if len(plans) >= 4:  # structures change rarely: keep the last few
-      plans.pop(next(iter(plans)))
-    plans[handle.structure] = known
-  mapped, flat, arrays = known
+    # Into the plan's own arrays: the engine's tensors are written after.
+    return cls(mapped, arrays, sharded_plan(pull, flat, False, answers))
+
+
+def pull_sharded_mapped(pull: Pull, plan: MappedShardedPlan, atomic: bool) -> int:
+  """A pull of a combined handle by a subscriber with `source=`, its lock
+  held, with its `MappedShardedPlan`; returns the bytes read.
+
+  The published leaves the mapping reads are assembled from every part
+  into the plan's host arrays by `pull_sharded`, then each is written
+  through the mapping as a one-process mapped pull writes it. With
+  `atomic=False` the template is torn from the first of those writes; with
+  `atomic=True` they land in staging, committed at the end.
+
+  Raises:
+    As `pull_sharded`.
+  """
+  handle = pull.handle
+  mapped = plan.mapped
   mapped.begin()
   # Into this subscriber's own arrays: the engine's tensors are not written yet.
   inner = dataclasses.replace(pull, set_version=lambda _: None)
-  _, nbytes = pull_sharded(inner, sharded, flat, False, answers)
+  _, nbytes = pull_sharded(inner, plan.reads, False)
   pull.route, pull.objects, pull.kept = inner.route, inner.objects, inner.kept
   pull.check_cancelled()
   if not atomic:
     pull.tear()
   try:
-    for path, array in arrays.items():
+    for path, array in plan.arrays.items():
       mapped.write(path, array)
   except BaseException as e:
     if not atomic:

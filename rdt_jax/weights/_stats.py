@@ -11,12 +11,15 @@ structure.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
 from rdt_jax import _dlpack, _metrics
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, flatten, stream_of
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KINDS", "ROUTES", "PublishStats", "PullStats", "count_failed", "count_pulled", "lag_of", "version_bytes"]
 
@@ -111,12 +114,20 @@ def version_bytes(cache: dict[str, int], structure: str, value: Any, layout: Any
 
 
 def count_pulled(handle: WeightsHandle, stats: PullStats | None) -> None:
-  """Counts a successful pull in rdt_jax's Ray metrics (`rdt_jax._metrics`)."""
+  """Counts a successful pull in rdt_jax's Ray metrics (`rdt_jax._metrics`),
+  and logs it at DEBUG (`logging.getLogger("rdt_jax")`): version, stream,
+  route, bytes, seconds."""
   if stats is not None:
     _metrics.count_pull(stream_of(handle), stats.route, "ok", stats.nbytes, stats.seconds, stats.lag)
+    if logger.isEnabledFor(logging.DEBUG):
+      logger.debug("rdt_jax: pulled version %d of stream %s: %d bytes in %.2f ms (route %s, %d RDT objects)",
+                   stats.version, stream_of(handle), stats.nbytes, stats.seconds * 1e3, stats.route, stats.objects)
 
 
 def count_failed(handle: WeightsHandle, error: BaseException) -> None:
   """Counts a refused or failed pull: "stale" for `StaleWeightsError`,
   "failed" for any other error (route "none": it may not have begun)."""
   _metrics.count_pull(stream_of(handle), "none", "stale" if isinstance(error, StaleWeightsError) else "failed")
+  if logger.isEnabledFor(logging.DEBUG):
+    logger.debug("rdt_jax: the pull of version %s of stream %s failed: %s", handle.version, stream_of(handle),
+                 type(error).__name__)

@@ -9,7 +9,6 @@ subscriber run one at a time, whoever calls them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import threading
@@ -19,43 +18,33 @@ from typing import Any
 
 import ray
 
-from rdt_jax import _memory, _targets
+from rdt_jax import _memory, _ray, _targets
 from rdt_jax.weights import _routes
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._device_route import pull_device_local
 from rdt_jax.weights._handle import (
+  MappingError,
+  TemplateError,
   WeightsHandle,
+  check_handle,
   check_newer,
   check_template,
   flatten,
   label,
 )
-from rdt_jax.weights._mapping import Source, check_source_mapping, pull_mapped
+from rdt_jax.weights._mapping import Source, check_source_mapping, mapped_plan, pull_mapped
 from rdt_jax.weights._named import named_leaves, renamed
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
+from rdt_jax.weights._plans import PlanKey, Plans
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher
-from rdt_jax.weights._pull import Pull, PullCancelled, committing
-from rdt_jax.weights._sharded_route import ShardedPlan, pull_sharded, pull_sharded_mapped
+from rdt_jax.weights._pull import Pull, PullCancelled, PullLock, committing, pull_threads
+from rdt_jax.weights._sharded_route import MappedShardedPlan, pull_sharded, pull_sharded_mapped, sharded_plan
 from rdt_jax.weights._staging import commit_staged, staged_tree
 from rdt_jax.weights._stats import PullStats, count_failed, count_pulled, lag_of, version_bytes
 
 __all__ = ["WeightSubscriber"]
-
-_async_lock = threading.Lock()
-
-
-_async_pool: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
-  """The threads `pull_async` runs pulls in (created at the first one)."""
-  with _async_lock:
-    if not _async_pool:
-      _async_pool.append(concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="rdt-jax-pull"))
-    return _async_pool[0]
-
 
 class WeightSubscriber:
   """Pulls published versions into a generator's parameters.
@@ -103,6 +92,12 @@ class WeightSubscriber:
   A pull refused before its fetch started (`StaleWeightsError`, a template
   that does not match, a publisher that is gone) changes nothing in either
   mode.
+
+  Raises:
+    TemplateError: a template that holds no array, `Slice` or sharding leaf.
+    MappingError: a `source=` without a template.
+    ArgumentTypeError: (a `TypeError`) a `source=` that is neither a
+      mapping nor a function, or maps a leaf to a value of another type.
   """
 
   def __init__(self, template: Any, atomic: bool = False, source: Source | None = None):
@@ -111,22 +106,21 @@ class WeightSubscriber:
     if source is not None:
       check_source_mapping(source)
       if template is None:
-        raise ValueError("source= maps published leaves into a template's tensors: give the template too.")
+        raise MappingError("source= maps published leaves into a template's tensors: give the template too.")
     self.source = source
-    self._mapped: dict[str, Any] = {}  # structures pulled with source=, by digest (their plans)
-    self._sharded: dict[str, ShardedPlan] = {}  # combined structures of multi-process versions, by digest
     self._flat = [] if template is None else flatten(template)
     if template is not None and not self._flat:
-      raise ValueError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
+      raise TemplateError("The template holds no jax, torch or numpy arrays, rdt_jax.Slice or sharding leaves.")
     self._version: int | None = None
     self._reached: int | None = None  # the newest version a pull reached (see `pull`)
-    self._lock = threading.Lock()  # one pull at a time, whoever calls
+    self._lock = PullLock()  # one pull at a time, whoever calls
     self._checked: set[str] = set()  # structures the template was checked against
     self._fits: set[str] = set()  # structures a pull of which succeeded with this target
     self._flat_target: dict[str, Any] = {}
     self._staging: Any = None
-    self._plans: dict[str, PackedPlan] = {}  # packed structures pulled, by digest
-    self._device_plans: dict[str, DevicePlan | None] = {}  # structures packed in device memory, by digest
+    # Every plan of a structure and route pulled (`rdt_jax.weights._plans`): packed, in device
+    # memory, mapped, combined; one entry each.
+    self._plans = Plans()
     self._sizes: dict[str, int] = {}  # array bytes of each structure pulled as a pytree, by digest
     self._last_pull: PullStats | None = None
 
@@ -174,13 +168,13 @@ class WeightSubscriber:
       `handle.version`.
 
     Raises:
-      TypeError: if `handle` is not a `WeightsHandle`.
+      ArgumentTypeError: (a `TypeError`) if `handle` is not a `WeightsHandle`.
       StaleWeightsError: for a version not newer than the newest version a
         pull of this subscriber reached (`version`, or the one before a torn
         pull), or not kept by the publisher (before anything moves), or
         freed while it was read; for a handle of a publisher that was
         closed or replaced since.
-      ValueError, UnsupportedLeafError: at the first pull of a structure,
+      TemplateError, UnsupportedLeafError: at the first pull of a structure,
         naming the leaf path where template and published value differ.
       MetadataError: for a handle or layout that does not hold together
         (naming the field); nothing is read.
@@ -189,7 +183,7 @@ class WeightSubscriber:
         says for a failed pull.
       ray.exceptions.RayError: the publisher's actor died.
     """
-    self._check_handle(handle)
+    check_handle(handle)
     deadline = None if timeout is None else time.monotonic() + timeout
     return self._serialized(handle, deadline, None)
 
@@ -206,10 +200,10 @@ class WeightSubscriber:
     """
     import asyncio
 
-    self._check_handle(handle)
+    check_handle(handle)
     deadline = None if timeout is None else time.monotonic() + timeout
     cancel = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(_async_executor(), self._serialized, handle, deadline, cancel)
+    future = asyncio.get_running_loop().run_in_executor(pull_threads(), self._in_thread, handle, deadline, cancel)
     try:
       return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -264,7 +258,7 @@ class WeightSubscriber:
       An iterator of `(name, array)`.
 
     Raises:
-      TypeError: if `handle` is not a `WeightsHandle`.
+      ArgumentTypeError: (a `TypeError`) if `handle` is not a `WeightsHandle`.
       ValueError: for another `framework`, a subscriber with a template,
         or a combined handle (`WeightsHandle.combine`).
       StaleWeightsError: (from the iteration) as `pull`: not newer, not
@@ -272,7 +266,7 @@ class WeightSubscriber:
         version's bytes, and `version` stays None.
       ray.exceptions.GetTimeoutError, ray.exceptions.RayError: as `pull`.
     """
-    self._check_handle(handle)
+    check_handle(handle)
     if framework not in ("torch", "numpy"):
       raise ValueError(f"framework={framework!r}: pull_named gives 'torch' or 'numpy' arrays.")
     if handle.parts:
@@ -295,7 +289,7 @@ class WeightSubscriber:
         raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
       pull.layout = None if structure.packed is None else structure.packed.layout
       counted = [0]
-      for name, out in renamed(named_leaves(pull, structure), rename, framework, counted):
+      for name, out in renamed(named_leaves(pull, structure), rename, framework, counted, pull):
         self._version = None  # the engine holds part of the version from here until the last pair
         yield name, out
         del out  # the caller's copy is the only reference to a bucket's view
@@ -306,25 +300,14 @@ class WeightSubscriber:
                                           pull.objects, lag_of(handle.version, pull.kept))
     count_pulled(handle, stats)
 
-  @staticmethod
-  def _check_handle(handle: Any) -> None:
-    if not isinstance(handle, WeightsHandle):
-      raise TypeError(f"Expected an rdt_jax.WeightsHandle (from WeightPublisher.publish), got {type(handle).__name__}.")
-
-  def _acquire(self, handle: WeightsHandle, deadline: float | None) -> None:
-    """Takes this subscriber's pull lock, waiting at most until `deadline`."""
-    wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-    if not self._lock.acquire(timeout=wait):
-      raise ray.exceptions.GetTimeoutError(
-          f"The pull of version {handle.version} ran out of time waiting for another pull of this subscriber.")
-
   @contextlib.contextmanager
-  def _counted(self, handle: WeightsHandle, deadline: float | None) -> Iterator[None]:
-    """Holds this subscriber's pull lock (`_acquire`) for one pull; a pull
+  def _counted(self, handle: WeightsHandle, deadline: float | None,
+               cancel: threading.Event | None = None) -> Iterator[None]:
+    """Holds this subscriber's pull lock (`PullLock`) for one pull; a pull
     that raises is counted in rdt_jax's metrics as stale or failed. A
     `pull_named` iteration the engine stops early (`GeneratorExit`) is
     neither; a successful pull is counted by the caller, lock released."""
-    self._acquire(handle, deadline)
+    self._lock.acquire(handle.version, deadline, cancel)
     try:
       yield
     except GeneratorExit:
@@ -339,9 +322,16 @@ class WeightSubscriber:
     """Records that a pull reached `version` (see `pull`)."""
     self._reached = version if self._reached is None else max(self._reached, version)
 
+  def _in_thread(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event) -> Any:
+    """`pull_async`'s pull, in a thread of rdt_jax's: its `ray.get`s block
+    that thread, not the event loop, so Ray's advice against a blocking
+    `ray.get` in an async actor is not logged for them."""
+    with _ray.aio.quiet_blocking_get_warning():
+      return self._serialized(handle, deadline, cancel)
+
   def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
     """Runs one pull once no other pull of this subscriber runs."""
-    with self._counted(handle, deadline):
+    with self._counted(handle, deadline, cancel):
       if cancel is not None and cancel.is_set():
         raise PullCancelled(f"The pull of version {handle.version} was cancelled.")
       value = self._pull(handle, deadline, cancel)
@@ -361,13 +351,18 @@ class WeightSubscriber:
     started = time.perf_counter()
     pull = Pull(handle, label(handle), deadline, current, cancel, self._set_version)
     nbytes = None
-    if handle.parts and self.source is not None:
-      nbytes = pull_sharded_mapped(pull, self._mapped, self._sharded, self._flat, self.source, self.atomic)
+    key = PlanKey.of(handle)
+    source = self.source
+    if handle.parts and source is not None:
+      combined = self._plans.get(key, lambda: MappedShardedPlan.make(pull, self._flat, source, self.atomic))
+      nbytes = pull_sharded_mapped(pull, combined, self.atomic)
       value = self.template
     elif handle.parts:
-      value, nbytes = pull_sharded(pull, self._sharded, self._flat, self.atomic)
-    elif self.source is not None:
-      nbytes = pull_mapped(pull, self._mapped, self._flat, self.source, self.atomic)
+      value, nbytes = pull_sharded(pull, self._plans.get(key, lambda: sharded_plan(pull, self._flat, self.atomic)),
+                                   self.atomic)
+    elif source is not None:
+      nbytes = pull_mapped(pull, self._plans.get(key, lambda: mapped_plan(pull, self._flat, source, self.atomic)),
+                           self.atomic)
       value = self.template
     elif handle.packed is not None and getattr(handle.packed, "device", -1) != -1:
       value = self._pull_device(pull)
@@ -411,26 +406,26 @@ class WeightSubscriber:
     """The plan of the pulled structure: made at its first pull, after the
     publisher says the version is kept and sends the structure's layout, and
     the template is checked against it."""
-    return self._planned(pull, self._plans, PackedPlan)
-
-  def _planned(self, pull: Pull, plans: dict[str, Any], make: Callable[..., Any]) -> Any:
-    """The plan in `plans` of the pulled packed structure, made at its first
-    pull by `make(layout, entries, template, atomic)` once the publisher
-    sent the layout and the template and layout are checked against it."""
-    handle = pull.handle
-    if handle.structure in plans:
-      return plans[handle.structure]
-    answer = pull.ask(want_structure=True)
-    if answer is None or answer.packed is None:
-      raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
-    check_template(self._flat, answer.entries)
-    check_layout(answer.packed, answer.entries, pull.label)
-    self._checked.add(handle.structure)
-    plan = make(answer.packed, answer.entries, dict(self._flat), self.atomic)
-    if len(plans) >= 4:  # structures change rarely: keep the last few
-      plans.pop(next(iter(plans)))
-    plans[handle.structure] = plan
+    plan: PackedPlan = self._planned(pull, PackedPlan)
     return plan
+
+  def _planned(self, pull: Pull, make: Callable[..., Any]) -> Any:
+    """The plan of the pulled packed structure and route, made at its
+    first pull by `make(layout, entries, template, atomic)` once the
+    publisher sent the layout and the template and layout are checked
+    against it."""
+    handle = pull.handle
+
+    def new() -> Any:
+      answer = pull.ask(want_structure=True)
+      if answer is None or answer.packed is None:
+        raise RuntimeError(f"The publisher no longer knows the packed structure of version {handle.version}.")
+      check_template(self._flat, answer.entries)
+      check_layout(answer.packed, answer.entries, pull.label)
+      self._checked.add(handle.structure)
+      return make(answer.packed, answer.entries, dict(self._flat), self.atomic)
+
+    return self._plans.get(PlanKey.of(handle), new)
 
   def _pull_packed(self, pull: Pull) -> Any:
     """A pull of a packed version: node-local where the kernel allows it,
@@ -456,7 +451,7 @@ class WeightSubscriber:
     """The plan of the pulled structure if the template takes its bytes
     directly (None: it does not, and versions of it come through Ray):
     made at the structure's first pull, after the template is checked."""
-    plan: DevicePlan | None = self._planned(pull, self._device_plans, DevicePlan.make)
+    plan: DevicePlan | None = self._planned(pull, DevicePlan.make)
     return plan
 
   def _pull_device(self, pull: Pull) -> Any:

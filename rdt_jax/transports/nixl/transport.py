@@ -197,6 +197,11 @@ class NixlTransport(DlpackTransport):
 
   # ---- consumer
 
+  def route_of(self, handle: Any) -> str:
+    """"node-local read" for a read done while it started (a process on this
+    host, `NodeLocalRead`), "NIXL READ" for one posted (`NixlRead`)."""
+    return "node-local read" if handle is None else "NIXL READ"
+
   def _read_strategy(self, meta: NixlTransportMetadata, dests: list[Destination]) -> ReadStrategy:
     """The one choice of how to read an object: node-local where it applies
     (`read.NodeLocalRead.applies`), else a NIXL READ."""
