@@ -203,9 +203,8 @@ def tensor_transport_enabled(actor: Any) -> bool:
   Touches: `ActorHandle._ray_enable_tensor_transport` (read).
   Why: a weight publisher checks at construction that its actor can serve
     a subscriber on another host: only such an actor has the `_ray_system`
-    concurrency group its subscribers' questions run on, and gets its
-    creator's transports; without the flag it would work on its own host
-    and fail on the first other one.
+    concurrency group its subscribers' questions run on (without it they
+    wait behind the running method), and gets its creator's transports.
   Retire when: Ray exposes an actor's tensor-transport setting publicly, or
     fails on its own when such an actor stores an RDT object.
   """
