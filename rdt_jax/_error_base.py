@@ -11,9 +11,14 @@ __all__ = ["RdtJaxError"]
 
 
 class RdtJaxError(Exception):
-  """The base of every error rdt_jax raises on purpose.
+  """The base of every error rdt_jax raises on purpose about what it sends,
+  receives, pulls or is set up for (a leaf, a transfer, an object, a
+  transport, a handle, a template, a mapping, a version, an actor's set-up).
 
-  ``except rdt_jax.RdtJaxError`` catches them all. Each error also keeps the
+  ``except rdt_jax.RdtJaxError`` catches them all. A call's check of one of
+  its own argument values (`receive_as("tensorflow")`,
+  `WeightPublisher(keep=0)`) raises Python's plain `ValueError` or
+  `TypeError`. Each error also keeps the
   builtin or Ray parent that code caught before the family existed (a
   `ValueError` for a value rdt_jax cannot take, `RuntimeError` for a failed
   operation, Ray's `ActorDiedError` or `RayError` where Ray's own behaviour
