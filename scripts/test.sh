@@ -2,7 +2,12 @@
 # Sets up .venv and runs the test suite (and the docs build, warnings as errors).
 # For the full suite (no pytest args, as CI runs it) it first lints (ruff, mypy)
 # and afterwards runs the wheel check (the contract tests against the built
-# wheel installed in a fresh environment) and the version matrix.
+# wheel installed in a fresh environment) and the version matrix; the pytest
+# stage writes its slowest tests to docs/development/test-durations.txt.
+# `--fast` (the loop to run while working, a few minutes): lint, then the tests
+# that start no Ray (minus the Sphinx builds) and one Ray smoke test
+# (tests/_selection.py).
+# Usage: bash scripts/test.sh | bash scripts/test.sh --fast | bash scripts/test.sh <pytest args>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,11 +20,15 @@ if [ $# -eq 0 ]; then
   # (fatal with CI=true).
   MATRIX_CHECK_ONLY=1 bash scripts/matrix.sh
   bash scripts/lint.sh
-fi
-python -m pytest tests "$@"
-if [ $# -eq 0 ]; then
+  RDT_JAX_TEST_DURATIONS=docs/development/test-durations.txt python -m pytest tests
   bash scripts/test_wheel.sh
   # Contract-level modules on Ray 2.59 and on Python 3.12 with the newest jax
   # (docs/ray_integration.md lists the matrix).
   bash scripts/matrix.sh
+elif [ "$1" = "--fast" ]; then
+  shift
+  bash scripts/lint.sh
+  python -m pytest tests --fast "$@"
+else
+  python -m pytest tests "$@"
 fi

@@ -1,6 +1,8 @@
 """Shared fixtures: one local Ray session per test module.
 
-Helpers the modules share (arrays, digests, waiting) live in `_helpers`.
+Helpers the modules share (arrays, digests, waiting) live in `_helpers`. The
+hooks here also select `--fast` runs (`_selection`: Ray-free tests, plus one
+Ray smoke test) and write the full run's slowest tests (`_durations`).
 """
 
 from __future__ import annotations
@@ -8,9 +10,14 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import tempfile
+import time
 
 import pytest
 import ray
+
+import _durations
+import _selection
 
 # Re-exported: test modules use them as conftest.wait_for / conftest.wait_meta.
 from _helpers import wait_for, wait_meta  # noqa: F401
@@ -73,14 +80,98 @@ def start_ray(env: dict[str, str] | None = None, **kwargs) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_environment():
-  """Undoes a module's `start_ray(env=...)` in this process after the module."""
-  saved = {k: os.environ.get(k) for k in OUT_OF_BAND_ENV}
+  """Gives every module the environment the one before it found: whatever a
+  module sets (`start_ray(env=...)`, its fixtures), changes or removes in
+  this process is undone, exactly, after its last test."""
+  saved = dict(os.environ)
   yield
+  restore_environ(saved)
+
+
+def restore_environ(saved: dict[str, str]) -> None:
+  """Makes `os.environ` exactly `saved` (a `dict(os.environ)`): adds, changes
+  back and removes variables (through `os.environ`, so subprocesses see it)."""
+  for k in set(os.environ) - set(saved):
+    del os.environ[k]
   for k, v in saved.items():
-    if v is None:
-      os.environ.pop(k, None)
-    else:
+    if os.environ.get(k) != v:
       os.environ[k] = v
+
+
+# ---- --fast (tests/_selection.py) and the durations file (tests/_durations.py)
+
+_GUARD = pytest.StashKey[_selection.RayGuard]()
+_STARTED = pytest.StashKey[float]()
+_DURATIONS = pytest.StashKey["str | None"]()
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--fast", action="store_true",
+      help="run only the tests that start no Ray (minus the slow ones) and the Ray smoke test; "
+      "a selected test that starts Ray fails (tests/_selection.py)",
+  )
+
+
+def pytest_configure(config):
+  config.stash[_STARTED] = time.monotonic()
+  config.stash[_DURATIONS] = _durations.target_from_environment()
+  for name, text in _selection.MARKERS.items():
+    config.addinivalue_line("markers", f"{name}: {text}")
+  if config.getoption("fast", False):
+    config.option.markexpr = _selection.fast_markexpr(config.option.markexpr)
+    guard = _selection.RayGuard(pathlib.Path(tempfile.mkdtemp(prefix="rdtjax-fast-")))
+    guard.install()
+    config.stash[_GUARD] = guard
+
+
+def pytest_unconfigure(config):
+  guard = config.stash.get(_GUARD, None)
+  if guard is not None:
+    guard.uninstall()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Marks `ray` every test that starts Ray itself or through its fixtures
+  (before `-m` deselects; tests/_selection.py)."""
+  for item in items:
+    if item.get_closest_marker("ray") is not None or not isinstance(item, pytest.Function):
+      continue
+    defs = item._fixtureinfo.name2fixturedefs
+    fixtures = [d.func for name in item.fixturenames for d in defs.get(name, ())]
+    if _selection.starts_ray(item.function, fixtures):
+      item.add_marker(pytest.mark.ray)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  """Under --fast: only the smoke test may start Ray, in its fixtures too."""
+  guard = item.config.stash.get(_GUARD, None)
+  if guard is not None:
+    guard.allow(item.nodeid, item.get_closest_marker("smoke") is not None)
+
+
+@pytest.fixture(autouse=True)
+def _ray_free_under_fast(request):
+  """Under --fast: fails a test after which Ray runs, or which started a
+  Ray session in another process (tests/_selection.py)."""
+  guard = request.config.stash.get(_GUARD, None)
+  before = guard.sessions() if guard is not None else set()
+  yield
+  problem = guard.problem(before) if guard is not None else None
+  if problem:
+    pytest.fail(problem, pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  """The full run (scripts/test.sh with no arguments) keeps its slowest tests."""
+  if config.getoption("fast", False):
+    return
+  wall_s = time.monotonic() - config.stash[_STARTED]
+  path = _durations.write(terminalreporter.stats, wall_s, int(exitstatus), REPO, config.stash[_DURATIONS])
+  if path is not None:
+    terminalreporter.write_line(f"slowest tests written to {path}")
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ BASELINES = (
     "ray_nixl_torch", "ray_rdt_floor", "object_store_numpy", "object_store_numpy_to_jax", "object_store_jax", "memcpy",
 )
 
+#: Starts Ray in subprocesses: not run by `--fast` (tests/_selection.py).
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):

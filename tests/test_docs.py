@@ -127,12 +127,14 @@ def sphinx_build(builder: str, out: pathlib.Path) -> subprocess.CompletedProcess
   )
 
 
+@pytest.mark.slow
 def test_html_build_has_no_warnings(build_dir):
   proc = sphinx_build("html", build_dir)
   assert proc.returncode == 0 and "WARNING" not in proc.stderr, proc.stdout + proc.stderr
   assert (build_dir / "html" / "index.html").exists()
 
 
+@pytest.mark.slow
 def test_doctests_pass(build_dir):
   proc = sphinx_build("doctest", build_dir)
   report = (build_dir / "doctest" / "output.txt").read_text()
@@ -348,6 +350,7 @@ def output_blocks() -> list[tuple[str, int, str, str]]:
   ]
 
 
+@pytest.mark.ray  # runs the examples, which start Ray
 @pytest.mark.parametrize(
     "page, line, script, expected", output_blocks(), ids=[f"{p}:{n}" for p, n, _, _ in output_blocks()]
 )
@@ -648,6 +651,7 @@ def run_snippet(code: str) -> subprocess.CompletedProcess:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.mark.ray  # runs the README's code, which starts Ray
 @pytest.mark.parametrize("block", readme_python_blocks(), ids=lambda b: f"README.md:{b.line}")
 def test_readme_python_blocks_run(block):
   """Every call in the README's code runs: each Python block not marked

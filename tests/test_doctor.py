@@ -87,6 +87,7 @@ def finding(report: dict, what_starts: str) -> dict:
 # ---- end to end, on this host
 
 
+@pytest.mark.slow  # runs the command's NIXL loopback in a subprocess: tens of seconds
 def test_doctor_passes_on_this_host_and_finds_the_host_read_path():
   proc = run_doctor("--json")
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
@@ -114,6 +115,7 @@ def test_doctor_passes_on_this_host_and_finds_the_host_read_path():
   assert finding(report, "NIXL READ of host memory")["severity"] == "ok"
 
 
+@pytest.mark.slow  # runs the command's NIXL loopback in a subprocess: tens of seconds
 def test_host_memory_only_over_tcp_is_a_fail():
   # UCX_TLS=tcp: UCX emulates the READ over TCP; RDT_JAX_NIXL_CMA=0: no direct read either.
   proc = run_doctor("--json", UCX_TLS="tcp", RDT_JAX_NIXL_CMA="0")
@@ -127,6 +129,7 @@ def test_host_memory_only_over_tcp_is_a_fail():
   assert report["ucx"]["env"]["UCX_TLS"] == "tcp"
 
 
+@pytest.mark.slow  # runs the command's NIXL loopback in a subprocess: tens of seconds
 def test_a_failing_loopback_is_a_fail_with_ucx_reason():
   # No emulation allowed and no transport that can READ: UCX refuses the READ.
   start = time.monotonic()
@@ -139,6 +142,7 @@ def test_a_failing_loopback_is_a_fail_with_ucx_reason():
   assert "No zero-copy protocol found for get into host from host" in host["why"]
 
 
+@pytest.mark.slow  # runs the command's NIXL loopback in a subprocess: tens of seconds
 def test_without_nixl_it_warns_and_exits_0():
   proc = run_doctor(PYTHONPATH=str(REPO / "tests" / "_no_nixl"))  # NIXL made unimportable, as in test_nixl
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]

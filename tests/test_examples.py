@@ -27,6 +27,9 @@ import pytest
 
 from _helpers import clean_env
 
+#: Starts Ray in subprocesses: not run by `--fast` (tests/_selection.py).
+pytestmark = pytest.mark.ray
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = REPO / "examples"
 

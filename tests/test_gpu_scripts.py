@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,7 @@ def run(script: str, *args: str, env: dict[str, str] | None = None) -> subproces
   )
 
 
+@pytest.mark.slow  # imports torch and jax in a subprocess to look for CUDA
 def test_gpu_sh_refuses_a_host_without_cuda_clearly():
   # Every GPU hidden, so the refusal is checked on any host, GPU hosts included.
   out = run("gpu.sh", "--dry-run", "--python", sys.executable, env={"CUDA_VISIBLE_DEVICES": ""})

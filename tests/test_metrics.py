@@ -34,12 +34,18 @@ def _free_port() -> int:
     return int(s.getsockname()[1])
 
 
-PORT = _free_port()
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+  """A port free when the module's Ray starts (picked then, not at import:
+  collecting the module must not hold one, and a port free at collection
+  may be taken by the time the module runs)."""
+  return _free_port()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_with_metrics():
-  start_ray(env=FLUSH, num_cpus=4, _metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": 500})
+def ray_with_metrics(metrics_port):
+  start_ray(env=FLUSH, num_cpus=4, _metrics_export_port=metrics_port,
+            _system_config={"metrics_report_interval_ms": 500})
   yield
   ray.shutdown()
 
@@ -84,8 +90,8 @@ class Consumer:
     return float(x[-1]), ray.get_runtime_context().get_worker_id()
 
 
-def _scrape() -> str:
-  return urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=5).read().decode()
+def _scrape(port: int) -> str:
+  return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
 
 def _value(text: str, name: str, **tags: str) -> float:
@@ -98,7 +104,7 @@ def _value(text: str, name: str, **tags: str) -> float:
   return total
 
 
-def test_pulls_publishes_and_transfers_reach_rays_metrics_endpoint():
+def test_pulls_publishes_and_transfers_reach_rays_metrics_endpoint(metrics_port):
   t = Trainer.options(runtime_env=worker_env(**FLUSH)).remote()
   g = Generator.options(runtime_env=worker_env(**FLUSH)).remote()
   old = ray.get(t.publish.remote(1))
@@ -119,7 +125,7 @@ def test_pulls_publishes_and_transfers_reach_rays_metrics_endpoint():
   }
   deadline, got = time.monotonic() + 60, {}
   while time.monotonic() < deadline:
-    text = _scrape()
+    text = _scrape(metrics_port)
     got = {key: _value(text, key[0], **dict(key[1])) for key in want}
     if got == want:
       break

@@ -164,6 +164,7 @@ def test_register_is_idempotent():
   assert rdt_jax.register() == names
 
 
+@pytest.mark.smoke  # the Ray test `--fast` runs
 def test_pytree_reaches_consumer_bit_exact(producer, consumer):
   ref = producer.make.remote(params_tree)
   got = ray.get(consumer.fingerprint.remote(ref))

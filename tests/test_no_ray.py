@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 TESTS = pathlib.Path(__file__).parent
 
 # Put first on sys.path of the child process: makes `import ray` fail.
@@ -70,6 +72,7 @@ def test_import_rdt_jax_only_sets_the_seams_hooks(tmp_path):
 NO_RAY_TESTS = ("test_dlpack.py", "test_device_memory.py")
 
 
+@pytest.mark.slow  # runs the array layer's test modules again in a subprocess
 def test_array_layer_tests_pass_without_ray(tmp_path):
   out = _run_without_ray(
       tmp_path,

@@ -64,6 +64,7 @@ print("gathered")
 """
 
 
+@pytest.mark.slow  # jax with several host devices, in a subprocess
 def test_pack_gathers_a_sharded_leaf():
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   out = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=120)
@@ -227,6 +228,7 @@ print("arrived")
 """
 
 
+@pytest.mark.slow  # jax with several host devices, in a subprocess
 def test_plan_shares_sharded_layouts_only_between_leaves_of_one_shape_dtype_and_sharding():
   """Leaves of one shape, dtype and sharding share the plan's layout work
   (a model's layers mostly are such leaves); a leaf that differs in any of

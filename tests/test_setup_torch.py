@@ -22,6 +22,9 @@ import zipfile
 
 import pytest
 
+#: Makes virtual environments and installs into them: not run by `--fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "install_torch.py"
 

@@ -26,7 +26,8 @@ from _twohost import TESTS_DIR, TwoHosts, namespaces_available
 from _twohost_driver import CHECKS
 
 REASON = namespaces_available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two-host cluster unavailable: {REASON}")
+#: Starts a Ray cluster in other processes: not run by `--fast` (tests/_selection.py).
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"two-host cluster unavailable: {REASON}"), pytest.mark.ray]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):

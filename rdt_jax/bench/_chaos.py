@@ -258,7 +258,9 @@ def run_chaos(args: argparse.Namespace) -> int:
   errors: list[str] = []
   start = time.monotonic()
   deadline = start + args.minutes * 60
-  next_kill = start + rng.expovariate(1 / args.kill_every)
+  # The first kill comes in the run's first half at the latest, so that a short
+  # run has one (a long run's draw is almost never capped).
+  next_kill = start + min(rng.expovariate(1 / args.kill_every), args.minutes * 30)
   last_print = 0.0
   transport = args.transport
   while time.monotonic() < deadline:

@@ -630,11 +630,16 @@ class _Soak:
     return _Generator.options(runtime_env=_env(kind[2])).remote(kind, self.mb, i + 1)  # type: ignore[attr-defined]
 
   def _items(self) -> list:
-    """The newest handle and up to two older ones, newest first."""
+    """The newest handle and up to two older ones, newest first. Until a pull
+    has been refused as stale, the oldest handle held is among them (from the
+    third version on it has left the publisher's window of 2), so even a
+    short run sees that refusal; the draw goes on as before."""
     if not self.recent:
       return []
     older = list(self.recent)[:-1]
     picked = self.rng.sample(older, self.rng.randint(0, min(2, len(older))))
+    if not self.counts["stale"] and len(older) >= 2 and older[0] not in picked:
+      picked = [older[0], *picked[:1]]
     return [self.recent[-1], *sorted(picked, key=lambda item: -item[2])]
 
   def _rollback_to(self) -> int:
@@ -855,6 +860,8 @@ def run_weight_sync(args: argparse.Namespace) -> int:
       print(f"\r[weight-sync] {now - start:6.0f} s  versions {c['versions']}  pulls {c['pulls']}  ok {c['ok']}  "
             f"events {c['events']}  wrong {c['wrong_versions']}  other {c['other_errors']}",
             end="", file=sys.stderr, flush=True)
+  if not soak.counts["events"]:  # a run too short (or rounds too slow) for the drawn schedule: one event
+    soak.round(True)
   ended = time.monotonic()
   actors = soak.settle()
   leaks = sum(1 for c in actors for k in _chaos.BASELINE_KEYS if c[k])

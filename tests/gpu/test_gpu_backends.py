@@ -14,33 +14,18 @@ actors (docs/gpu.md: the memory rule).
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import numpy as np
 import pytest
 import ray
 
 import rdt_jax
+from gpu.conftest import SHARE, gpu_count
 from rdt_jax import _dlpack, _layout, _memory
 
 #: Registered before the actor classes: `ray.method` checks transport names.
 REGISTERED = rdt_jax.register()
 NCCL = "jax_nccl" if "jax_nccl" in REGISTERED else "jax_nixl"
 TRANSFER = "jax_transfer" if "jax_transfer" in REGISTERED else "jax_nixl"
-GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NIXL_LOG_LEVEL": "WARN"}
-#: Each actor's share of the GPU: the module's actors (the `pair` and those a
-#: test makes and kills) fit on one GPU together.
-SHARE = 0.1
-
-
-def _gpu_count() -> int:
-  try:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-  except ImportError:
-    return 0
 
 
 def _has(module: str) -> bool:
@@ -141,7 +126,7 @@ class GpuActor:
     rdt_jax.register()
 
   def devices(self) -> int:
-    return _gpu_count()
+    return gpu_count()
 
   @ray.method(tensor_transport="jax_nixl")
   def nixl(self, device: str = "cuda", cupy_leaf: bool = True):
@@ -254,22 +239,6 @@ class GpuActor:
     t = get_tensor_transport_manager("JAX_NIXL")
     return t.counters()["pooled_registrations"], _memory.device_pool.pooled_bytes()
 
-
-@pytest.fixture(scope="module")
-def gpu_ray():
-  here = pathlib.Path(__file__).resolve().parent
-  # Workers import this module's actor classes by reference, and rdt_jax.
-  paths = [str(here), str(here.parent), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
-  rdt_jax.register()
-  ray.init(
-      num_cpus=8,
-      num_gpus=_gpu_count(),
-      include_dashboard=False,
-      logging_level="warning",
-      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **GPU_ENV}},
-  )
-  yield
-  ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +398,7 @@ def test_region_reuse_waits_for_kernels_queued_on_its_last_leaf():
 
 
 @pytest.mark.skipif(
-    _gpu_count() < 2, reason="NCCL runs one rank per GPU (two ranks on one GPU: NCCL_ERROR_INVALID_USAGE)"
+    gpu_count() < 2, reason="NCCL runs one rank per GPU (two ranks on one GPU: NCCL_ERROR_INVALID_USAGE)"
 )
 def test_nccl_group(gpu_ray):
   if not _has("cupy") or NCCL != "jax_nccl":
@@ -487,7 +456,7 @@ class TwoGpuActor:
     return "ok" if ok else "wrong values"
 
 
-@pytest.mark.skipif(_gpu_count() < 2, reason="needs two or more local GPUs")
+@pytest.mark.skipif(gpu_count() < 2, reason="needs two or more local GPUs")
 def test_sharded_across_local_gpus(gpu_ray):
   producer, consumer = TwoGpuActor.remote(), TwoGpuActor.remote()
   try:

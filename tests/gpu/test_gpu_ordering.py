@@ -17,32 +17,19 @@ still reads, delivers wrong bytes here instead of by chance:
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import numpy as np
 import pytest
 import ray
 
 import rdt_jax
+from gpu.conftest import SHARE
 
 REGISTERED = rdt_jax.register()
 TRANSFER = "jax_transfer" if "jax_transfer" in REGISTERED else None
-GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NIXL_LOG_LEVEL": "WARN"}
-SHARE = 0.1
 #: About two seconds of a kernel at the H100/H200's clock (`torch.cuda._sleep`
 #: counts cycles): far longer than any transfer here.
 LONG_KERNEL_CYCLES = 4_000_000_000
 N = 1 << 22  # 16 MiB of float32 per leaf
-
-
-def _gpu_count() -> int:
-  try:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-  except ImportError:
-    return 0
 
 
 def _values(seed: int) -> np.ndarray:
@@ -159,20 +146,6 @@ class Generator:
     self.side.synchronize()
     return float(seen) - before, np.array_equal(held.numpy(), _values(version)), self.subscriber.version
 
-
-@pytest.fixture(scope="module")
-def gpu_ray():
-  here = pathlib.Path(__file__).resolve().parent
-  paths = [str(here), str(here.parent), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
-  ray.init(
-      num_cpus=8,
-      num_gpus=_gpu_count(),
-      include_dashboard=False,
-      logging_level="warning",
-      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **GPU_ENV}},
-  )
-  yield
-  ray.shutdown()
 
 
 def test_nixl_read_into_a_cuda_target_waits_for_work_on_other_streams(gpu_ray):

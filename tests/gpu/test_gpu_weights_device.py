@@ -16,29 +16,16 @@ bytes, and the route where it matters:
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import numpy as np
 import pytest
 import ray
 
 import rdt_jax
+from gpu.conftest import SHARE
 
-GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NIXL_LOG_LEVEL": "WARN"}
-SHARE = 0.1
 #: About two seconds of a kernel at the H100/H200's clock (`torch.cuda._sleep` counts cycles).
 LONG_KERNEL_CYCLES = 4_000_000_000
 N = 1 << 20  # float32 per large leaf
-
-
-def _gpu_count() -> int:
-  try:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-  except ImportError:
-    return 0
 
 
 def _values(version: int) -> dict[str, np.ndarray]:
@@ -134,20 +121,6 @@ class Generator:
       return f"stale: {e}"
     return "pulled"
 
-
-@pytest.fixture(scope="module")
-def gpu_ray():
-  here = pathlib.Path(__file__).resolve().parent
-  paths = [str(here), str(here.parent), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
-  ray.init(
-      num_cpus=8,
-      num_gpus=_gpu_count(),
-      include_dashboard=False,
-      logging_level="warning",
-      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **GPU_ENV}},
-  )
-  yield
-  ray.shutdown()
 
 
 def test_in_place_cuda_tensors_pull_through_cuda_ipc_after_queued_work(gpu_ray):
