@@ -543,12 +543,19 @@ def test_generated_blocks_equal_their_sources(page):
   generated -->` is what scripts/sync_docs.py writes from FILE."""
   sync = load_script("sync_docs")
   text = page.read_text()
-  stale = []
+  stale, unavailable = [], []
   for block in sync.blocks(text, page_name(page)):
     shown = text.splitlines()[block.start + 1 : block.end]
-    if shown != sync.body(block):
+    try:
+      expected = sync.body(block)
+    except sync.SourceUnavailable as e:  # a script source without its history here (a shallow clone)
+      unavailable.append(str(e))
+      continue
+    if shown != expected:
       stale.append(f"{page_name(page)}:{block.start + 1} (from {block.source})")
   assert not stale, "generated blocks differ from their sources: " + ", ".join(stale) + f"; run {SYNC_DOCS}"
+  if unavailable:
+    pytest.skip("cannot compute in this checkout: " + "; ".join(unavailable))
 
 
 def test_generated_blocks_are_found():
