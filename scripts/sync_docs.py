@@ -16,19 +16,25 @@ The options select from the source file as the options of the same names of
 Sphinx's `include` directive do: `start-line=N` drops the first N lines,
 `start-after=TEXT` keeps what follows the first occurrence of TEXT and
 `end-before=TEXT` what precedes the next one; `literal` shows the selection as
-a `text` code block instead of as Markdown. tests/test_docs.py fails when a
-block differs from what this script writes.
+a `text` code block instead of as Markdown. `table=NAME` writes a table of
+results from FILE, a JSON results file (several, comma-separated, where the
+table compares runs), with scripts/figures.py's `TABLES[NAME]`:
+
+  <!-- generated from docs/benchmarks/bench-full.json table=results: python scripts/sync_docs.py -->
+
+tests/test_docs.py fails when a block differs from what this script writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import re
 import shlex
 import sys
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 REFRESH = "python scripts/sync_docs.py"
@@ -36,7 +42,7 @@ OPEN = re.compile(
     r"^(?P<indent>[ \t]*)<!-- generated from (?P<source>\S+)(?P<options>.*?): python scripts/sync_docs\.py -->$"
 )
 END = re.compile(r"^[ \t]*<!-- end generated -->$")
-OPTIONS = {"start-line", "start-after", "end-before", "literal"}
+OPTIONS = {"start-line", "start-after", "end-before", "literal", "table"}
 
 
 class Block(NamedTuple):
@@ -45,6 +51,16 @@ class Block(NamedTuple):
   indent: str
   start: int  # 0-based line of the opening comment
   end: int  # 0-based line of the closing comment
+
+
+def figures() -> Any:
+  """scripts/figures.py, which writes the tables of results."""
+  spec = importlib.util.spec_from_file_location("scripts_figures", REPO / "scripts" / "figures.py")
+  assert spec is not None and spec.loader is not None
+  module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+  if not hasattr(module, "TABLES"):
+    spec.loader.exec_module(module)
+  return module
 
 
 def pages() -> list[pathlib.Path]:
@@ -57,7 +73,7 @@ def parse_options(text: str) -> dict[str, str]:
   for word in shlex.split(text):
     key, sep, value = word.partition("=")
     if key not in OPTIONS or (key == "literal") == bool(sep):
-      raise ValueError(f"{word!r}: options are start-line=N, start-after=TEXT, end-before=TEXT, literal")
+      raise ValueError(f"{word!r}: options are start-line=N, start-after=TEXT, end-before=TEXT, literal, table=NAME")
     options[key] = value
   return options
 
@@ -99,6 +115,8 @@ def select(text: str, options: dict[str, str]) -> str:
 
 def body(block: Block) -> list[str]:
   """The lines between a block's two comments, as this script writes them."""
+  if "table" in block.options:
+    return ["", *(block.indent + line for line in figures().table(block.options["table"], block.source.split(","))), ""]
   path = REPO / block.source
   if not path.is_file():
     raise LookupError(f"{block.source} does not exist")
