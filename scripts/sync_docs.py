@@ -19,8 +19,13 @@ Sphinx's `include` directive do: `start-line=N` drops the first N lines,
 a `text` code block instead of as Markdown. A source that is a Python script
 (`scripts/gpu_age.py`) is run, not read: the block is what its `text()`
 returns, and where the script raises its `Unavailable` (what it computes from
-is not in this checkout) the block is left as it is, with a note. tests/test_docs.py
-fails when a block differs from what this script writes.
+is not in this checkout) the block is left as it is, with a note. `table=NAME` writes a table of
+results from FILE, a JSON results file (several, comma-separated, where the
+table compares runs), with scripts/figures.py's `TABLES[NAME]`:
+
+  <!-- generated from docs/benchmarks/bench-full.json table=results: python scripts/sync_docs.py -->
+
+tests/test_docs.py fails when a block differs from what this script writes.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import re
 import shlex
 import sys
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 REFRESH = "python scripts/sync_docs.py"
@@ -40,7 +45,7 @@ OPEN = re.compile(
     r"^(?P<indent>[ \t]*)<!-- generated from (?P<source>\S+)(?P<options>.*?): python scripts/sync_docs\.py -->$"
 )
 END = re.compile(r"^[ \t]*<!-- end generated -->$")
-OPTIONS = {"start-line", "start-after", "end-before", "literal"}
+OPTIONS = {"start-line", "start-after", "end-before", "literal", "table"}
 
 
 class SourceUnavailable(LookupError):
@@ -55,6 +60,16 @@ class Block(NamedTuple):
   end: int  # 0-based line of the closing comment
 
 
+def figures() -> Any:
+  """scripts/figures.py, which writes the tables of results."""
+  spec = importlib.util.spec_from_file_location("scripts_figures", REPO / "scripts" / "figures.py")
+  assert spec is not None and spec.loader is not None
+  module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+  if not hasattr(module, "TABLES"):
+    spec.loader.exec_module(module)
+  return module
+
+
 def pages() -> list[pathlib.Path]:
   """The pages that may hold generated blocks."""
   return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -65,7 +80,7 @@ def parse_options(text: str) -> dict[str, str]:
   for word in shlex.split(text):
     key, sep, value = word.partition("=")
     if key not in OPTIONS or (key == "literal") == bool(sep):
-      raise ValueError(f"{word!r}: options are start-line=N, start-after=TEXT, end-before=TEXT, literal")
+      raise ValueError(f"{word!r}: options are start-line=N, start-after=TEXT, end-before=TEXT, literal, table=NAME")
     options[key] = value
   return options
 
@@ -136,6 +151,8 @@ def body(block: Block) -> list[str]:
     LookupError: if the source does not exist or the selection is not in it.
     SourceUnavailable: if a script source cannot compute its text here.
   """
+  if "table" in block.options:
+    return ["", *(block.indent + line for line in figures().table(block.options["table"], block.source.split(","))), ""]
   lines = select(source_text(block.source), block.options).splitlines()
   if "literal" in block.options:
     fence = "`" * max([3, *(len(m) + 1 for line in lines for m in re.findall(r"`{3,}", line))])
