@@ -886,6 +886,67 @@ def test_figure_problems_are_found(tmp_path):
   assert FIGURES.page_problems(page) == [outside]
 
 
+@pytest.mark.parametrize("page", FIGURES.pages(), ids=page_name)
+def test_every_figure_is_accounted_for(page):
+  """Every figure of a page names its value, is an estimate or a goal, says why
+  it is unchecked (its block or itself), or is generated text; the user pages
+  of `PENDING` hold exactly the count recorded there."""
+  if not page.is_file():
+    pytest.skip(f"{page_name(page)} does not exist")
+  problems = FIGURES.coverage_problems(page.read_text(), page_name(page))
+  assert not problems, "\n".join(problems)
+
+
+def test_pending_pages_exist():
+  """`PENDING` names only pages the check reads: a renamed page is not left uncounted."""
+  assert set(FIGURES.PENDING) <= {page_name(p) for p in FIGURES.pages() if p.is_file()}
+
+
+def test_unaccounted_figures_are_found(tmp_path):
+  """A figure with nothing said about it is refused; an unchecked block or note
+  must say why and must hold a figure; generated text is not read."""
+  page = tmp_path / "page.md"
+
+  def problems(text: str) -> list[str]:
+    page.write_text(text)
+    return FIGURES.page_problems(page)
+
+  assert [p.split(": ", 1)[1] for p in problems("# A page\n\ntook 9 ms and 2.5x.\n")] == [
+      f"{f} is not accounted for: name its value (<!-- fig ... -->), "
+      "or say above its paragraph why it is not checked (<!-- figures unchecked: REASON -->)"
+      for f in ("9 ms", "2.5x")
+  ]
+  assert problems(
+      "# A page\n\n<!-- figures unchecked: measured at abc1234, results not kept -->\ntook 9 ms,\n"
+      "then 2.5x.\n\nabout 3 ms, 60 s<!-- unchecked: Ray's default -->, `4 ms`.\n\n"
+      "```text\n5 ms\n```\n\n<!-- generated from x.md: python scripts/sync_docs.py -->\n\n6 ms\n\n"
+      "<!-- end generated -->\n"
+  ) == []
+  # An unchecked block reaches the next blank line only.
+  assert problems("# A page\n\n<!-- figures unchecked: old -->\n9 ms\n\n7 ms\n") == [
+      f"{page}:6: 7 ms is not accounted for: name its value (<!-- fig ... -->), "
+      "or say above its paragraph why it is not checked (<!-- figures unchecked: REASON -->)"
+  ]
+  assert problems("# A page\n\n<!-- figures unchecked: -->\n9 ms\n") == [
+      f"{page}:3: an unchecked block says why: <!-- figures unchecked: REASON -->"
+  ]
+  assert problems("# A page\n\n<!-- figures unchecked: old -->\nno numbers\n") == [
+      f"{page}:3: the unchecked block quotes no figure: remove its marker"
+  ]
+  assert problems("# A page\n\n9 ms<!-- unchecked: -->\n") == [
+      f"{page}:3: 9 ms<!-- unchecked: -->: say why it is unchecked (<!-- unchecked: REASON -->)"
+  ]
+
+
+def test_a_pending_page_holds_its_count():
+  """A page of `PENDING` with more, or fewer, unaccounted figures than recorded fails."""
+  name, count = next(iter(FIGURES.PENDING.items()))
+  text = (REPO / name).read_text()
+  assert not FIGURES.coverage_problems(text, name)
+  more = FIGURES.coverage_problems(text + "\nIt took 9 ms.\n", name)
+  assert more and f"{count + 1} figures not accounted for" in more[0] and "account for the new ones" in more[0]
+
+
 def test_a_changed_readme_figure_is_refused():
   """The README's figures, changed, fail with a message naming the page, line,
   reference and the value the results hold."""
