@@ -44,9 +44,19 @@ is not checked, to the next blank line like a figure block:
 
 or, for one figure, right after it: `60 s<!-- unchecked: Ray's default -->`.
 
-Every figure of a page is accounted for: it names a value, is an estimate or a
-goal, stands in an unchecked block, or in generated text (a generated block,
-fenced code, a code span). `unaccounted` finds the rest; `PENDING` counts them
+A figure that is one of rdt_jax's own settings or limits names it, anywhere on
+a page, and is checked against the code:
+
+  60 s<!-- setting RDT_JAX_NIXL_PRODUCER_IDLE_S -->   (the setting's default, rdt_jax/_settings.py)
+  30 s<!-- limit TRANSFER_ANSWER_TIMEOUT_S -->        (a constant of rdt_jax/_limits.py)
+
+A name ending in `_S` (or a setting of kind "seconds") is a time in seconds,
+`_MS` in milliseconds, `_GBPS` a rate in GB/s; any other is a plain number,
+written `x`.
+
+Every figure of a page is accounted for: it names a value, a setting or a
+limit, is an estimate or a goal, stands in an unchecked block, or in generated
+text (a generated block, fenced code, a code span). `unaccounted` finds the rest; `PENDING` counts them
 on the user pages not yet marked, and a page may hold exactly that many.
 
   python scripts/figures.py            # check every page, print the problems
@@ -76,15 +86,12 @@ GENERATED = [
 # User pages whose figures are not all accounted for yet, and how many are not:
 # each page must hold exactly that many (mark them, then lower the count).
 PENDING = {
-    "README.md": 1, "docs/api.md": 1, "docs/backends.md": 10, "docs/concepts.md": 1,
-    "docs/configuration.md": 16, "docs/errors.md": 2, "docs/faults.md": 41, "docs/gpu.md": 44,
-    "docs/jax_to_torch.md": 1, "docs/multinode.md": 1, "docs/performance.md": 110,
-    "docs/ray_integration.md": 3, "docs/troubleshooting.md": 2, "docs/weight_sync.md": 16,
+    "README.md": 1, "docs/configuration.md": 16, "docs/performance.md": 110, "docs/weight_sync.md": 16,
 }
 FIGURE = re.compile(
     r"(?P<before>\b(?:about|under|over)\s+|~)?(?<![\w.])"
     r"(?P<value>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)\s?(?P<unit>ms|us|µs|s|GB/s|x)(?![\w/])"
-    r"(?P<note><!-- (?P<ref>fig [^>]*?|goal|unchecked:[^>]*?) -->)?"
+    r"(?P<note><!-- (?P<ref>fig [^>]*?|goal|unchecked:[^>]*?|(?:setting|limit) [^>]*?) -->)?"
 )
 # Seconds per unit of a time field's suffix, and per written time unit.
 TIME = {"_s": 1.0, "_ms": 1e-3, "_us": 1e-6}
@@ -369,6 +376,8 @@ def figure_problem(block: Block, figure: Figure) -> str | None:
     return f"{where} is an estimate: it carries no reference" if figure.estimate else None
   if figure.ref.startswith("unchecked:"):
     return None if figure.ref[len("unchecked:") :].strip() else f"{where}: say why it is unchecked"
+  if figure.ref.startswith(("setting ", "limit ")):
+    return None  # checked on the whole page, in and out of blocks: code_figure_problems
   try:
     dim, value = read(block, figure.ref[len("fig ") :])
     shown_value = value_in(dim, value, figure.unit)
@@ -381,6 +390,71 @@ def figure_problem(block: Block, figure: Figure) -> str | None:
         f"({shown_value:.6g})"
     )
   return None
+
+
+# ---- figures that are settings or limits of the code
+
+
+def code_value(ref: str) -> tuple[str, float]:
+  """(dimension, value) that `setting NAME` (the default of rdt_jax setting
+  NAME) or `limit NAME` (constant NAME of rdt_jax/_limits.py) names: "time" in
+  seconds for a name ending in `_S` or `_MS` (or a setting of kind "seconds"),
+  "rate" in GB/s for one ending in `_GBPS`, "ratio" for a plain number."""
+  from rdt_jax import _limits, _settings
+
+  kind, _, name = ref.partition(" ")
+  name = name.strip()
+  if kind == "setting":
+    setting = _settings.SETTINGS.get(name)
+    if setting is None:
+      raise FigureError(f"`{name}` is no setting of rdt_jax/_settings.py (they are {', '.join(_settings.SETTINGS)})")
+    value: Any = setting.default
+    seconds = setting.kind == "seconds"
+  else:
+    value = getattr(_limits, name, None) if name.isupper() else None
+    if value is None:
+      raise FigureError(f"`{name}` is no constant of rdt_jax/_limits.py: name one defined there")
+    seconds = False
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    raise FigureError(f"`{name}` is {value!r}, not a number")
+  if seconds or name.endswith("_S"):
+    return "time", float(value)
+  if name.endswith("_MS"):
+    return "time", value * 1e-3
+  return ("rate" if name.endswith("_GBPS") else "ratio"), float(value)
+
+
+def code_figure_problems(text: str, page: str) -> list[str]:
+  """What is wrong with the figures of a page that name a setting or a limit:
+  a name the code does not define, or a figure that is not its value."""
+  problems = []
+  fenced = False
+  for n, line in enumerate(text.splitlines(), 1):
+    if line.lstrip().startswith(("```", "~~~")):
+      fenced = not fenced
+    if fenced:
+      continue
+    line = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), line)
+    attached = set()
+    for m in FIGURE.finditer(line):
+      ref = m.group("ref")
+      if not ref or not ref.startswith(("setting ", "limit ")):
+        continue
+      attached.add(m.start("note"))
+      gap = "" if m.group("unit") == "x" else " "
+      where = f"{page}:{n}: {m.group('value')}{gap}{m.group('unit')}<!-- {ref} -->"
+      try:
+        dim, value = code_value(ref)
+        written = value_in(dim, value, m.group("unit"))
+      except FigureError as e:
+        problems.append(f"{where}: {e}")
+        continue
+      if not shown(written, m.group("value")):
+        problems.append(f"{where}: the code says {written:g}{gap}{m.group('unit')}")
+    for m in re.finditer(r"<!-- (?:setting|limit) ", line):
+      if m.start() not in attached:
+        problems.append(f"{page}:{n}: a setting or limit reference that follows no figure (write it right after the unit)")
+  return problems
 
 
 def block_problems(block: Block) -> list[str]:
@@ -520,7 +594,10 @@ def page_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
     found = list(blocks(text, name))
   except FigureError as e:
     return [str(e)]
-  return [p for b in found for p in block_problems(b)] + stray_references(text, name) + coverage_problems(text, name)
+  return (
+      [p for b in found for p in block_problems(b)] + stray_references(text, name)
+      + code_figure_problems(text, name) + coverage_problems(text, name)
+  )
 
 
 # ---- tables written from results

@@ -938,6 +938,38 @@ def test_unaccounted_figures_are_found(tmp_path):
   ]
 
 
+def test_settings_and_limits_are_read_from_the_code(tmp_path):
+  """A figure naming a setting's default or a limit equals the code's value, in
+  its unit; a name the code does not define, another value, a unit of another
+  kind and a reference that follows no figure are refused."""
+  from rdt_jax import _limits, _settings
+
+  page = tmp_path / "page.md"
+
+  def problems(text: str) -> list[str]:
+    page.write_text(f"# A page\n\n{text}\n")
+    return FIGURES.page_problems(page)
+
+  answer_s = _limits.TRANSFER_ANSWER_TIMEOUT_S
+  idle_s = _settings.SETTINGS["RDT_JAX_NIXL_PRODUCER_IDLE_S"].default
+  assert problems(
+      f"waits {answer_s:g} s<!-- limit TRANSFER_ANSWER_TIMEOUT_S --> "
+      f"({answer_s * 1e3:g} ms<!-- limit TRANSFER_ANSWER_TIMEOUT_S -->), "
+      f"forgets after {idle_s:g}s<!-- setting RDT_JAX_NIXL_PRODUCER_IDLE_S -->, "
+      f"reads {_limits.DOCTOR_DEVICE_READ_MIN_GBPS:g} GB/s<!-- limit DOCTOR_DEVICE_READ_MIN_GBPS -->."
+  ) == []
+  wrong = problems(f"waits {answer_s + 1:g} s<!-- limit TRANSFER_ANSWER_TIMEOUT_S -->.")
+  assert wrong == [
+      f"{page}:3: {answer_s + 1:g} s<!-- limit TRANSFER_ANSWER_TIMEOUT_S -->: the code says {answer_s:g} s"
+  ]
+  assert "is no constant of rdt_jax/_limits.py" in problems("waits 30 s<!-- limit NO_SUCH_LIMIT_S -->.")[0]
+  assert "is no setting of rdt_jax/_settings.py" in problems("waits 30 s<!-- setting RDT_JAX_NOPE -->.")[0]
+  assert "the figure is written as a ratio" in problems("waits 30x<!-- limit TRANSFER_ANSWER_TIMEOUT_S -->.")[0]
+  assert problems("waits <!-- limit TRANSFER_ANSWER_TIMEOUT_S --> long.") == [
+      f"{page}:3: a setting or limit reference that follows no figure (write it right after the unit)"
+  ]
+
+
 def test_a_pending_page_holds_its_count():
   """A page of `PENDING` with more, or fewer, unaccounted figures than recorded fails."""
   name, count = next(iter(FIGURES.PENDING.items()))
