@@ -414,7 +414,7 @@ def test_a_source_function_gets_the_name_a_mapping_is_keyed_by():
   from rdt_jax.weights._mapping import MappedPlan
 
   entries = [("['params']['fc']['bias']", "array", (4,), "float32")]
-  template = {"model": {"layers": [{"fc.bias": np.zeros(4, np.float32)}], 7: np.zeros(4, np.float32)},
+  template = {"model": {"layers": [{"fc.bias": np.zeros(4, np.float32)}], "by_id": {7: np.zeros(4, np.float32)}},
               "head": {(1, 2): np.zeros(4, np.float32)}}
   flat = flatten(template)
   asked: list[str] = []
@@ -424,12 +424,12 @@ def test_a_source_function_gets_the_name_a_mapping_is_keyed_by():
     return "params.fc.bias"
 
   plan = MappedPlan(entries, flat, source, atomic=False)
-  assert sorted(asked) == sorted(["model.layers.0.fc.bias", "model.7", "['head'][(1, 2)]"]), asked
+  assert sorted(asked) == sorted(["model.layers.0.fc.bias", "model.by_id.7", "['head'][(1, 2)]"]), asked
   assert len(plan.writes["['params']['fc']['bias']"]) == 3
   by_name = {name: "params.fc.bias" for name in asked}  # the same names key a mapping
   assert len(MappedPlan(entries, flat, by_name, atomic=False).writes["['params']['fc']['bias']"]) == 3
   with pytest.raises(rdt_jax.MappingError, match=r"\['head'\]\[\(1, 2\)\] has no entry"):
-    MappedPlan(entries, flat, {"model.layers.0.fc.bias": None, "model.7": None}, atomic=False)
+    MappedPlan(entries, flat, {"model.layers.0.fc.bias": None, "model.by_id.7": None}, atomic=False)
 
 
 @ray.remote(enable_tensor_transport=True)
