@@ -164,6 +164,8 @@ _PARSERS: Final[dict[str, Callable[[str], Any]]] = {
     "bool": _parse_bool,
     "text": str,
 }
+
+
 def _integer_argument(given: Any) -> int:
   if isinstance(given, bool):
     raise TypeError(given)
