@@ -118,9 +118,8 @@ def torch_model(dtype: str):
 
 def torch_source(name: str):
   """Where each torch parameter comes from in the Flax tree: the one place
-  the two models' names and layouts meet. `name` is the template path
-  (`['blocks.0.qkv.weight']`); published paths are written with dots."""
-  name = name[2:-2]
+  the two models' names and layouts meet. `name` is the torch parameter's
+  name (`blocks.0.qkv.weight`); published paths are written with dots."""
   if name in ("embed.weight", "pos"):
     return {"embed.weight": "embed.embedding", "pos": "pos"}[name]
   if name.startswith("ln_f."):
@@ -206,7 +205,7 @@ def expected_bits(params: dict) -> dict:
 
   out = {}
   for name in dict(torch_model("float32").named_parameters()):
-    spec = torch_source(f"['{name}']")
+    spec = torch_source(name)
     parts = spec.parts if isinstance(spec, rdt_jax.Fuse) else (rdt_jax.From(spec),)
     value = np.concatenate([at(p.path).transpose(p.transpose) if p.transpose else at(p.path) for p in parts])
     out[name] = np.asarray(jnp.asarray(value).astype(jnp.bfloat16)).view(np.int16)

@@ -12,7 +12,10 @@ A setting is read when its `read` field says: `"per use"` settings are
 parsed every time the code consults them (changing the variable in a running
 process takes effect at the next object); `"once"` settings are parsed the
 first time the process needs them (the pools' sizes, the NIXL agent's
-timings) and then kept.
+timings) and then kept; `"at construction"` settings are the defaults of a
+keyword argument (`arguments`), read when an object is made without it
+(`argument`): a weight stream's own settings, which one publisher or
+subscriber may set apart from the others in its process.
 
 This module imports neither Ray nor any array framework: the DLPack layer may
 use it.
@@ -20,6 +23,8 @@ use it.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ from typing import Any, Final, Literal
 
 from rdt_jax._error_base import RdtJaxError
 
-__all__ = ["SETTINGS", "Setting", "SettingError", "markdown_table", "value"]
+__all__ = ["SETTINGS", "Setting", "SettingError", "argument", "markdown_table", "value"]
 
 _KIB: Final = 1 << 10
 _MIB: Final = 1 << 20
@@ -52,8 +57,10 @@ class Setting:
       "seconds" (a number), "bool" ("1"/"0", also "true"/"false"), "text".
     default: the value when the variable is unset (or set to "").
     minimum, maximum: inclusive bounds of a numeric setting.
-    read: "per use" or "once" (see the module docstring).
+    read: "per use", "once" or "at construction" (see the module docstring).
     side: where it matters: "producer", "consumer", "both" or "driver".
+    arguments: the keyword arguments whose default it is, as
+      `"Class(argument=)"` (an "at construction" setting has at least one).
     doc: one line on its effect, as the configuration page shows it.
     test_only: True for settings that exist for rdt_jax's own tests (fault
       injection); users never need them.
@@ -63,8 +70,9 @@ class Setting:
   kind: Literal["bytes", "int", "seconds", "bool", "text"]
   default: Any
   doc: str
-  read: Literal["per use", "once"] = "per use"
+  read: Literal["per use", "once", "at construction"] = "per use"
   side: Literal["producer", "consumer", "both", "driver"] = "both"
+  arguments: tuple[str, ...] = ()
   minimum: float | None = None
   maximum: float | None = None
   test_only: bool = False
@@ -83,6 +91,37 @@ class Setting:
     if (self.minimum is not None and result < self.minimum) or (self.maximum is not None and result > self.maximum):
       raise SettingError(f"{self.name}={text!r} is out of range: {self._fix()}")
     return result
+
+  def check(self, argument: str, given: Any) -> Any:
+    """`given`, the value of keyword argument `argument` whose default is
+    this setting, checked against the setting's type and bounds.
+
+    Raises:
+      TypeError: `given` is not of the setting's type (a bool is not a
+        number); the message names the argument and what it takes.
+      ValueError: `given` lies outside the bounds; the message names the
+        argument, the value and the allowed range.
+    """
+    try:
+      result = _ARGUMENT_CHECKS[self.kind](given)
+    except TypeError:
+      raise TypeError(f"{argument}={given!r} is of type {type(given).__name__}; {argument} takes "
+                      f"{_DESCRIBE_ARGUMENT[self.kind]}, or leave it out for {self._default_text()}.") from None
+    except ValueError:
+      raise ValueError(f"{argument}={given!r} is not {_DESCRIBE_ARGUMENT[self.kind]}: give "
+                       f"{self._allowed()}, or leave it out for {self._default_text()}.") from None
+    if (self.minimum is not None and result < self.minimum) or (self.maximum is not None and result > self.maximum):
+      raise ValueError(f"{argument}={given!r} is out of range: give {self._allowed()}, or leave it out for "
+                       f"{self._default_text()}.")
+    return result
+
+  def _allowed(self) -> str:
+    if self.kind == "bytes" and self.minimum is not None and self.maximum is not None:
+      return f"{self.bounds()} ({int(self.minimum)} to {int(self.maximum)} bytes)"
+    return self.bounds() or _DESCRIBE_ARGUMENT[self.kind]
+
+  def _default_text(self) -> str:
+    return f"the setting {self.name} (default {_show(self.kind, self.default)})"
 
   def bounds(self) -> str:
     """The allowed range as the configuration page shows it ("" if none)."""
@@ -124,6 +163,54 @@ _PARSERS: Final[dict[str, Callable[[str], Any]]] = {
     "seconds": _parse_seconds,
     "bool": _parse_bool,
     "text": str,
+}
+
+
+def _integer_argument(given: Any) -> int:
+  if isinstance(given, bool):
+    raise TypeError(given)
+  result = operator.index(given)  # an int or a numpy integer; TypeError for anything else
+  if result < 0:
+    raise ValueError(given)
+  return result
+
+
+def _seconds_argument(given: Any) -> float:
+  if isinstance(given, bool) or not isinstance(given, numbers.Real):
+    raise TypeError(given)
+  result = float(given)
+  if result != result or result < 0:  # NaN, negative
+    raise ValueError(given)
+  return result
+
+
+def _bool_argument(given: Any) -> bool:
+  if not isinstance(given, bool):
+    raise TypeError(given)
+  return given
+
+
+def _text_argument(given: Any) -> str:
+  if not isinstance(given, str):
+    raise TypeError(given)
+  return given
+
+
+#: How a keyword argument whose default is a setting of each kind is checked
+#: (`Setting.check`): TypeError for another type, ValueError for a bad value.
+_ARGUMENT_CHECKS: Final[dict[str, Callable[[Any], Any]]] = {
+    "bytes": _integer_argument,
+    "int": _integer_argument,
+    "seconds": _seconds_argument,
+    "bool": _bool_argument,
+    "text": _text_argument,
+}
+_DESCRIBE_ARGUMENT: Final = {
+    "bytes": "a byte count (an int)",
+    "int": "a non-negative int",
+    "seconds": "a number of seconds",
+    "bool": "True or False",
+    "text": "a str",
 }
 _DESCRIBE: Final = {
     "bytes": "a byte count (a non-negative integer)",
@@ -220,16 +307,18 @@ SETTINGS: Final[dict[str, Setting]] = {
             "Weight sync: a version whose array leaves all live on one CUDA device is packed into device "
             "memory of the publisher's own, which subscribers on its host copy into their CUDA tensors "
             "through CUDA IPC (no Ray object); 0 sends such versions as a pytree, one RDT object each.",
-            side="producer",
+            read="at construction", side="producer", arguments=("WeightPublisher(device_pack=)",),
         ),
         Setting(
             "RDT_JAX_WEIGHT_BUCKET_BYTES", "bytes", 256 * _MIB,
             "Weight sync: a packed version read through Ray (a subscriber off the trainer's host) moves "
-            "in RDT objects of at most this many bytes, fetched one after the other while the last one "
-            "is copied out, so a subscriber holds at most two of them at once (rounded down to a "
-            "multiple of 64 bytes). Each bucket costs one more RDT fetch: smaller buckets bound memory "
-            "tighter and cost more time.",
-            side="producer", minimum=4 * _KIB, maximum=1 * _TIB,
+            "in RDT objects of at most this many bytes (the publisher's), fetched one after the other "
+            "while the last one is copied out, so a subscriber holds at most two of them at once; a "
+            "`pull_named` or `source=` pull on the trainer's host copies at most this many bytes at a "
+            "time (the subscriber's). Rounded down to a multiple of 64 bytes. Each bucket costs one more "
+            "fetch or copy: smaller buckets bound memory tighter and cost more time.",
+            read="at construction", minimum=4 * _KIB, maximum=1 * _TIB,
+            arguments=("WeightPublisher(bucket_bytes=)", "WeightSubscriber(bucket_bytes=)"),
         ),
         Setting(
             "RDT_JAX_METRICS", "bool", True,
@@ -287,18 +376,37 @@ def value(name: str) -> Any:
   return setting.parse(text)
 
 
+def argument(name: str, given: Any, argument: str) -> Any:
+  """The value of keyword argument `argument`, whose default is setting
+  `name`: `given` checked against the setting's type and bounds
+  (`Setting.check`), or, when `given` is None, the setting's current value
+  (`value`).
+
+  Raises:
+    KeyError: if `name` is not declared in `SETTINGS` (a bug in rdt_jax).
+    TypeError, ValueError: `given` is of another type, or outside the
+      bounds; the message names the argument, the value and what is allowed.
+    SettingError: `given` is None and the variable is set to a value the
+      setting does not allow.
+  """
+  if given is None:
+    return value(name)
+  return SETTINGS[name].check(argument, given)
+
+
 def markdown_table() -> str:
   """The settings table of `docs/configuration.md`."""
   rows = [
-      "| variable | type | default | allowed | read | matters on | effect |",
-      "| --- | --- | --- | --- | --- | --- | --- |",
+      "| variable | type | default | allowed | read | matters on | argument | effect |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for s in SETTINGS.values():
     if s.test_only:
       continue
+    arguments = ", ".join(f"`{a}`" for a in s.arguments) or "none"
     rows.append(
         f"| `{s.name}` | {s.kind} | {_show(s.kind, s.default)} | {s.bounds() or _DESCRIBE[s.kind]} | "
-        f"{s.read} | {s.side} | {s.doc} |"
+        f"{s.read} | {s.side} | {arguments} | {s.doc} |"
     )
   tests = [s for s in SETTINGS.values() if s.test_only]
   if tests:

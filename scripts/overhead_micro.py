@@ -160,7 +160,9 @@ def main() -> None:
             + ", ".join(f"{s} {v:.2f}" for s, v in slope.items())
             + f", total {sum(slope.values()):.2f}")
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps({"medians": med, "args": vars(args)}, indent=1))
+    from rdt_jax.bench import _results
+
+    _results.write(args.json, {"medians": med, "args": vars(args)})
   if tmp is not None:
     tmp.cleanup()
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import sys
@@ -174,8 +173,9 @@ def main() -> int:
       f"errors {errors}, p50 {summary['p50_s']} s, max {summary['max_s']} s, run {summary['seconds']} s"
   )
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(summary, f, indent=2)
+    from rdt_jax.bench import _results
+
+    _results.write(args.out, summary)
   ray.shutdown()
   return 1 if stalls or wrong or errors else 0
 

@@ -83,3 +83,48 @@ def test_test_only_settings_are_not_in_the_users_table():
   table = _settings.markdown_table()
   for s in _settings.SETTINGS.values():
     assert (f"| `{s.name}` |" in table) != s.test_only
+
+
+def test_an_argument_given_is_checked_against_its_setting_and_wins(monkeypatch):
+  monkeypatch.setenv("RDT_JAX_WEIGHT_BUCKET_BYTES", "lots")
+  assert _settings.argument("RDT_JAX_WEIGHT_BUCKET_BYTES", 1 << 20, "bucket_bytes") == 1 << 20
+  assert _settings.argument("RDT_JAX_WEIGHT_DEVICE_PACK", False, "device_pack") is False
+  assert _settings.argument("RDT_JAX_NIXL_PARK_END_S", 2, "park_s") == 2.0
+  with pytest.raises(rdt_jax.SettingError, match="RDT_JAX_WEIGHT_BUCKET_BYTES='lots'"):
+    _settings.argument("RDT_JAX_WEIGHT_BUCKET_BYTES", None, "bucket_bytes")  # left out: the variable
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "error", "says"),
+    [
+        ("RDT_JAX_WEIGHT_BUCKET_BYTES", 4095, ValueError,
+         "bucket_bytes=4095 is out of range: give 4 KiB to 1 TiB (4096 to 1099511627776 bytes), or leave it out "
+         "for the setting RDT_JAX_WEIGHT_BUCKET_BYTES (default 256 MiB)."),
+        ("RDT_JAX_WEIGHT_BUCKET_BYTES", -5, ValueError, "bucket_bytes=-5 is not a byte count (an int)"),
+        ("RDT_JAX_WEIGHT_BUCKET_BYTES", True, TypeError,
+         "bucket_bytes=True is of type bool; bucket_bytes takes a byte count"),
+        ("RDT_JAX_WEIGHT_BUCKET_BYTES", 4096.0, TypeError, "bucket_bytes=4096.0 is of type float"),
+        ("RDT_JAX_WEIGHT_DEVICE_PACK", 1, TypeError, "device_pack=1 is of type int; device_pack takes True or False"),
+        ("RDT_JAX_NIXL_PARK_END_S", float("nan"), ValueError, "park_s=nan is not a number of seconds"),
+        ("RDT_JAX_NIXL_PARK_END_S", 601, ValueError, "park_s=601 is out of range: give 0.1 s to 600 s"),
+    ],
+)
+def test_a_bad_argument_names_itself_the_value_and_the_range(name, given, error, says):
+  argument = {"RDT_JAX_WEIGHT_BUCKET_BYTES": "bucket_bytes", "RDT_JAX_WEIGHT_DEVICE_PACK": "device_pack"}.get(
+      name, "park_s")
+  with pytest.raises(error) as info:
+    _settings.argument(name, given, argument)
+  assert str(info.value).startswith(says), str(info.value)
+  assert type(info.value) is error  # a plain argument error, not SettingError
+
+
+def test_settings_read_at_construction_are_the_defaults_of_their_arguments():
+  import inspect
+
+  for s in _settings.SETTINGS.values():
+    assert (s.read == "at construction") == bool(s.arguments), s.name
+    for spelled in s.arguments:
+      owner, argument = re.fullmatch(r"(\w+)\((\w+)=\)", spelled).groups()
+      parameter = inspect.signature(getattr(rdt_jax, owner)).parameters[argument]
+      assert parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and parameter.default is None, spelled
+      assert s.name in (getattr(rdt_jax, owner).__doc__ or ""), (spelled, "names its setting in the docstring")

@@ -223,8 +223,8 @@ class Generator:
 class NamedLoader:
   """An engine that loads weights by name, with no template."""
 
-  def __init__(self):
-    self.sub = rdt_jax.WeightSubscriber(None)
+  def __init__(self, bucket_bytes: int | None = None):
+    self.sub = rdt_jax.WeightSubscriber(None, bucket_bytes=bucket_bytes)
 
   def load(self, handle, rename=None, stop_after=None, framework="torch", publish_after_first=None) -> dict:
     shas, kinds, peak, error = {}, set(), 0, None
@@ -301,9 +301,37 @@ def test_bucket_size_is_a_multiple_of_the_alignment(monkeypatch):
   from rdt_jax.weights import _publisher as _weights
 
   monkeypatch.setenv("RDT_JAX_WEIGHT_BUCKET_BYTES", "5000")
-  assert _weights.bucket_bytes() == 4992
+  assert _weights.bucket_size() == 4992
+  assert _weights.bucket_size(8100) == 8064  # an argument is rounded the same way
   monkeypatch.delenv("RDT_JAX_WEIGHT_BUCKET_BYTES")
-  assert _weights.bucket_bytes() == 256 << 20
+  assert _weights.bucket_size() == 256 << 20
+
+
+def test_stream_arguments_refuse_bad_values_naming_the_argument(monkeypatch):
+  template = {"w": np.zeros(4, np.float32)}
+  with pytest.raises(ValueError, match=r"^bucket_bytes=100 is out of range: give 4 KiB to 1 TiB \(4096 to "):
+    rdt_jax.WeightPublisher(bucket_bytes=100)
+  with pytest.raises(ValueError, match=r"^bucket_bytes=2199023255552 is out of range: .*RDT_JAX_WEIGHT_BUCKET_BYTES"):
+    rdt_jax.WeightSubscriber(template, bucket_bytes=2 << 40)
+  with pytest.raises(ValueError, match=r"^bucket_bytes=-1 is not a byte count"):
+    rdt_jax.WeightSubscriber(template, bucket_bytes=-1)
+  for bad in ("1MiB", 65536.0, True):
+    says = rf"^bucket_bytes={bad!r} is of type {type(bad).__name__}; bucket_bytes takes a byte count"
+    with pytest.raises(TypeError, match=says):
+      rdt_jax.WeightSubscriber(None, bucket_bytes=bad)  # type: ignore[arg-type]
+  with pytest.raises(TypeError, match=r"^device_pack=.0. is of type str; device_pack takes True or False"):
+    rdt_jax.WeightPublisher(device_pack="0")  # type: ignore[arg-type]
+  for error in (ValueError, TypeError):  # plain argument errors, not the family's
+    assert not issubclass(error, rdt_jax.RdtJaxError)
+  # Given, an argument wins over its setting, even a bad one; left out, the setting is read at construction.
+  monkeypatch.setenv("RDT_JAX_WEIGHT_BUCKET_BYTES", "lots")
+  assert rdt_jax.WeightSubscriber(template, bucket_bytes=np.int64(8192)).bucket_bytes == 8192
+  with pytest.raises(rdt_jax.SettingError, match="RDT_JAX_WEIGHT_BUCKET_BYTES='lots'"):
+    rdt_jax.WeightSubscriber(template)
+  monkeypatch.setenv("RDT_JAX_WEIGHT_BUCKET_BYTES", str(BUCKET))
+  sub = rdt_jax.WeightSubscriber(template)
+  monkeypatch.delenv("RDT_JAX_WEIGHT_BUCKET_BYTES")
+  assert sub.bucket_bytes == BUCKET  # read when the subscriber was made
 
 
 def test_template_check_names_the_leaf():
@@ -530,6 +558,54 @@ def test_pull_named_of_a_version_freed_meanwhile_stops_before_its_next_bucket(en
   assert 1 <= len(r["shas"]) < len(want) and all(want[p] == v for p, v in r["shas"].items()), r
   assert r["version"] is None, r
   for a in (t, g):
+    ray.kill(a)
+
+
+#: The leaves of `StreamTrainer`'s versions: 16 of 16 KiB (256 KiB in all).
+SMALL_LEAVES, SMALL_LEAF = 16, 16 << 10
+
+
+@ray.remote(enable_tensor_transport=True)
+class StreamTrainer:
+  """A publisher made with the stream's keyword arguments, publishing host
+  versions of many small leaves."""
+
+  def __init__(self, **options):
+    self.pub = rdt_jax.WeightPublisher(keep=1, **options)
+
+  def publish(self, version: int):
+    tree = {f"l{i:02d}": np.full(SMALL_LEAF // 4, version * 100 + i, np.float32) for i in range(SMALL_LEAVES)}
+    return self.pub.publish(tree, version=version)
+
+  def settings(self) -> tuple[int, bool]:
+    return self.pub.bucket_bytes, self.pub.device_pack
+
+
+def test_a_stream_s_arguments_take_effect_over_the_environment():
+  """`bucket_bytes` and `device_pack` given to a publisher or subscriber
+  decide for that stream, whatever the process's variables say; left out,
+  the variable decides."""
+  total = SMALL_LEAVES * SMALL_LEAF
+  env = {"RDT_JAX_WEIGHT_BUCKET_BYTES": str(64 << 10), "RDT_JAX_WEIGHT_DEVICE_PACK": "0"}
+  by_env = StreamTrainer.options(runtime_env=worker_env(**env)).remote()
+  by_argument = StreamTrainer.options(runtime_env=worker_env(**env)).remote(bucket_bytes=32 << 10, device_pack=True)
+  assert ray.get(by_env.settings.remote()) == (64 << 10, False)
+  assert ray.get(by_argument.settings.remote()) == (32 << 10, True)
+  # Off the publisher's host (buckets through Ray): the publisher's bucket size cuts the version.
+  remote = NamedLoader.options(runtime_env=worker_env(**READ_PATH)).remote()
+  for version, publisher, size in ((1, by_env, 64 << 10), (2, by_argument, 32 << 10)):
+    r = ray.get(remote.load.remote(ray.get(publisher.publish.remote(version))))
+    assert r["error"] is None and len(r["shas"]) == SMALL_LEAVES, r
+    assert (r["last"].route, r["last"].objects) == ("buckets", total // size), r
+  # On the publisher's host: the subscriber's bucket size bounds what one copy holds.
+  small = NamedLoader.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(1 << 20))).remote(32 << 10)
+  whole = NamedLoader.options(runtime_env=worker_env(RDT_JAX_WEIGHT_BUCKET_BYTES=str(32 << 10))).remote(1 << 20)
+  handle = ray.get(by_env.publish.remote(3))
+  r_small, r_whole = ray.get([small.load.remote(handle), whole.load.remote(handle)])
+  for r in (r_small, r_whole):
+    assert r["error"] is None and len(r["shas"]) == SMALL_LEAVES and r["last"].route == "node_local", r
+  assert r_small["peak"] <= 3 * (32 << 10) < total <= r_whole["peak"], (r_small["peak"], r_whole["peak"])
+  for a in (by_env, by_argument, remote, small, whole):
     ray.kill(a)
 
 

@@ -137,7 +137,7 @@ def _pull_of(table: _packed.KeptTable, publisher: str, version: int, actor) -> t
   source = _packed.PackedSource(_process.identity(), 4096, 64, table.address, table.slots)
   handle = WeightsHandle(version, None, publisher, actor, "digest", source)
   versions: list = []
-  return Pull(handle, f"v{version} of publisher {publisher}", None, 1, None, versions.append), source
+  return Pull(handle, f"v{version} of publisher {publisher}", None, 1, None, versions.append, 1 << 20), source
 
 
 def test_a_failed_node_local_read_fails_by_one_rule():

@@ -83,7 +83,8 @@ class Trainer:
 
 
 def engine_source(name: str):
-  """The torch engine's names and layouts of the published tree."""
+  """The torch engine's names and layouts of the published tree: `name` is
+  the template leaf's name as a mapping writes it (`"qkv.weight"`)."""
   return {
       "embed.weight": "params.embed.embedding",
       "lm_head.weight": "['params']['embed']['embedding']",  # tied: one published leaf, two engine tensors
@@ -95,7 +96,7 @@ def engine_source(name: str):
       "big.T": rdt_jax.From("params.big", transpose=(1, 0)),
       "big.cut": rdt_jax.From("params.big", transpose=(1, 0), index=(slice(10, 40), slice(7, 290))),
       "big2.heads": rdt_jax.From("params.big2", transpose=(1, 0), reshape=(4, 25, 60)),
-  }[name.strip("[]'")]
+  }[name]
 
 
 def engine_expected(version: int) -> dict:
@@ -375,8 +376,6 @@ def test_the_first_pull_checks_every_mapping_naming_the_leaf():
 
 
 def test_from_and_fuse_refuse_what_they_cannot_mean():
-  from rdt_jax.weights._mapping import dotted
-
   with pytest.raises(TypeError, match="path must be a str"):
     rdt_jax.From(3)  # type: ignore[arg-type]
   with pytest.raises(TypeError, match="transpose must be a sequence of ints"):
@@ -390,8 +389,47 @@ def test_from_and_fuse_refuse_what_they_cannot_mean():
   assert rdt_jax.From("a", transpose=[1, 0], index=rdt_jax.Slice[0:2]) == rdt_jax.From(
       "a", transpose=(1, 0), index=(slice(0, 2),))
   assert rdt_jax.Fuse("a", "b", axis=1).parts == (rdt_jax.From("a"), rdt_jax.From("b"))
-  assert dotted("['params']['layers'][0].kernel") == "params.layers.0.kernel"
-  assert dotted("['a'][b]") is None
+
+
+@pytest.mark.parametrize(("path", "name"), [
+    ("['params']['layers'][0].kernel", "params.layers.0.kernel"),  # dict keys, an index, an attribute
+    ("['fc.weight']", "fc.weight"),  # a key with dots is the key itself
+    ("[3]['w']", "3.w"),  # an integer key or index
+    ("['a\\\\b']", "a\\b"),  # keystr's escapes undone: the key holds one backslash
+    ("['a'][b]", "['a'][b]"),  # not a keystr path: itself
+    ("[(1, 2)]", "[(1, 2)]"),  # a tuple key has no dotted form
+    ("[\"it's\"]", "[\"it's\"]"),  # a key keystr prints in double quotes
+])
+def test_leaf_names_join_keys_with_dots(path, name):
+  from rdt_jax.weights._mapping import leaf_name
+
+  assert leaf_name(path) == name
+
+
+def test_a_source_function_gets_the_name_a_mapping_is_keyed_by():
+  """The function form and the mapping form see one name per template leaf
+  (`leaf_name`), for nested dicts, list indices, integer keys and keys with
+  dots; a key with no dotted form is given as `keystr` prints it."""
+  from rdt_jax.weights._handle import flatten
+  from rdt_jax.weights._mapping import MappedPlan
+
+  entries = [("['params']['fc']['bias']", "array", (4,), "float32")]
+  template = {"model": {"layers": [{"fc.bias": np.zeros(4, np.float32)}], "by_id": {7: np.zeros(4, np.float32)}},
+              "head": {(1, 2): np.zeros(4, np.float32)}}
+  flat = flatten(template)
+  asked: list[str] = []
+
+  def source(name: str) -> str:
+    asked.append(name)
+    return "params.fc.bias"
+
+  plan = MappedPlan(entries, flat, source, atomic=False)
+  assert sorted(asked) == sorted(["model.layers.0.fc.bias", "model.by_id.7", "['head'][(1, 2)]"]), asked
+  assert len(plan.writes["['params']['fc']['bias']"]) == 3
+  by_name = {name: "params.fc.bias" for name in asked}  # the same names key a mapping
+  assert len(MappedPlan(entries, flat, by_name, atomic=False).writes["['params']['fc']['bias']"]) == 3
+  with pytest.raises(rdt_jax.MappingError, match=r"\['head'\]\[\(1, 2\)\] has no entry"):
+    MappedPlan(entries, flat, {"model.layers.0.fc.bias": None, "model.by_id.7": None}, atomic=False)
 
 
 @ray.remote(enable_tensor_transport=True)

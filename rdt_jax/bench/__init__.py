@@ -22,13 +22,25 @@ import pathlib
 import platform
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rdt_jax.bench._env import git_state as _git_state
 from rdt_jax.bench._env import versions as _versions
-from rdt_jax.bench._runner import BenchConfig
+
+if TYPE_CHECKING:
+  from rdt_jax.bench._runner import BenchConfig
 
 __all__ = ["BenchConfig", "add_arguments", "config_from_args", "main", "run", "validate"]
+
+
+def __getattr__(name: str) -> Any:
+  """`BenchConfig`, loaded on first use: the runner imports Ray, and the
+  results writers (`_results`, `_env`) are used where Ray is not."""
+  if name == "BenchConfig":
+    from rdt_jax.bench._runner import BenchConfig
+
+    return BenchConfig
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +84,8 @@ def _csv(text: str) -> tuple[str, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
   """The BenchConfig that parsed `rdt-jax bench` arguments ask for."""
+  from rdt_jax.bench._runner import BenchConfig
+
   return BenchConfig(
       quick=args.quick,
       device=args.device,

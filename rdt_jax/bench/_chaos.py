@@ -340,6 +340,6 @@ def run_chaos(args: argparse.Namespace) -> int:
       f"sliced into a buffer {stats['fetches_slice']}"
   )
   if args.out is not None:
-    _env.write_json(args.out, report, indent=2)
+    _env.write_json(args.out, report)
   bad = stats["wrong_values"] or stats["hangs"] or stats["other_errors"] or leaked or late_writes
   return 1 if bad else 0

@@ -45,19 +45,19 @@ def git_state() -> dict[str, Any]:
   }
 
 
-def write_json(path: pathlib.Path, doc: dict[str, Any], indent: int = 1) -> dict[str, Any]:
-  """Writes a result `doc` as JSON at `path`, with the commit it measured
-  (`git_state`: `commit` and `uncommitted_rdt_jax_files`) added where the
-  writer did not record it. Every benchmark and soak writes through here.
+def write_json(path: pathlib.Path, doc: dict[str, Any]) -> dict[str, Any]:
+  """Writes a result `doc` as compact JSON at `path` (`_results.write`), with
+  the commit it measured (`git_state`: `commit` and `uncommitted_rdt_jax_files`)
+  added where the writer did not record it. Every benchmark and soak writes
+  through here, or through `_results.write` where it records the commit itself.
 
   Returns:
     The document written.
   """
-  import json
+  from rdt_jax.bench import _results
 
   doc = {**git_state(), **doc}
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(doc, indent=indent) + "\n")
+  _results.write(path, doc)
   return doc
 
 

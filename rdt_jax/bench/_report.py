@@ -6,12 +6,11 @@ Every figure in the Markdown and the plot is computed from the JSON document's
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from typing import Any, Final
 
-from rdt_jax.bench import _cases, _env, _paths
+from rdt_jax.bench import _cases, _env, _paths, _results
 
 #: Column order of the tables: our transports first, then the baselines.
 _BASELINE_ORDER: Final = (
@@ -21,11 +20,8 @@ _BASELINE_ORDER: Final = (
 
 
 def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
-  """Writes `doc` (all samples and the summary) as indented JSON."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(doc, indent=1, sort_keys=False, default=_json_default) + "\n")
-  tmp.replace(path)
+  """Writes `doc` (all samples and the summary) as compact JSON (`_results.write`)."""
+  _results.write(path, doc, default=_json_default)
 
 
 def _json_default(x: Any) -> Any:

@@ -185,7 +185,7 @@ def run_churn(args: argparse.Namespace) -> int:
   ))
   if args.out is not None:
     _env.write_json(args.out, {"producers": args.churn, "seconds": round(churned, 1), "wrong_values": wrong,
-                               "peak": peak, "final": final, "settle_s": round(settled, 1)}, indent=2)
+                               "peak": peak, "final": final, "settle_s": round(settled, 1)})
   return 1 if wrong or any(held) else 0
 
 
@@ -250,6 +250,6 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(f"{g['rss_peak'] >> 20} MiB" for g in report["generators"]))
   print(f"trainer registrations left: {report['trainer']['registrations']}")
   if args.out is not None:
-    _env.write_json(args.out, report, indent=2)
+    _env.write_json(args.out, report)
   leaked = report["trainer"]["registrations"] not in (0, None)
   return 1 if report["errors"] or report["mismatches"] or leaked else 0

@@ -884,7 +884,7 @@ def run_weight_sync(args: argparse.Namespace) -> int:
   for line in _summary(report):
     print(line)
   if args.out is not None:
-    write_json(args.out, report, indent=2)
+    write_json(args.out, report)
   counts = soak.counts
   bad = sum(counts[k] for k in ("wrong_versions", "backwards", "hangs", "other_errors", "late_writes")) + leaks
   return 1 if bad else 0

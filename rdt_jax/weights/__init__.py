@@ -14,8 +14,8 @@ Two ways a version travels, chosen by the publisher per structure:
 * packed (`jax_nixl`, every array leaf in host memory): the leaves are
   copied into one pooled buffer per version, and subscribers copy their
   leaves out of it, node-locally straight from the publisher's memory or
-  through NIXL READs of the buffer as RDT objects of at most
-  `RDT_JAX_WEIGHT_BUCKET_BYTES` each, which the publisher makes when the
+  through NIXL READs of the buffer as RDT objects of at most the
+  publisher's `bucket_bytes` each, which the publisher makes when the
   first subscriber elsewhere asks for them (`rdt_jax.weights._packed`); per
   step each side pays a copy per leaf and no per-leaf registration,
   metadata or plan;

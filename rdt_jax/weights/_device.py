@@ -25,8 +25,9 @@ subscriber's tensors is `rdt_jax.weights._device_route`.
 The table makes the copy safe as it does for host memory: the publisher
 removes a version from the table before its buffer can be reused, and a
 copy that found the version in the table both before and after it copied
-bytes no publish touched. The setting `RDT_JAX_WEIGHT_DEVICE_PACK` turns
-device packing off (`rdt_jax.weights._packed.device_packing`).
+bytes no publish touched. A publisher's `device_pack=False` (default: the
+setting `RDT_JAX_WEIGHT_DEVICE_PACK`) turns device packing off for its
+stream (`rdt_jax.weights._packed.Stream`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ structure, before any byte moves.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 import re
@@ -39,7 +40,7 @@ from rdt_jax.weights._protocol import Published
 from rdt_jax.weights._pull import Pull, committing
 from rdt_jax.weights._staging import empty_like
 
-__all__ = ["From", "Fuse", "MappedPlan", "Source", "check_source_mapping", "dotted", "mapped_plan", "pull_mapped"]
+__all__ = ["From", "Fuse", "MappedPlan", "Source", "check_source_mapping", "leaf_name", "mapped_plan", "pull_mapped"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class From:
   Attributes:
     path: the published leaf, as `jax.tree_util.keystr` prints its path
       (`"['params']['fc']['kernel']"`) or with its keys joined by dots
-      (`"params.fc.kernel"`, where that names one leaf).
+      (`"params.fc.kernel"`, where that names one leaf), as `source=`
+      functions are given template paths.
     transpose: a permutation of the leaf's axes, as for `numpy.transpose`
       (`(1, 0)`: a Flax `(in, out)` kernel as a torch `(out, in)` weight).
     reshape: the shape after the transpose (same number of elements), for
@@ -110,22 +112,33 @@ class Fuse:
 
 
 #: What `WeightSubscriber(source=...)` takes: a mapping from each template
-#: leaf's path to its source, or a function of the path.
+#: leaf's path to its source, or a function of the leaf's name (`leaf_name`).
 Source = Mapping[str, str | From | Fuse | None] | Callable[[str], str | From | Fuse | None]
 
 _TOKEN = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(-?\d+)\]|\.([A-Za-z_]\w*)")
 
 
-def dotted(path: str) -> str | None:
-  """A published path with its keys joined by dots (`['a'][0].b` -> `a.0.b`),
-  or None for a path of other keys."""
+def leaf_name(path: str) -> str:
+  """The name of a leaf as a user writes it in `source=`: the keys of its
+  path (as `jax.tree_util.keystr` prints it) joined by dots. A dict's str
+  key is the string itself (dots and all: `['fc.weight']` -> `fc.weight`),
+  an integer index or key its digits, an attribute its name:
+  `['params']['layers'][0].kernel` -> `params.layers.0.kernel`. A path
+  holding any other key (a tuple, or a str `keystr` prints in double
+  quotes) has no dotted form: its name is the `keystr` path itself.
+
+  The one rendering of paths for mappings: what a `source=` function is
+  given, the second key a `source=` mapping is looked up by, and the
+  dotted form of a published path `From` accepts.
+  """
   keys, at = [], 0
   for m in _TOKEN.finditer(path):
     if m.start() != at:
-      return None
-    keys.append(next(g for g in m.groups() if g is not None))
+      return path
+    text, index, attribute = m.groups()
+    keys.append(ast.literal_eval(f"'{text}'") if text is not None else index if index is not None else attribute)
     at = m.end()
-  return ".".join(keys) if at == len(path) and keys else None
+  return ".".join(keys) if at == len(path) and keys else path
 
 
 def check_source_mapping(source: Any) -> None:
@@ -138,18 +151,18 @@ def check_source_mapping(source: Any) -> None:
 def _spec(source: Source, path: str) -> Fuse | None:
   """The template leaf `path`'s source as a `Fuse` (a `From` is a one-part
   fuse), or None for a leaf the mapping leaves alone."""
+  name = leaf_name(path)
   if isinstance(source, Mapping):
-    name = dotted(path)
     if path in source:
       spec = source[path]
-    elif name is not None and name in source:
+    elif name in source:
       spec = source[name]
     else:
       known = ", ".join(sorted(map(str, source))[:4])
       raise MappingError(f"The template leaf {path} has no entry in source (its keys: {known}, ...); give its "
                        "published path, rdt_jax.From or rdt_jax.Fuse, or None to leave it alone.")
   else:
-    spec = source(path)
+    spec = source(name)
   if spec is None or isinstance(spec, Fuse):
     return spec
   if isinstance(spec, (str, From)):
@@ -179,8 +192,8 @@ class MappedPlan:
     entries: the published structure's array leaves (`LeafEntry`s).
     template: the subscriber's flattened template (path, leaf).
     source: the subscriber's `source`: a mapping keyed by template path (as
-      `keystr` prints it, or with its keys joined by dots), or a function of
-      the `keystr` path.
+      `keystr` prints it, or its `leaf_name`), or a function of the
+      template path's `leaf_name`.
     atomic: whether writes land in staging arrays, committed after the pull.
 
   Raises:
@@ -196,8 +209,8 @@ class MappedPlan:
     by_path = {e[0]: e for e in entries}
     aliases: dict[str, str | None] = {}
     for e in entries:
-      name = dotted(e[0])
-      if name is not None and name not in by_path:
+      name = leaf_name(e[0])
+      if name not in by_path:
         aliases[name] = e[0] if name not in aliases else None  # None: ambiguous
     self.atomic = atomic
     #: The writes of each published leaf read, by published path.

@@ -6,7 +6,7 @@ leaf and copies it into its own parameters. `named_leaves` yields a
 version's `(path, array)` pairs a bucket at a time:
 
 * a packed version on the publisher's host: consecutive leaves of at most
-  `bucket_bytes()` in all (a larger leaf alone) are copied from the
+  the subscriber's `bucket_bytes` in all (a larger leaf alone) are copied from the
   publisher's memory into one pooled host buffer;
 * a packed version elsewhere: the publisher's bucket objects through Ray,
   the next one fetched while the last one's pairs are taken; a leaf that
@@ -44,7 +44,6 @@ from rdt_jax.weights._handle import StaleWeightsError, flatten
 from rdt_jax.weights._packed import PackedLayoutInfo, PackedSource
 from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._protocol import Published, ask_buckets, ask_object, publishers
-from rdt_jax.weights._publisher import bucket_bytes
 from rdt_jax.weights._pull import Pull
 from rdt_jax.weights._routes import (
   await_bucket,
@@ -155,7 +154,7 @@ def _node_local(pull: Pull, info: PackedLayoutInfo, entries: Sequence[Any], sour
   after = False
   origin = source.origin
   assert origin is not None  # can_read_directly said so
-  limit = bucket_bytes()
+  limit = pull.bucket_bytes
   read = [i for i in range(len(entries)) if wanted is None or entries[i][0] in wanted]
   for start, end, positions in groups([layout.offsets[i] for i in read], [layout.sizes[i] for i in read], limit):
     members = [read[k] for k in positions]

@@ -19,7 +19,7 @@ version pays per leaf only a pointer lookup and a copy on each side:
   reading the publisher's table of kept versions (`KeptTable`): no call to
   the publisher, no Ray object fetch;
 * elsewhere it asks the publisher for the buffer as RDT objects of
-  `RDT_JAX_WEIGHT_BUCKET_BYTES` each (made at the first request for the
+  the publisher's `bucket_bytes` each (made at the first request for the
   version), fetches them with `ray.get` (NIXL, one READ each), the next one
   while the last one is copied out, and copies the leaves out of them.
 
@@ -60,7 +60,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from rdt_jax import _dlpack, _layout, _memory, _process, _settings
+from rdt_jax import _dlpack, _layout, _memory, _process
 
 __all__ = [
   "EMPTY",
@@ -200,9 +200,9 @@ class KeptTable:
 
 
 def device_packing() -> bool:
-  """True if versions in device memory may be packed here: the setting
-  `RDT_JAX_WEIGHT_DEVICE_PACK` is on and the CUDA driver loads."""
-  return bool(_settings.value("RDT_JAX_WEIGHT_DEVICE_PACK")) and _memory.ipc_usable()
+  """True if versions in device memory can be packed here: the CUDA driver
+  loads (a publisher packs them only with `device_pack` on)."""
+  return _memory.ipc_usable()
 
 
 @dataclass
@@ -229,9 +229,12 @@ class Stream:
   Args:
     keep: how many versions are kept (the table's length).
     publisher: the publisher's id (heads its table).
+    device_pack: whether a structure whose array leaves all live on one
+      CUDA device is packed in device memory (the publisher's
+      `device_pack`); False: such structures are not packed.
   """
 
-  def __init__(self, keep: int, publisher: str):
+  def __init__(self, keep: int, publisher: str, device_pack: bool = True):
     self.table = KeptTable(keep, publisher)
     self._structure: PublishedStructure | None = None
     self._treedef: Any = None
@@ -240,8 +243,8 @@ class Stream:
     self._split_treedef: Any = None
     self._split_types: list[type] = []
     self._positions: list[int] = []
-    #: Whether a structure in device memory may be packed (`no_device`).
-    self.device_ok = True
+    #: Whether a structure in device memory may be packed (`device_pack`, `no_device`).
+    self.device_ok = device_pack
 
   def split(self, tree: Any) -> tuple[Any, list[Any], list[int], list[Any]]:
     """(treedef, array leaves, their positions, the other leaves) of `tree`.
@@ -268,7 +271,7 @@ class Stream:
   ) -> tuple[PublishedStructure | None, str, list[Any], tuple[Any, ...]]:
     """The packed structure of `tree` (None if it cannot be packed: leaves
     in device memory, unless all on one CUDA device and device packing is
-    on), its digest, its array leaves (typed keys as their key
+    on and possible here), its digest, its array leaves (typed keys as their key
     data) and its other leaves. Checks a new structure in full; a structure
     seen at the last publish costs a signature comparison.
 

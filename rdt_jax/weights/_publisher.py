@@ -37,14 +37,22 @@ from rdt_jax.weights._stats import PublishStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightPublisher", "bucket_bytes"]
+__all__ = ["WeightPublisher", "bucket_size"]
 
 
-def bucket_bytes() -> int:
-  """The bucket size of packed versions read through Ray: the setting
-  `RDT_JAX_WEIGHT_BUCKET_BYTES` (default 256 MiB), rounded down to a multiple
-  of 64 bytes so every bucket starts aligned."""
-  return int(_settings.value("RDT_JAX_WEIGHT_BUCKET_BYTES")) // _limits.HOST_ALIGNMENT * _limits.HOST_ALIGNMENT
+def bucket_size(given: int | None = None) -> int:
+  """A weight stream's bucket size: `given` (a `bucket_bytes=` argument:
+  an int from 4 KiB to 1 TiB), or where it is None the setting
+  `RDT_JAX_WEIGHT_BUCKET_BYTES` (default 256 MiB); rounded down to a multiple
+  of 64 bytes so every bucket starts aligned.
+
+  Raises:
+    TypeError: `given` is not an int (a bool is not one).
+    ValueError: `given` is outside 4 KiB to 1 TiB.
+    SettingError: `given` is None and the setting holds a bad value.
+  """
+  size = int(_settings.argument("RDT_JAX_WEIGHT_BUCKET_BYTES", given, "bucket_bytes"))
+  return size // _limits.HOST_ALIGNMENT * _limits.HOST_ALIGNMENT
 
 
 def _device_copies(tree: Any) -> Any:
@@ -83,7 +91,7 @@ class WeightPublisher:
     place; through Ray by the others); the trainer's arrays are not held, so
     it may change or donate them at once;
   * as a pytree (`pack=False`, leaves in device memory on several devices
-    or with `RDT_JAX_WEIGHT_DEVICE_PACK=0`, or `jax_transfer`):
+    or with `device_pack=False`, or `jax_transfer`):
     one RDT object of the tree, held by rdt_jax while the version is kept.
     Host arrays are sent from where they are (nothing copied at publish); a
     held host jax array is not donated (jax copies it into a new buffer,
@@ -108,6 +116,21 @@ class WeightPublisher:
       the `stream` tag of rdt_jax's Ray metrics on both sides, and
       `WeightsHandle.stream`. Give each stream its own (`"policy"`,
       `"lora"`).
+    bucket_bytes: the size of the RDT objects ("buckets") a packed host
+      version is read in by subscribers that read it through Ray (off this
+      host): an int from 4 KiB to 1 TiB, rounded down to a multiple of 64
+      bytes. Such a subscriber holds at most two buckets at once, and each
+      costs one more fetch. None (default): the setting
+      `RDT_JAX_WEIGHT_BUCKET_BYTES` (256 MiB unless set), read here.
+    device_pack: pack a version whose array leaves all live on one CUDA
+      device into device memory of the publisher's own, copied through CUDA
+      IPC by subscribers on this host whose templates are CUDA tensors
+      (`jax_nixl` with `pack=True` only); False sends such versions as a
+      pytree. None (default): the setting `RDT_JAX_WEIGHT_DEVICE_PACK` (on
+      unless set to 0), read here.
+
+  Both are this stream's own: publishers in one process may differ. The
+  values in use are the attributes `bucket_bytes` and `device_pack`.
 
   A publisher checks at construction that its process can serve every
   subscriber, on its own host and on others: it registers rdt_jax's
@@ -116,7 +139,11 @@ class WeightPublisher:
   without `enable_tensor_transport=True`.
 
   Raises:
-    ValueError: for `keep` < 1, a two-sided transport, or another `name`.
+    ValueError: for `keep` < 1, a two-sided transport, another `name`, or
+      `bucket_bytes` outside its range; the message names the argument.
+    TypeError: a `bucket_bytes` that is not an int, a `device_pack` that is
+      not a bool.
+    SettingError: an argument left out whose setting holds a bad value.
     SetupError: (a `RuntimeError`) outside a Ray actor, or in an actor
       created without `@ray.remote(enable_tensor_transport=True)`; the
       message names the fix.
@@ -124,7 +151,8 @@ class WeightPublisher:
       (its dependency is missing here); the message names it.
   """
 
-  def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True, name: str = "weights"):
+  def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True, name: str = "weights",
+               bucket_bytes: int | None = None, device_pack: bool | None = None):
     # jax is imported here, once, rather than at the first publish: the first
     # import of jax from two threads at once (a threaded actor publishing from
     # several) can fail inside jax's own circular imports (`_DeadlockError`).
@@ -140,10 +168,16 @@ class WeightPublisher:
           f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
           "cannot pull them. Use 'jax_nixl' (or 'jax_transfer')."
       )
+    bucket = bucket_size(bucket_bytes)
+    on_device = bool(_settings.argument("RDT_JAX_WEIGHT_DEVICE_PACK", device_pack, "device_pack"))
     actor = serving_actor(transport)
     self.transport = transport
     self.keep = keep
     self.name = name
+    #: Bytes of each bucket object a packed host version is read in through Ray.
+    self.bucket_bytes = bucket
+    #: Whether versions on one CUDA device are packed in device memory.
+    self.device_pack = on_device
     self._actor = actor
     self._id = uuid.uuid4().hex
     self._lock = threading.Lock()
@@ -151,7 +185,7 @@ class WeightPublisher:
     # digest -> (structure, packed layout or None)
     self._structures: dict[str, Published] = {}
     self.pack = bool(pack)
-    self._stream = Stream(keep, self._id) if transport == "jax_nixl" and self.pack else None
+    self._stream = Stream(keep, self._id, on_device) if transport == "jax_nixl" and self.pack else None
     self._device_buffers = DeviceBuffers()
     self._stats = PublishStats()
     self._sizes: dict[str, int] = {}  # array bytes of each pytree structure published, by digest
@@ -357,7 +391,7 @@ class WeightPublisher:
     """`object_query`'s answer for a packed version: for one in device
     memory the ref of its tree's one object (`device_arrays`, made at the
     first request, bucket size 0); else the refs of its bucket
-    objects (consecutive byte ranges of its buffer of `bucket_bytes()` each,
+    objects (consecutive byte ranges of its buffer of `bucket_bytes` each,
     the last one shorter), put at the first request for the version (under
     the lock, so once) and shared by later ones; or None if it is not kept.
     Then the bucket size, and the versions kept (None once closed)."""
@@ -379,7 +413,7 @@ class WeightPublisher:
           self._count(objects=1)
         return ObjectAnswer(tuple(entry.buckets), 0, kept)
       if entry.buckets is None:
-        size, buffer = bucket_bytes(), entry.buffer
+        size, buffer = self.bucket_bytes, entry.buffer
         entry.buckets = [
             ray.put(buffer[at : at + size], _tensor_transport=self.transport) for at in range(0, buffer.nbytes, size)
         ]

@@ -94,6 +94,8 @@ class Pull:
     current: the version the subscriber held when the pull began.
     cancel: set when the `pull_async` awaiting the pull is cancelled.
     set_version: sets the subscriber's version (None: the template is torn).
+    bucket_bytes: the subscriber's bucket size: the most bytes a
+      node-local read by name (`rdt_jax.weights._named`) copies at once.
   """
 
   handle: WeightsHandle
@@ -102,6 +104,7 @@ class Pull:
   current: int | None
   cancel: threading.Event | None
   set_version: Callable[[int | None], None]
+  bucket_bytes: int
   route: str = "ray"  # the route taken (`PullStats.route`), set by the route
   objects: int = 0  # RDT objects fetched through Ray
   kept: Any = None  # the versions the publisher kept at the last check seen

@@ -38,7 +38,7 @@ from rdt_jax.weights._packed_checks import check_layout, check_source
 from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._plans import PlanKey, Plans
 from rdt_jax.weights._protocol import ask_object, publishers
-from rdt_jax.weights._publisher import WeightPublisher
+from rdt_jax.weights._publisher import WeightPublisher, bucket_size
 from rdt_jax.weights._pull import Pull, PullCancelled, PullLock, committing, pull_threads
 from rdt_jax.weights._sharded_route import MappedShardedPlan, pull_sharded, pull_sharded_mapped, sharded_plan
 from rdt_jax.weights._staging import commit_staged, staged_tree
@@ -80,14 +80,24 @@ class WeightSubscriber:
       `"fc.weight"`, `"layers.0.qkv"`) to a published path (str),
       `rdt_jax.From` (with a transpose, reshape or index range),
       `rdt_jax.Fuse` (several published leaves concatenated), or None (the
-      leaf is left alone); or a function of the template path (the `keystr`
-      form) returning one. Checked at a structure's first pull (errors name
+      leaf is left alone); or a function returning one, given the template
+      leaf's dotted name (`"fc.weight"`, `"layers.0.qkv"`: the key a
+      mapping may use; a path holding a key that is neither a str nor an
+      int, a tuple say, is given as `keystr` prints it). Checked at a structure's first pull (errors name
       the template leaf); published leaves nothing maps to are not read
       node-locally, and through Ray only buckets holding a mapped leaf are
       fetched. A pull reads the version a bucket at a time
       (a leaf larger than a bucket in parts of its rows, unless a reshape
       needs it whole) and writes each leaf's transform into the engine
       tensors as it arrives: extra memory is about one bucket.
+    bucket_bytes: the most bytes a `pull_named` or `source=` pull on the
+      publisher's host copies out of the publisher's memory at a time (a
+      larger leaf alone, or in parts of its rows): an int from 4 KiB to
+      1 TiB, rounded down to a multiple of 64 bytes. Through Ray (off the
+      publisher's host) the publisher's own `bucket_bytes` sizes the
+      buckets. None (default): the setting `RDT_JAX_WEIGHT_BUCKET_BYTES`
+      (256 MiB unless set), read here. The value in use is the attribute
+      `bucket_bytes`.
 
   A pull refused before its fetch started (`StaleWeightsError`, a template
   that does not match, a publisher that is gone) changes nothing in either
@@ -98,11 +108,18 @@ class WeightSubscriber:
     MappingError: a `source=` without a template.
     ArgumentTypeError: (a `TypeError`) a `source=` that is neither a
       mapping nor a function, or maps a leaf to a value of another type.
+    TypeError: a `bucket_bytes` that is not an int.
+    ValueError: a `bucket_bytes` outside its range; the message names the
+      argument, the value and the range.
+    SettingError: `bucket_bytes` left out and its setting holds a bad value.
   """
 
-  def __init__(self, template: Any, atomic: bool = False, source: Source | None = None):
+  def __init__(self, template: Any, atomic: bool = False, source: Source | None = None,
+               bucket_bytes: int | None = None):
     self.template = template
     self.atomic = bool(atomic)
+    #: The most bytes a node-local `pull_named` or `source=` pull copies at a time.
+    self.bucket_bytes = bucket_size(bucket_bytes)
     if source is not None:
       check_source_mapping(source)
       if template is None:
@@ -234,8 +251,9 @@ class WeightSubscriber:
     `handle.version` and `last_pull` describes the pull. Stopping early
     (`close()`, or dropping the iterator) leaves `version` None.
 
-    Memory: a packed version comes in buckets of `RDT_JAX_WEIGHT_BUCKET_BYTES`
-    (consecutive leaves; a larger leaf alone), each pair's array a view of
+    Memory: a packed version comes in buckets (consecutive leaves; a larger
+    leaf alone) of this subscriber's `bucket_bytes` on the publisher's host,
+    of the publisher's `bucket_bytes` through Ray, each pair's array a view of
     its bucket's host buffer, valid while referenced: extra memory stays at
     about one bucket while the caller copies each array and drops it before
     asking for the next bucket's. A version sent as a pytree, or packed in
@@ -283,7 +301,7 @@ class WeightSubscriber:
     with self._counted(handle, deadline):
       check_newer(handle, self._version, self._reached)
       started = time.perf_counter()
-      pull = Pull(handle, label(handle), deadline, self._version, None, self._set_version)
+      pull = Pull(handle, label(handle), deadline, self._version, None, self._set_version, self.bucket_bytes)
       structure = pull.ask(want_structure=True)
       if structure is None:
         raise RuntimeError(f"The publisher no longer knows the structure of version {handle.version}.")
@@ -349,7 +367,7 @@ class WeightSubscriber:
     check_newer(handle, self._version, self._reached)
     current = self._version
     started = time.perf_counter()
-    pull = Pull(handle, label(handle), deadline, current, cancel, self._set_version)
+    pull = Pull(handle, label(handle), deadline, current, cancel, self._set_version, self.bucket_bytes)
     nbytes = None
     key = PlanKey.of(handle)
     source = self.source

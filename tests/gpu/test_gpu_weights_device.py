@@ -38,9 +38,9 @@ def _values(version: int) -> dict[str, np.ndarray]:
 
 @ray.remote(num_gpus=SHARE, enable_tensor_transport=True)
 class Trainer:
-  def __init__(self, keep: int):
+  def __init__(self, keep: int, device_pack: bool | None = None):
     rdt_jax.register()
-    self.publisher = rdt_jax.WeightPublisher(transport="jax_nixl", keep=keep)
+    self.publisher = rdt_jax.WeightPublisher(transport="jax_nixl", keep=keep, device_pack=device_pack)
 
   def publish(self, version: int):
     import jax
@@ -133,6 +133,25 @@ def test_in_place_cuda_tensors_pull_through_cuda_ipc_after_queued_work(gpu_ray):
       assert same and pulled == version and route == "cuda_ipc"
       assert seen == 0.0, "the pull wrote the template before work queued against it on another stream ran"
       assert 1 <= mappings <= 3, f"{mappings} IPC mappings open after {version} versions of keep=2"
+  finally:
+    ray.kill(trainer)
+    ray.kill(generator)
+
+
+@pytest.mark.parametrize(("device_pack", "setting", "packed"), [
+    (False, "1", False), (True, "0", True), (None, "0", False)], ids=["off", "on-over-setting", "setting"])
+def test_device_pack_decides_for_its_stream_over_the_setting(gpu_ray, device_pack, setting, packed):
+  """`WeightPublisher(device_pack=)` packs a stream's GPU versions in device
+  memory or sends them as pytrees, whatever `RDT_JAX_WEIGHT_DEVICE_PACK` says;
+  left out, the setting decides. Either way the bytes arrive."""
+  env = {"env_vars": {"RDT_JAX_WEIGHT_DEVICE_PACK": setting}}
+  trainer = Trainer.options(runtime_env=env).remote(2, device_pack)
+  generator = Generator.remote("torch")
+  try:
+    handle, device_packed = ray.get(trainer.publish.remote(1), timeout=120)
+    assert device_packed == packed and (handle.ref is None) == packed, (handle, device_packed)
+    same, _, pulled, _, route = ray.get(generator.pull.remote(handle), timeout=120)
+    assert same and pulled == 1 and route == ("cuda_ipc" if packed else "ray"), route
   finally:
     ray.kill(trainer)
     ray.kill(generator)
