@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -77,6 +78,35 @@ def run_doctor(*args: str, timeout: float = 180, **env: str) -> subprocess.Compl
   )
 
 
+def run_doctor_watching(*args: str, timeout: float = 180) -> tuple[subprocess.CompletedProcess, bool]:
+  """Runs the command as `run_doctor` does, reading its stderr as it comes:
+  (the finished process, whether the loopback check's name had come out while
+  the command was still running, before its result)."""
+  import threading
+
+  proc = subprocess.Popen([sys.executable, "-m", "rdt_jax", "doctor", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=doctor_env(), cwd=REPO)
+  stdout: list[bytes] = []
+  reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()))  # type: ignore[union-attr]
+  reader.start()
+  started = f"[4/5] {_doctor.CHECKS[3]} ... ".encode()
+  stderr, seen_running = b"", False
+  deadline = time.monotonic() + timeout
+  while chunk := proc.stderr.read1(4096):  # type: ignore[union-attr]
+    stderr += chunk
+    if not seen_running and stderr.endswith(started):
+      seen_running = proc.poll() is None
+    assert time.monotonic() < deadline, stderr.decode()
+  proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+  reader.join()
+  return subprocess.CompletedProcess(proc.args, proc.returncode, stdout[0].decode(), stderr.decode()), seen_running
+
+
+def progress_lines(stderr: str) -> list[tuple[str, str]]:
+  """(check name, result) of each progress line the command wrote to stderr, in order."""
+  return re.findall(r"^\[\d/5\] (.+?) \.\.\. (.+) \(\d+\.\d s\)$", stderr, re.M)
+
+
 def finding(report: dict, what_starts: str) -> dict:
   """The one finding of `report` whose text starts with `what_starts`."""
   found = [f for f in report["findings"] if f["what"].startswith(what_starts)]
@@ -89,9 +119,15 @@ def finding(report: dict, what_starts: str) -> dict:
 
 @pytest.mark.slow  # runs the command's NIXL loopback in a subprocess: tens of seconds
 def test_doctor_passes_on_this_host_and_finds_the_host_read_path():
-  proc = run_doctor("--json")
+  proc, seen_running = run_doctor_watching("--json")
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   report = json.loads(proc.stdout)  # nothing but the report on stdout: the children's output is kept apart
+  # Progress on stderr: each check's name as it starts (out at once, while the command runs), then its result.
+  assert seen_running, proc.stderr
+  lines = progress_lines(proc.stderr)
+  assert [name for name, _ in lines] == list(_doctor.CHECKS), proc.stderr
+  assert lines[0][1].startswith(f"ray {report['versions']['ray']['version']}, jax "), lines
+  assert [result for _, result in lines[1:]] == ["ok, 0 visible", "ok", "ok", "ok"], lines
   assert report["schema"] == "rdt-jax-doctor/1" and report["exit_status"] == 0
   assert {f["severity"] for f in report["findings"]} <= {"ok", "warn"}
   assert all(f["what"] for f in report["findings"])
@@ -147,6 +183,9 @@ def test_without_nixl_it_warns_and_exits_0():
   proc = run_doctor(PYTHONPATH=str(REPO / "tests" / "_no_nixl"))  # NIXL made unimportable, as in test_nixl
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   text = proc.stdout
+  assert text.startswith("rdt-jax doctor\n\nVersions\n"), text  # the report alone: progress goes to stderr
+  assert [name for name, _ in progress_lines(proc.stderr)] == list(_doctor.CHECKS), proc.stderr
+  assert progress_lines(proc.stderr)[2][1] == "warn", proc.stderr  # NIXL missing: jax_nixl not registered
   assert "warn  NIXL is not installed: the jax_nixl transport is unavailable" in text
   assert "NIXL READ of host memory: not checked" in text
   assert "jax_nixl" not in text.split("Transports", 1)[1].split("\n")[1]  # the rdt_jax line
@@ -171,6 +210,29 @@ def test_loopback_that_runs_out_of_time_is_reported_and_leaves_nothing_running()
   assert multiprocessing.active_children() == []
   verdict = _doctor.judge_host_read(loop.reads["host"], None, False, [])
   assert verdict.severity == "fail"
+
+
+def test_progress_writes_a_check_s_name_before_it_runs_then_its_worst_finding():
+  import io
+
+  stream = io.StringIO()
+  progress = _doctor.Progress(3, stream)
+  with progress.check("first") as step:
+    assert stream.getvalue() == "[1/3] first ... "
+    step.findings = [Finding("ok", "a"), Finding("warn", "b"), Finding("warn", "c")]
+  assert re.fullmatch(r"\[1/3\] first \.\.\. 2 warn \(\d\.\d s\)\n", stream.getvalue())
+  with progress.check("second") as step:
+    step.findings, step.note = [Finding("ok", "a"), Finding("fail", "b")], "2 visible"
+  with progress.check("third") as step:
+    step.note = "ray 2.60.0"
+  lines = stream.getvalue().splitlines()
+  assert re.fullmatch(r"\[2/3\] second \.\.\. fail, 2 visible \(\d\.\d s\)", lines[1])
+  assert re.fullmatch(r"\[3/3\] third \.\.\. ray 2\.60\.0 \(\d\.\d s\)", lines[2])
+  with pytest.raises(KeyError), _doctor.Progress(1, stream).check("broken"):
+    raise KeyError("x")
+  assert re.fullmatch(r"\[1/1\] broken \.\.\. stopped by KeyError \(\d\.\d s\)", stream.getvalue().splitlines()[-1])
+  with _doctor.Progress(1, None).check("silent") as step:
+    assert step.result() == "done"
 
 
 # ---- UCX's protocol tables

@@ -49,6 +49,7 @@ EXAMPLES = [
     Example("demo.py", ("--mb", "8", "--leaves", "4", "--rounds", "1")),
     Example("pipeline.py"),
     Example("weight_sync.py", ("--steps", "4", "--mb", "4"), timeout_s=300),
+    Example("rl_loop.py", timeout_s=300),
     Example("shm_transport.py"),
     Example("test_shm_transport.py", pytest=True, timeout_s=300),
     Example("reshard.py"),

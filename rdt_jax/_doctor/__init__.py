@@ -54,11 +54,17 @@ status; `ReadResult` and `Loopback`, what the loopback measured), `ucx_log`
 `judge_reads` and `judge_setup` (the decisions: pure functions of what was
 measured or collected), `installed` (versions, transports, the Ray range),
 `gpus` (GPUs, peer access, `nvidia-smi`), `children` (the loopback's two
-processes), `loopback` (running them; the node-local read), `checks` (the
-whole check, `collect`), `render` (the text report) and `command` (the
-command line). Their names are re-exported here.
+processes), `loopback` (running them; the node-local read), `progress` (each
+check's name and result as it runs, on stderr), `checks` (the whole check,
+`collect`), `render` (the text report) and `command` (the command line). Their
+names are re-exported here.
+
+While it runs, `run` writes each check's name to stderr as it starts, then its
+result and time on the same line; stdout holds the report alone (text, or JSON
+with `--json`).
 """
 
+from rdt_jax._doctor.checks import CHECKS as CHECKS
 from rdt_jax._doctor.checks import collect as collect
 from rdt_jax._doctor.checks import jax_nixl_ucx_env as jax_nixl_ucx_env
 from rdt_jax._doctor.command import add_arguments as add_arguments
@@ -82,6 +88,8 @@ from rdt_jax._doctor.judge_setup import judge_packages as judge_packages
 from rdt_jax._doctor.judge_setup import judge_ray as judge_ray
 from rdt_jax._doctor.judge_setup import judge_xla_memory as judge_xla_memory
 from rdt_jax._doctor.loopback import run_loopback as run_loopback
+from rdt_jax._doctor.progress import Progress as Progress
+from rdt_jax._doctor.progress import Step as Step
 from rdt_jax._doctor.records import Finding as Finding
 from rdt_jax._doctor.records import Loopback as Loopback
 from rdt_jax._doctor.records import ReadResult as ReadResult
@@ -98,11 +106,14 @@ from rdt_jax._doctor.ucx_log import ucx_errors as ucx_errors
 from rdt_jax._doctor.ucx_log import ucx_version as ucx_version
 
 __all__ = [
+  "CHECKS",
   "Finding",
+  "Progress",
   "ProtoRow",
   "ProtoTable",
   "ReadPath",
   "ReadResult",
+  "Step",
   "active_nvlinks",
   "add_arguments",
   "collect",

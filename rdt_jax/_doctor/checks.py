@@ -8,13 +8,14 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TextIO
 
 from rdt_jax._doctor.gpus import collect_gpus
 from rdt_jax._doctor.installed import collect_ray, collect_transports, collect_versions
 from rdt_jax._doctor.judge_reads import judge_device_read, judge_device_read_settings, judge_host_read, judge_node_local
 from rdt_jax._doctor.judge_setup import judge_gpus, judge_packages, judge_xla_memory
 from rdt_jax._doctor.loopback import run_loopback
+from rdt_jax._doctor.progress import Progress
 from rdt_jax._doctor.records import Finding, exit_status
 from rdt_jax._doctor.ucx_log import parse_proto_tables, read_path, ucx_errors, ucx_version
 
@@ -54,34 +55,59 @@ def jax_nixl_ucx_env(user_env: Mapping[str, str], cuda: bool | None = None) -> t
   return {k: v for k, v in sorted(env.items()) if k.startswith("UCX_")}, applied
 
 
-def collect(mb: int = 16, timeout_s: float = 60.0, processes_per_gpu: int = 1) -> dict[str, Any]:
+#: The checks `collect` runs, in order, as its progress lines name them.
+CHECKS = (
+    "versions of Python, Ray, jax, numpy, torch, cupy and NIXL",
+    "GPUs",
+    "Ray's range and the transports register() installs",
+    "UCX: a loopback READ between two processes",
+    "XLA's GPU memory preallocation",
+)
+
+
+def collect(mb: int = 16, timeout_s: float = 60.0, processes_per_gpu: int = 1,
+            progress: TextIO | None = None) -> dict[str, Any]:
   """Every check (see the `rdt_jax._doctor` docstring), as a JSON-ready dict with the
-  findings under "findings" and the exit status under "exit_status"."""
+  findings under "findings" and the exit status under "exit_status".
+
+  Args:
+    progress: where each check's name is written as it starts, then its result
+      (`progress.Progress`); None writes nothing.
+  """
   user_env = dict(os.environ)  # before register(), which sets the UCX defaults here
   findings: list[Finding] = []
   report: dict[str, Any] = {"schema": "rdt-jax-doctor/1"}
+  steps = Progress(len(CHECKS), progress)
   with _quiet_xla():
-    versions = collect_versions()
-    gpus = collect_gpus()
+    with steps.check(CHECKS[0]) as step:
+      versions = collect_versions()
+      step.note = ", ".join(f"{k} {versions[k].get('version') or 'missing'}" for k in ("ray", "jax", "nixl"))
+    with steps.check(CHECKS[1]) as step:
+      gpus = collect_gpus()
+      gpu_finding = judge_gpus(gpus["count"], gpus["names"], gpus["seen_by"], gpus.get("smi_count"),
+                               gpus["peer_access"], gpus.get("active_nvlinks"))
+      step.findings, step.note = [gpu_finding], f"{gpus['count']} visible"
   report["versions"] = versions
-  report["ray"], ray_finding = collect_ray()
-  findings.append(ray_finding)
-  report["transports"], transport_findings = collect_transports(versions, gpus)
-  findings += transport_findings
-  findings += judge_packages(versions, gpus["count"])
+  with steps.check(CHECKS[2]) as step:
+    report["ray"], ray_finding = collect_ray()
+    report["transports"], transport_findings = collect_transports(versions, gpus)
+    step.findings = [ray_finding, *transport_findings, *judge_packages(versions, gpus["count"])]
+  findings += step.findings
   report["gpus"] = gpus
-  findings.append(judge_gpus(gpus["count"], gpus["names"], gpus["seen_by"], gpus.get("smi_count"),
-                             gpus["peer_access"], gpus.get("active_nvlinks")))
-  try:
-    report["ucx"], ucx_findings = _check_ucx(user_env, versions["nixl"], gpus, mb, timeout_s)
-  except Exception as e:  # a broken install can raise anything: the doctor reports it instead of crashing
-    report["ucx"] = {"error": f"{type(e).__name__}: {e}"}
-    ucx_findings = [Finding("fail", "the UCX checks could not run", report["ucx"]["error"],
-                            "Fix what the error names (a broken NIXL, Ray or rdt_jax install), then run it again.")]
-  findings += ucx_findings
+  findings.append(gpu_finding)
+  with steps.check(CHECKS[3]) as step:
+    try:
+      report["ucx"], step.findings = _check_ucx(user_env, versions["nixl"], gpus, mb, timeout_s)
+    except Exception as e:  # a broken install can raise anything: the doctor reports it instead of crashing
+      report["ucx"] = {"error": f"{type(e).__name__}: {e}"}
+      step.findings = [Finding("fail", "the UCX checks could not run", report["ucx"]["error"],
+                               "Fix what the error names (a broken NIXL, Ray or rdt_jax install), then run it again.")]
+  findings += step.findings
   xla_prefixes = ("XLA_PYTHON_CLIENT_", "XLA_CLIENT_")
   report["xla_memory"] = {k: v for k, v in sorted(user_env.items()) if k.startswith(xla_prefixes)}
-  findings.append(judge_xla_memory(user_env, gpus["count"], processes_per_gpu))
+  with steps.check(CHECKS[4]) as step:
+    step.findings = [judge_xla_memory(user_env, gpus["count"], processes_per_gpu)]
+  findings += step.findings
   report["findings"] = [dataclasses.asdict(f) for f in findings]
   report["exit_status"] = exit_status(findings)
   return report

@@ -40,8 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """Runs every check, prints the report (text, or JSON with `--json`) on
-  stdout and returns the exit status: 1 if any finding is a fail, else 0."""
-  report = collect(args.mb, args.timeout, args.jax_processes_per_gpu)
+  stdout and returns the exit status: 1 if any finding is a fail, else 0.
+
+  While the checks run, each one's name as it starts and then its result go to
+  stderr, a line each, so that stdout holds the report alone."""
+  report = collect(args.mb, args.timeout, args.jax_processes_per_gpu, progress=sys.stderr)
   print(json.dumps(report, indent=2) if args.json else render_text(report))
   sys.stdout.flush()
   return int(report["exit_status"])

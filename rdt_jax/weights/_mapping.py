@@ -64,7 +64,9 @@ class From:
       example heads folded into one axis.
     index: one index range per leading axis of the reshaped leaf, as
       `rdt_jax.Slice` takes them (`(slice(0, 128),)`: the first 128 rows, a
-      tensor-parallel rank's part).
+      tensor-parallel rank's part). An int keeps its axis, with length 1, as
+      in `Slice`: `index=2` on an `(L, d, d)` stack gives `(1, d, d)`; for a
+      `(d, d)` layer, write `reshape=(L * d, d), index=(slice(2 * d, 3 * d),)`.
   """
 
   path: str
