@@ -15,8 +15,10 @@ by a comment that names the value it is:
 A reference is `[ALIAS:] WORD... FIELD`. Without `ALIAS:` it reads the block's
 first file. A record is any JSON object of the file (the top-level raw
 `samples` list excepted); the words select exactly one record that has FIELD: a
-word `key=value` matches a record whose `key` is `value`, a bare word a record
-holding it as any of its values, and `a|b` either. FIELD is a key of the record,
+word `key=value` matches a record whose `key` is `value`, `key~text` one whose
+string `key` contains text (a `targets` record's `name`, which holds spaces:
+`name~10,000 name~subtracted value`), a bare word a record holding it as any of
+its values, and `a|b` either. FIELD is a key of the record,
 dotted into nested objects (`ratios.memcpy`), its unit suffix (`_s`, `_ms`,
 `_us`) may be left off (`median` reads `median_s`). One word written `A/B` makes
 the figure a ratio: the reference read with A over the reference read with B
@@ -228,6 +230,13 @@ def field_of(record: dict[str, Any], field: str) -> tuple[str, Any] | None:
 
 
 def word_matches(record: dict[str, Any], word: str) -> bool:
+  """Whether `word` selects `record`: `key=value` (its `key` is value),
+  `key~text` (its string `key` contains text), or a bare value (any of its
+  values is it); `a|b` for either."""
+  if "=" not in word and "~" in word:
+    key, _, wanted = word.partition("~")
+    held = record.get(key)
+    return isinstance(held, str) and any(option in held for option in wanted.split("|"))
   key, sep, wanted = word.partition("=")
   options = (wanted if sep else word).split("|")
   if sep:

@@ -850,6 +850,10 @@ def test_figure_problems_are_found(tmp_path):
           {"case": "fanout4", "path": "jax_nixl", "variant": "x4", "median_s": 0.07684},
           {"case": "fanout4", "path": "jax_nixl", "variant": "x1", "median_s": 0.02804},
       ],
+      "targets": [
+          {"name": "jax_nixl 4 KiB / object store NumPy", "value": 1.694},
+          {"name": "jax_nixl 4 KiB / object store NumPy, jax's own cost subtracted", "value": 1.287},
+      ],
       "samples": [{"case": "4KiB", "path": "raw", "seconds": 0.5}],
   }))
   page = tmp_path / "page.md"
@@ -881,6 +885,13 @@ def test_figure_problems_are_found(tmp_path):
   assert "no alias of this block" in problems("9 ms<!-- fig q: 4KiB jax_nixl median -->")
   assert "names a time, the figure is written as a ratio" in problems("9x<!-- fig 4KiB jax_nixl median -->")
   assert "is an estimate: it carries no reference" in problems("about 2 ms<!-- goal -->")
+  # A record whose name holds spaces is picked by words it contains, and by no value coincidence.
+  assert problems("1.29x<!-- fig name~subtracted value -->, 1.69x<!-- fig max name~NumPy value -->") == ""
+  assert "the results hold 1.29x" in problems("1.28x<!-- fig name~subtracted value -->")
+  assert "2 records" in problems("1.69x<!-- fig name~NumPy value -->")
+  assert "unknown `name~jax.Array`" in problems("1.69x<!-- fig name~jax.Array value -->")
+  assert "unknown `name=subtracted`" in problems("1.29x<!-- fig name=subtracted value -->")
+  assert "unknown `value~1.287`" in problems("1.29x<!-- fig value~1.287 value -->")  # text of strings only
   page.write_text("# A page\n\n<!-- figures from r=docs/benchmarks/nope.json -->\n9 ms<!-- fig median -->\n")
   assert FIGURES.page_problems(page) == [f"{page}:3: r=docs/benchmarks/nope.json does not exist"]
   page.write_text("# A page\n\n<!-- figures from docs/benchmarks/bench-full.json -->\n9 ms\n")
