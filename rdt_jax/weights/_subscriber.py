@@ -56,48 +56,39 @@ class WeightSubscriber:
       objects), jax arrays and `jax.sharding.Sharding`s are placements (the
       leaf arrives as a new jax array with that sharding), `rdt_jax.Slice`
       receives one index range, a typed PRNG key receives a typed key of its
-      implementation. Checked against a version's structure at its first
-      pull (errors name the leaf path); later pulls of the same structure
-      skip the check. None: no template, for a subscriber that only pulls
-      by name (`pull_named`). With `source`: the engine's own tree of
-      numpy or torch tensors (`dict(model.named_parameters())`), written in
-      place.
+      implementation. Checked at a structure's first pull (errors name the
+      leaf path). None: no template, for a subscriber that only pulls by
+      name (`pull_named`). With `source`: the engine's own tree of numpy or
+      torch tensors (`dict(model.named_parameters())`), written in place.
     atomic: False (default): pulls write into the template's arrays in
-      place, with no extra memory. A pull that fails once its fetch started
+      place, with no extra memory; a pull that fails once its fetch started
       raises and leaves `version` None (the template is torn: some leaves may
-      hold the new version's bytes) until the next successful pull. True:
-      pulls land in staging arrays of the template's in-place leaves (one
-      more copy of those leaves in memory, allocated at the first pull and
-      reused), and a successful pull then copies them into the template (one
-      memcpy of those bytes per pull). A failed pull leaves the template's
-      arrays bit for bit as they were and `version` unchanged, unless that
-      last copy into the template itself fails (a device error; a host
-      copy does not fail): then `version` is None, as for a torn pull.
+      hold the new bytes) until the next successful pull. True: pulls land in
+      staging arrays of the template's in-place leaves (one more copy of
+      them, allocated at the first pull and reused), then one memcpy into
+      the template; a failed pull leaves the template's arrays bit for bit as
+      they were and `version` unchanged, unless that last copy fails (a
+      device error; a host copy does not fail): then `version` is None.
     source: where each template leaf's bytes come from in the published
       tree, for a template of the engine's names and layouts: a mapping
-      from each template path (as `jax.tree_util.keystr` prints it:
-      `"['fc.weight']"` for a dict key; or with its keys joined by dots:
-      `"fc.weight"`, `"layers.0.qkv"`) to a published path (str),
-      `rdt_jax.From` (with a transpose, reshape or index range),
-      `rdt_jax.Fuse` (several published leaves concatenated), or None (the
-      leaf is left alone); or a function returning one, given the template
-      leaf's dotted name (`"fc.weight"`, `"layers.0.qkv"`: the key a
-      mapping may use; a path holding a key that is neither a str nor an
-      int, a tuple say, is given as `keystr` prints it). Checked at a structure's first pull (errors name
-      the template leaf); published leaves nothing maps to are not read
-      node-locally, and through Ray only buckets holding a mapped leaf are
-      fetched. A pull reads the version a bucket at a time
-      (a leaf larger than a bucket in parts of its rows, unless a reshape
-      needs it whole) and writes each leaf's transform into the engine
-      tensors as it arrives: extra memory is about one bucket.
+      from each template path (`"['fc.weight']"` as `jax.tree_util.keystr`
+      prints it, or its dotted name `"fc.weight"`, `"layers.0.qkv"`) to a
+      published path (str), `rdt_jax.From` (a transpose, reshape or index
+      range), `rdt_jax.Fuse` (published leaves concatenated), or None (left
+      alone); or a function of the leaf's dotted name returning one (a path
+      with a key neither str nor int, a tuple say, is given in `keystr`
+      form). Checked at a structure's first pull (errors name the template
+      leaf); unmapped published leaves are not read node-locally, and
+      through Ray only buckets holding a mapped leaf are fetched. A pull
+      reads a bucket at a time (a larger leaf in parts of its rows, unless
+      a reshape needs it whole) and writes each leaf's transform into the
+      engine tensors as it arrives: extra memory is about one bucket.
     bucket_bytes: the most bytes a `pull_named` or `source=` pull on the
-      publisher's host copies out of the publisher's memory at a time (a
-      larger leaf alone, or in parts of its rows): an int from 4 KiB to
-      1 TiB, rounded down to a multiple of 64 bytes. Through Ray (off the
-      publisher's host) the publisher's own `bucket_bytes` sizes the
-      buckets. None (default): the setting `RDT_JAX_WEIGHT_BUCKET_BYTES`
-      (256 MiB unless set), read here. The value in use is the attribute
-      `bucket_bytes`.
+      publisher's host copies at a time (a larger leaf alone, or in parts
+      of its rows): an int from 4 KiB to 1 TiB, rounded down to a multiple
+      of 64; through Ray the publisher's `bucket_bytes` sizes the buckets.
+      None (default): `RDT_JAX_WEIGHT_BUCKET_BYTES` (256 MiB unless set),
+      read here. The value in use is the attribute `bucket_bytes`.
 
   A pull refused before its fetch started (`StaleWeightsError`, a template
   that does not match, a publisher that is gone) changes nothing in either
@@ -109,8 +100,7 @@ class WeightSubscriber:
     ArgumentTypeError: (a `TypeError`) a `source=` that is neither a
       mapping nor a function, or maps a leaf to a value of another type.
     TypeError: a `bucket_bytes` that is not an int.
-    ValueError: a `bucket_bytes` outside its range; the message names the
-      argument, the value and the range.
+    ValueError: a `bucket_bytes` outside its range (named in the message).
     SettingError: `bucket_bytes` left out and its setting holds a bad value.
   """
 
@@ -118,7 +108,6 @@ class WeightSubscriber:
                bucket_bytes: int | None = None):
     self.template = template
     self.atomic = bool(atomic)
-    #: The most bytes a node-local `pull_named` or `source=` pull copies at a time.
     self.bucket_bytes = bucket_size(bucket_bytes)
     if source is not None:
       check_source_mapping(source)
