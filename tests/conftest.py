@@ -88,13 +88,21 @@ def _restore_environment():
   restore_environ(saved)
 
 
+#: Variables the process itself owns, left as they are: `ray.init` sets the first
+#: three in the driver for the process's life (Ray 2.60's token authentication:
+#: removing RAY_AUTH_MODE after a Ray has run makes the next cluster's actors die
+#: at start), pytest the last.
+PROCESS_ENV = frozenset({"RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "PYTHONBREAKPOINT", "PYTEST_CURRENT_TEST"})
+
+
 def restore_environ(saved: dict[str, str]) -> None:
-  """Makes `os.environ` exactly `saved` (a `dict(os.environ)`): adds, changes
-  back and removes variables (through `os.environ`, so subprocesses see it)."""
-  for k in set(os.environ) - set(saved):
+  """Makes `os.environ` exactly `saved` (a `dict(os.environ)`), but for
+  `PROCESS_ENV`: adds, changes back and removes variables (through
+  `os.environ`, so subprocesses see it)."""
+  for k in set(os.environ) - set(saved) - PROCESS_ENV:
     del os.environ[k]
   for k, v in saved.items():
-    if os.environ.get(k) != v:
+    if k not in PROCESS_ENV and os.environ.get(k) != v:
       os.environ[k] = v
 
 

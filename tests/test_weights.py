@@ -15,11 +15,13 @@ as pytrees.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import pickle
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -751,23 +753,27 @@ def test_trainer_killed_before_a_node_local_pull_is_the_lifetime_error():
   ray.kill(g)
 
 
-@pytest.fixture
-def loaded_host():
+@contextlib.contextmanager
+def loaded_host() -> Iterator[None]:
   """Two processes spinning on this host's two cores (`yes > /dev/null`)."""
   import subprocess
 
   spinners = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(2)]
-  yield
-  for p in spinners:
-    p.kill()
-    p.wait()
+  try:
+    yield
+  finally:
+    for p in spinners:
+      p.kill()
+      p.wait()
 
 
-def test_a_pull_after_ray_reports_the_trainer_dead_is_the_lifetime_error(loaded_host):
+def test_a_pull_after_ray_reports_the_trainer_dead_is_the_lifetime_error():
   """`ray.kill` has returned and the driver sees `ActorDiedError`, while the
   trainer's process still exists and its memory is readable (stopped here,
   as a killed process on a loaded host may still be exiting): a node-local
-  pull refuses the bytes it can read, as every RDT fetch does."""
+  pull refuses the bytes it can read, as every RDT fetch does. The host is
+  loaded from the kill to the pull's answer (the actors start before: their
+  start-up under load only costs minutes)."""
   import signal
 
   t = trainer()
@@ -776,11 +782,12 @@ def test_a_pull_after_ray_reports_the_trainer_dead_is_the_lifetime_error(loaded_
   try:
     assert ray.get(g.pull.remote(ray.get(t.publish.remote(1))))["version"] == 1
     handle = ray.get(t.publish.remote(2))
-    os.kill(pid, signal.SIGSTOP)
-    ray.kill(t)
-    with pytest.raises(ray.exceptions.ActorDiedError):
-      ray.get(t.publish.remote(3), timeout=ERROR_BOUND_S)
-    r = ray.get(g.try_pull.remote(handle), timeout=ERROR_BOUND_S * 2)
+    with loaded_host():
+      os.kill(pid, signal.SIGSTOP)
+      ray.kill(t)
+      with pytest.raises(ray.exceptions.ActorDiedError):
+        ray.get(t.publish.remote(3), timeout=ERROR_BOUND_S)
+      r = ray.get(g.try_pull.remote(handle), timeout=ERROR_BOUND_S * 2)
     assert r["error"] is not None and "has died: the object died with it" in r["error"], r
     assert r["version"] in (1, None), r  # refused: before the copy, or after it (torn)
   finally:
