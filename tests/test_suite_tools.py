@@ -144,6 +144,25 @@ def test_the_environment_is_restored_exactly():
     os.environ.pop("RDT_JAX_SUITE_TOOLS_OLD", None)
 
 
+
+def test_the_variables_the_process_owns_are_left_as_they_are():
+  """`ray.init` sets RAY_AUTH_MODE for the process's life; a later module's
+  cluster needs it, so the restore neither removes nor changes it."""
+  import conftest
+
+  had = os.environ.pop("RAY_AUTH_MODE", None)
+  try:
+    before = dict(os.environ)
+    os.environ["RAY_AUTH_MODE"] = "token"  # as ray.init under Ray 2.60 sets it
+    conftest.restore_environ(before)
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    assert {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} == before
+  finally:
+    os.environ.pop("RAY_AUTH_MODE", None)
+    if had is not None:
+      os.environ["RAY_AUTH_MODE"] = had
+
+
 # ---- fault points: the code's and docs/faults.md's
 
 
