@@ -431,17 +431,22 @@ def code_value(ref: str) -> tuple[str, float]:
   return ("rate" if name.endswith("_GBPS") else "ratio"), float(value)
 
 
-def code_figure_problems(text: str, page: str) -> list[str]:
-  """What is wrong with the figures of a page that name a setting or a limit:
-  a name the code does not define, or a figure that is not its value."""
-  problems = []
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+  """(1-based number, line) of the lines outside fenced blocks, code spans
+  blanked: code shows the notation; it references nothing."""
   fenced = False
   for n, line in enumerate(text.splitlines(), 1):
     if line.lstrip().startswith(("```", "~~~")):
       fenced = not fenced
-    if fenced:
-      continue
-    line = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), line)
+    if not fenced:
+      yield n, re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), line)
+
+
+def code_figure_problems(text: str, page: str) -> list[str]:
+  """What is wrong with the figures of a page that name a setting or a limit:
+  a name the code does not define, or a figure that is not its value."""
+  problems = []
+  for n, line in prose_lines(text):
     attached = set()
     for m in FIGURE.finditer(line):
       ref = m.group("ref")
@@ -488,14 +493,7 @@ def stray_references(text: str, page: str) -> list[str]:
   for block in blocks(text, page):
     inside.update(range(block.line + 1, block.line + 1 + len(block.lines)))
   problems = []
-  fenced = False
-  for n, line in enumerate(text.splitlines(), 1):
-    if line.lstrip().startswith(("```", "~~~")):
-      fenced = not fenced
-    if fenced:
-      continue
-    # Code spans show the notation; they reference nothing.
-    line = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), line)
+  for n, line in prose_lines(text):
     attached = {m.start("note") for m in FIGURE.finditer(line) if m.group("note")}
     for m in re.finditer(r"<!-- (?:fig |goal -->)", line):
       if n not in inside:
