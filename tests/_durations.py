@@ -4,7 +4,8 @@
 `RDT_JAX_TEST_DURATIONS` to `docs/development/test-durations.txt`; at the end
 of that pytest run `tests/conftest.py` writes there the commit, the date, the
 pytest stage's wall time and its `SLOWEST` slowest test phases, ranked and
-formatted as pytest's `--durations` prints them. Runs with arguments and
+formatted as pytest's `--durations` prints them, then every module's total
+(all its phases summed), longest first: where the run's time goes. Runs with arguments and
 `--fast` runs write nothing.
 """
 
@@ -33,8 +34,25 @@ def slowest(reports: Iterable[Any], n: int = SLOWEST) -> list[str]:
   return [f"{r.duration:02.2f}s {r.when:<8} {r.nodeid}" for r in timed[:n]]
 
 
-def render(commit: str, date: str, wall_s: float, lines: list[str], outcome: str) -> str:
-  """The file's text: a header naming the run, then `lines`."""
+def by_module(reports: Iterable[Any]) -> list[str]:
+  """Every module's total time (the sum of its tests' setup, call and
+  teardown phases), longest first, one line each: "123.4s  37 tests
+  tests/test_x.py". Reports without a duration are left out."""
+  totals: dict[str, float] = {}
+  tests: dict[str, set[str]] = {}
+  for r in reports:
+    if not (hasattr(r, "duration") and hasattr(r, "when")):
+      continue
+    module = r.nodeid.split("::", 1)[0]
+    totals[module] = totals.get(module, 0.0) + r.duration
+    tests.setdefault(module, set()).add(r.nodeid)
+  ranked = sorted(totals, key=lambda m: totals[m], reverse=True)
+  return [f"{totals[m]:.1f}s {len(tests[m]):4d} tests  {m}" for m in ranked]
+
+
+def render(commit: str, date: str, wall_s: float, lines: list[str], outcome: str,
+           modules: list[str] | None = None) -> str:
+  """The file's text: a header naming the run, then `lines`, then `modules`."""
   return (
       "# The full test run's slowest test phases (written by tests/conftest.py at the end of\n"
       "# `bash scripts/test.sh` with no arguments; tests/_durations.py).\n"
@@ -43,6 +61,7 @@ def render(commit: str, date: str, wall_s: float, lines: list[str], outcome: str
       f"pytest wall time: {wall_s:.0f} s ({wall_s / 60:.1f} min)\n"
       f"outcome: {outcome}\n"
       f"slowest {len(lines)}:\n" + "".join(line + "\n" for line in lines)
+      + (f"modules, by total time ({len(modules)}):\n" + "".join(m + "\n" for m in modules) if modules else "")
   )
 
 
@@ -75,5 +94,6 @@ def write(stats: dict[str, list[Any]], wall_s: float, exitstatus: int, repo: pat
   reports = [r for category in stats.values() for r in category]
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   outcome = "passed" if exitstatus == 0 else f"exit status {exitstatus}"
-  path.write_text(render(commit_of(repo), date, wall_s, slowest(reports), outcome))
+  path.write_text(render(commit_of(repo), date, wall_s, slowest(reports), outcome,
+                              by_module(reports)))
   return path

@@ -42,6 +42,20 @@ def test_slowest_ranks_every_phase_and_keeps_n():
   ]
 
 
+def test_modules_are_ranked_by_the_sum_of_their_phases():
+  reports = [
+      _report("tests/test_a.py::test_one", "setup", 2.0),
+      _report("tests/test_a.py::test_one", "call", 1.0),
+      _report("tests/test_a.py::test_two[x]", "call", 1.5),
+      _report("tests/test_b.py::test_three", "call", 5.0),
+      SimpleNamespace(nodeid="tests/test_c.py"),
+  ]
+  assert _durations.by_module(reports) == [
+      "5.0s    1 tests  tests/test_b.py",
+      "4.5s    2 tests  tests/test_a.py",
+  ]
+
+
 def test_the_file_is_written_only_when_the_full_run_names_it(tmp_path, monkeypatch):
   stats = {
       "passed": [_report(f"tests/test_x.py::test_{i}", "call", float(i)) for i in range(40)],
@@ -59,7 +73,8 @@ def test_the_file_is_written_only_when_the_full_run_names_it(tmp_path, monkeypat
   assert "commit: unknown" in text  # tmp_path is no git checkout
   assert "pytest wall time: 2700 s (45.0 min)" in text and "outcome: exit status 1" in text
   assert re.fullmatch(r"date: \d{4}-\d\d-\d\d \d\d:\d\d UTC", next(t for t in text if t.startswith("date:")))
-  listed = text[text.index("slowest 30:") + 1 :]
+  listed = text[text.index("slowest 30:") + 1 : text.index("modules, by total time (1):")]
+  assert text[-1] == f"{99.0 + sum(range(40)):.1f}s   41 tests  tests/test_x.py"  # test_99 too
   assert listed[0] == "99.00s setup    tests/test_x.py::test_99"
   assert listed[1:] == [f"{i}.00s call     tests/test_x.py::test_{i}" for i in range(39, 10, -1)]
 
