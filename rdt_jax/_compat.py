@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -20,19 +21,41 @@ from types import ModuleType
 from typing import Any
 
 
+#: NIXL's builds, one distribution each (`nixl-cu13`, `nixl-cu12`), newest first.
+NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12")
+
+
+def nixl_api_candidates(installed: Callable[[str], bool]) -> tuple[str, ...]:
+  """The `_api` modules `nixl_api` tries, in order, given which modules are
+  `installed` (a check that imports nothing).
+
+  With one NIXL build installed, that build's `_api` alone: it is what the
+  `nixl` meta package would load, and importing the meta package costs a torch
+  import (1.8 s of CPU here) in every process whose torch is a CPU build (the
+  meta package reads the CUDA version off torch, importing it when the build
+  names none). With both builds, the meta package's choice by CUDA version
+  first, then each build.
+  """
+  builds = [name for name in NIXL_BACKENDS if installed(name)]
+  if len(builds) == 1:
+    return (f"{builds[0]}._api",)
+  return ("nixl._api", *(f"{name}._api" for name in NIXL_BACKENDS))
+
+
 @functools.lru_cache(maxsize=1)
 def nixl_api() -> ModuleType:
   """Returns NIXL's `_api` module, whichever distribution provides it.
 
-  `import nixl` needs the `nixl` meta package (CUDA 12 and 13 builds, ~450 MB);
-  `nixl-cu12` / `nixl-cu13` alone provide `nixl_cu12` / `nixl_cu13`. We accept
-  any of them, preferring the meta package's choice when it is installed.
+  `nixl-cu12` / `nixl-cu13` provide `nixl_cu12` / `nixl_cu13`; the `nixl` meta
+  package (both builds, ~450 MB) chooses between them by CUDA version. With
+  one build installed we import it directly, without the meta package; with
+  both, we take the meta package's choice (`nixl_api_candidates`).
 
   Raises:
     ImportError: if no NIXL distribution is installed, naming what to install.
   """
   errors = []
-  for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+  for name in nixl_api_candidates(_installed):
     try:
       api = importlib.import_module(name)
     except ImportError as e:
@@ -49,6 +72,14 @@ def nixl_api() -> ModuleType:
       "12) or `pip install nixl-cu13` (CUDA 13), in every actor's environment. "
       f"Tried: {'; '.join(errors)}"
   )
+
+
+def _installed(name: str) -> bool:
+  """True if top-level module `name` can be found (nothing is imported)."""
+  try:
+    return importlib.util.find_spec(name) is not None
+  except (ImportError, ValueError):
+    return False
 
 
 def nixl_available() -> bool:
