@@ -50,7 +50,8 @@ pip_q() {  # runs pip quietly; prints its output only if it fails
 
 make_venv() {  # make_venv DIR PYTHON-FUNCTION INSTALL-FUNCTION
   local dir=$1 py=$2 install=$3 stamp=$1/.rdt-jax-matrix
-  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/matrix.sh ]; then
+  if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/matrix.sh ] \
+      && [ "$stamp" -nt scripts/constraints.txt ]; then
     return
   fi
   rm -rf "$dir"
@@ -64,7 +65,7 @@ install_ray259() {
   local python=$1
   # torch first, by the rule scripts/setup.sh follows.
   "$python" scripts/install_torch.py
-  pip_q "$python" -m pip install -q --no-compile -e ".[torch,test]" "ray==2.59.0" "jax==0.10.2" "jaxlib==0.10.2"
+  pip_q "$python" -m pip install -q --no-compile -c scripts/constraints.txt -e ".[torch,test]" "ray==2.59.0" "jax==0.10.2" "jaxlib==0.10.2"
   # Ray's own NIXL transport (the interop tests) imports the `nixl` package.
   pip_q "$python" -m pip install -q --no-compile --no-deps "nixl==1.5.1"
 }
