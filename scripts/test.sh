@@ -3,8 +3,7 @@
 # For the full suite (no pytest args, as CI runs it) it first lints (ruff, mypy)
 # and afterwards runs the wheel check (the contract tests against the built
 # wheel installed in a fresh environment) and the version matrix; the pytest
-# stage (two pytest-xdist workers, a module to a worker) writes its slowest
-# tests to docs/development/test-durations.txt.
+# stage writes its slowest tests to docs/development/test-durations.txt.
 # `--fast` (the loop to run while working, a few minutes): lint, then the tests
 # that start no Ray (minus the Sphinx builds) and one Ray smoke test
 # (tests/_selection.py).
@@ -21,8 +20,7 @@ if [ $# -eq 0 ]; then
   # (fatal with CI=true).
   MATRIX_CHECK_ONLY=1 bash scripts/matrix.sh
   bash scripts/lint.sh
-  # Two workers, each module whole on one (tests/_selection.py: SHARED_GROUPS).
-  RDT_JAX_TEST_DURATIONS=docs/development/test-durations.txt python -m pytest tests -n 2 --dist loadfile
+  RDT_JAX_TEST_DURATIONS=docs/development/test-durations.txt python -m pytest tests
   bash scripts/test_wheel.sh
   # Contract-level modules on Ray 2.59 and on Python 3.12 with the newest jax
   # (docs/ray_integration.md lists the matrix).

@@ -1,5 +1,4 @@
-"""Which tests `--fast` runs, the guard that holds them to it, and which
-modules share a worker in the full run.
+"""Which tests `--fast` runs, and the guard that holds them to it.
 
 `pytest tests --fast` (what `scripts/test.sh --fast` runs after the lint)
 selects the tests that start no Ray, minus the slow ones, plus the Ray smoke
@@ -35,44 +34,6 @@ MARKERS = {
     "slow": "starts no Ray but takes tens of seconds (Sphinx builds, NIXL loopbacks, subprocesses); not run by --fast",
     "smoke": "the one Ray test --fast runs: a real transfer through Ray with rdt_jax's transport",
 }
-#: The full run runs on two pytest-xdist workers (scripts/test.sh: `-n 2
-#: --dist loadfile`). Each module runs whole on one worker (its module-scoped
-#: Ray session is started once); the modules below share a group, run one
-#: after another on one worker (`module_group_scheduler`).
-SHARED_GROUPS = {
-    # Ray clusters of several nodes on this host: network namespaces and a
-    # veth pair of fixed names and addresses (rdt_jax/bench/_twohost.py);
-    # nodes added to a `ray start`ed head; a metrics export port.
-    "tests/test_twohost.py": "nodes",
-    "tests/test_multinode.py": "nodes",
-    "tests/test_metrics.py": "nodes",
-    # test_docs compares the output blocks with what test_examples' runs
-    # printed: each example runs once per process (test_examples.run_example).
-    "tests/test_docs.py": "examples",
-    "tests/test_examples.py": "examples",
-}
-
-
-def xdist_group(nodeid: str) -> str:
-  """The group of the test `nodeid`, which one worker runs whole: its
-  module's shared group, else the module itself."""
-  module = nodeid.split("::", 1)[0]
-  return SHARED_GROUPS.get(module, module)
-
-
-def module_group_scheduler(config: Any, log: Any) -> Any:
-  """pytest-xdist's scheduler by scope, the scope of a test being its
-  `xdist_group` (pytest-xdist's own `--dist loadgroup` reads `xdist_group`
-  marks by rewriting node ids, which pytest 9.2 no longer lets it do)."""
-  from xdist.scheduler import LoadScopeScheduling
-
-  class ModuleGroupScheduling(LoadScopeScheduling):
-    def _split_scope(self, nodeid: str) -> str:
-      return xdist_group(nodeid)
-
-  return ModuleGroupScheduling(config, log)
-
-
 #: `-m` of the fast selection.
 FAST_MARKEXPR = "smoke or not (ray or slow)"
 #: Calls that start Ray in this process: `start_ray(...)` (the conftest's,

@@ -7,7 +7,6 @@ Ray smoke test) and write the full run's slowest tests (`_durations`).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import sys
@@ -138,16 +137,6 @@ def pytest_unconfigure(config):
   guard = config.stash.get(_GUARD, None)
   if guard is not None:
     guard.uninstall()
-
-
-if importlib.util.find_spec("xdist") is not None:
-
-  def pytest_xdist_make_scheduler(config, log):
-    """A `--dist loadfile` run (scripts/test.sh) keeps each module whole on one
-    worker and the modules of a shared group together (tests/_selection.py)."""
-    if config.getvalue("dist") != "loadfile":
-      return None
-    return _selection.module_group_scheduler(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -84,33 +82,6 @@ def test_the_file_is_written_only_when_the_full_run_names_it(tmp_path, monkeypat
 def test_commit_names_head_and_uncommitted_changes():
   commit = _durations.commit_of(REPO)
   assert re.fullmatch(r"[0-9a-f]{12}( \+ uncommitted changes)?", commit), commit
-
-
-# ---- the full run's workers
-
-
-def test_modules_sharing_a_host_resource_or_a_cache_share_a_group():
-  assert _selection.xdist_group("tests/test_twohost.py::test_x[a]") == "nodes"
-  assert _selection.xdist_group("tests/test_multinode.py::test_y") == "nodes"
-  assert _selection.xdist_group("tests/test_docs.py::test_z") == _selection.xdist_group("tests/test_examples.py::t")
-  assert _selection.xdist_group("tests/test_weights.py::test_w") == "tests/test_weights.py"
-  for module in _selection.SHARED_GROUPS:
-    assert (REPO / module).is_file(), module
-
-
-def test_a_parallel_run_keeps_each_module_on_one_worker():
-  pytest.importorskip("xdist")
-  modules = ["tests/test_limits.py", "tests/test_settings.py", "tests/test_pack_table.py"]
-  out = subprocess.run(
-      [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "-v", "-p", "no:cacheprovider", *modules],
-      cwd=REPO, capture_output=True, text=True, timeout=300,
-  )
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  workers: dict[str, set[str]] = {}
-  for worker, module in re.findall(r"\[(gw\d+)\] .*?PASSED (tests/\S+?\.py)::", out.stdout):
-    workers.setdefault(module, set()).add(worker)
-  assert sorted(workers) == sorted(modules), out.stdout[-3000:]
-  assert all(len(w) == 1 for w in workers.values()), workers
 
 
 # ---- the --fast guard
