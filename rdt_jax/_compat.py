@@ -20,7 +20,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-
 #: NIXL's builds, one distribution each (`nixl-cu13`, `nixl-cu12`), newest first.
 NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12")
 
