@@ -54,7 +54,7 @@ def nixl_api() -> ModuleType:
     ImportError: if no NIXL distribution is installed, naming what to install.
   """
   errors = []
-  for name in nixl_api_candidates(_installed):
+  for name in nixl_api_candidates(importable):
     try:
       api = importlib.import_module(name)
     except ImportError as e:
@@ -73,8 +73,10 @@ def nixl_api() -> ModuleType:
   )
 
 
-def _installed(name: str) -> bool:
-  """True if top-level module `name` can be found (nothing is imported)."""
+def importable(name: str) -> bool:
+  """True if module `name` can be imported here (checked without importing
+  it; a dotted name imports its parent packages). `rdt_jax._dlpack` looks at
+  frameworks with it too."""
   try:
     return importlib.util.find_spec(name) is not None
   except (ImportError, ValueError):

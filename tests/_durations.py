@@ -24,14 +24,19 @@ ENV = "RDT_JAX_TEST_DURATIONS"
 SLOWEST = 30
 
 
+def timed(reports: Iterable[Any]) -> list[Any]:
+  """The test phases among `reports`: those with a duration and a phase
+  (collection and warning reports have none)."""
+  return [r for r in reports if hasattr(r, "duration") and hasattr(r, "when")]
+
+
 def slowest(reports: Iterable[Any], n: int = SLOWEST) -> list[str]:
   """The `n` longest phases (setup, call, teardown) of `reports`, longest
   first, one line each as pytest's `--durations` writes it
   ("12.34s call     tests/test_x.py::test_y"). Reports without a duration
   (collection, warnings) are left out."""
-  timed = [r for r in reports if hasattr(r, "duration") and hasattr(r, "when")]
-  timed.sort(key=lambda r: r.duration, reverse=True)
-  return [f"{r.duration:02.2f}s {r.when:<8} {r.nodeid}" for r in timed[:n]]
+  phases = sorted(timed(reports), key=lambda r: r.duration, reverse=True)
+  return [f"{r.duration:02.2f}s {r.when:<8} {r.nodeid}" for r in phases[:n]]
 
 
 def by_module(reports: Iterable[Any]) -> list[str]:
@@ -40,9 +45,7 @@ def by_module(reports: Iterable[Any]) -> list[str]:
   tests/test_x.py". Reports without a duration are left out."""
   totals: dict[str, float] = {}
   tests: dict[str, set[str]] = {}
-  for r in reports:
-    if not (hasattr(r, "duration") and hasattr(r, "when")):
-      continue
+  for r in timed(reports):
     module = r.nodeid.split("::", 1)[0]
     totals[module] = totals.get(module, 0.0) + r.duration
     tests.setdefault(module, set()).add(r.nodeid)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
+
+from rdt_jax._compat import importable as importable
 
 
 def loaded_type(modname: str, attr: str) -> type | None:
@@ -14,11 +15,3 @@ def loaded_type(modname: str, attr: str) -> type | None:
   """
   mod = sys.modules.get(modname)
   return getattr(mod, attr, None) if mod is not None else None
-
-
-def importable(name: str) -> bool:
-  """True if module `name` can be imported here (checked without importing it)."""
-  try:
-    return importlib.util.find_spec(name) is not None
-  except (ImportError, ValueError):
-    return False
