@@ -201,6 +201,10 @@ WEIGHTS_COMBINE_ASK_S: Final = 60.0
 #: old mapping is closed once more are open than that.
 IPC_MAPPINGS_KEPT: Final = 16
 
+#: Bytes of a CUDA IPC handle (`sizeof(CUipcMemHandle)`, cuda.h).
+#: Why: CUDA's own size; metadata holding a handle of another size is refused.
+CUDA_IPC_HANDLE_BYTES: Final = 64
+
 #: Seconds between two checks, while a bucket's fetch runs, that the publisher still keeps
 #: the version.
 #: Why: a freed version's buckets are deregistered, and their fetch would end only at Ray's

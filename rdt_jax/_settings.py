@@ -263,6 +263,15 @@ SETTINGS: Final[dict[str, Setting]] = {
             side="consumer",
         ),
         Setting(
+            "RDT_JAX_NIXL_CUDA_IPC", "bool", False,
+            "jax_nixl, opt-in until it has passed tests/gpu on a GPU: a producer puts the CUDA IPC handle "
+            "of the device memory it exports in each object's metadata, and a consumer on its host whose "
+            "receive memory is device memory maps that memory (once per allocation, kept) and copies the "
+            "object with one device-to-device copy instead of a NIXL READ. Set it in producer and "
+            "consumer; an object whose memory CUDA IPC cannot map is read through NIXL, counted as "
+            "`cuda_ipc_fallback` in `receive_stats()`.",
+        ),
+        Setting(
             "RDT_JAX_NIXL_VIEW_REBUILD_S", "seconds", 30.0,
             "jax_nixl: a consumer rebuilds its view of a producer that deregistered host memory at most "
             "this often; a stale descriptor stops working within this time. A producer that deregistered "

@@ -219,7 +219,9 @@ def test_receive_stats_counts_this_processes_fetches(producer):
   rdt_jax.receive_stats("jax_nixl", reset=True)
   assert ray.get(ref)["w"].tolist() == list(range(SMALL))
   stats = rdt_jax.receive_stats("jax_nixl", reset=True)
-  assert set(stats) == {"fetches", "bytes", "destinations", "descriptors", "inline", "direct"}
+  assert set(stats) == {
+      "fetches", "bytes", "destinations", "descriptors", "inline", "direct", "cuda_ipc", "cuda_ipc_fallback"
+  }
   assert all(type(v) is int for v in stats.values())
   assert stats["inline"] == 0 and stats["fetches"] == 1  # out of band: in-band sending is opt-in
   assert rdt_jax.receive_stats() == dict.fromkeys(stats, 0)

@@ -95,4 +95,26 @@ def test_gpu_sh_bench_commands_parse_and_name_known_paths():
   assert weights.weight_sync_big_mb > 0 and weights.weight_sync_small_kb > 0  # the one-leaf trees
   args = parser.parse_args(commands["bench"])
   assert {"ray_nixl_torch", "ray_cuda_ipc_torch", "object_store_jax", "device_memcpy"} <= set(args.paths)
+  assert {"jax_nixl", "jax_nixl_cuda_ipc"} <= set(args.paths)  # the plain-return path, off and on
+  assert args.budget == 1.0
   bench.validate(bench.config_from_args(args))  # raises for an unknown path or case
+
+
+def test_gpu_sh_plan_splits_the_budget_over_every_step_by_default():
+  """The default run fits one lend of a GPU machine: its four steps share
+  500 s, tests/gpu the largest part, and each benchmark ends within 85% of
+  its share."""
+  out = run("gpu.sh", "--plan")
+  assert out.returncode == 0, out.stderr
+  shares = {line.split(":")[0]: int(line.split()[1]) for line in out.stdout.splitlines()}
+  assert list(shares) == ["bench", "tests", "weight-sync", "profile"]
+  assert sum(shares.values()) <= 500 and max(shares, key=shares.get) == "tests" and shares["tests"] >= 200
+  assert f"own --budget {shares['bench'] * 85 // 100} s" in out.stdout
+
+
+def test_gpu_sh_plan_shares_the_budget_among_the_steps_asked_for():
+  out = run("gpu.sh", "--plan", "--steps", "tests,bench", "--budget", "300")
+  assert out.returncode == 0, out.stderr
+  shares = {line.split(":")[0]: int(line.split()[1]) for line in out.stdout.splitlines()}
+  assert set(shares) == {"bench", "tests"} and 290 <= sum(shares.values()) <= 300
+  assert run("gpu.sh", "--plan", "--steps", "tests,nope").returncode == 2

@@ -47,7 +47,7 @@ _LAZY_ENABLE_PEER_ACCESS: Final = 1
 #: CU_STREAM_NON_BLOCKING (cuda.h): the stream does not wait for, nor hold up, the legacy default stream.
 _STREAM_NON_BLOCKING: Final = 1
 #: sizeof(CUipcMemHandle) (cuda.h).
-HANDLE_BYTES: Final = 64
+HANDLE_BYTES: Final = _limits.CUDA_IPC_HANDLE_BYTES
 
 
 class IpcError(OSError):

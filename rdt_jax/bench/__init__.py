@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "plain_with_rdt_jax; "
                            "device cases only: ray_cuda_ipc_torch, ray_nccl_torch, device_memcpy; "
                            "opt-in (only when named): jax_nixl_oob (in-band off), "
-                           "jax_nixl_inband (in-band on up to 100 KiB), jax_nixl_ucx (node-local reads off)")
+                           "jax_nixl_inband (in-band on up to 100 KiB), jax_nixl_ucx (node-local reads off), "
+                           "jax_nixl_cuda_ipc (CUDA IPC reads of device memory on one node on)")
   parser.add_argument("--cases", type=_csv, default=None,
                       help="comma-separated cases: sizes (4KiB, 256MiB, 1GiB), treeN[xSIZE], "
                            "refsN[xSIZE], fanoutN[xSIZE], plain[SIZE]; prefix gpu: for device cases")

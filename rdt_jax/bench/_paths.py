@@ -82,6 +82,11 @@ INBAND_ENV: Final = {"RDT_JAX_INLINE_MAX_BYTES": str(100 << 10)}
 #: run beside jax_nixl, it measures what `process_vm_readv` gains. Opt-in.
 NIXL_UCX: Final = "jax_nixl_ucx"
 UCX_ENV: Final = {"RDT_JAX_NIXL_CMA": "0"}
+#: jax_nixl with CUDA IPC reads of device memory on one node turned on
+#: (`RDT_JAX_NIXL_CUDA_IPC`, off by default until a GPU run passes): run
+#: beside jax_nixl on a GPU, it measures what that path gains. Opt-in.
+NIXL_CUDA_IPC: Final = "jax_nixl_cuda_ipc"
+CUDA_IPC_ENV: Final = {"RDT_JAX_NIXL_CUDA_IPC": "1"}
 #: The jax_nixl variants, each run in an actor group of its own environment
 #: (`GROUP_ENV`): its label, and why it skips "refs" cases (None: it runs
 #: them), whose reader, the driver, runs with the defaults.
@@ -90,9 +95,10 @@ NIXL_VARIANTS: Final = {
     NIXL_OOB: ("jax_nixl, in-band off", None),
     NIXL_INBAND: ("jax_nixl, in-band on", None),
     NIXL_UCX: ("jax_nixl, node-local reads off", "the driver reads node-locally"),
+    NIXL_CUDA_IPC: ("jax_nixl, CUDA IPC reads on", "the driver reads with the defaults"),
 }
 #: Paths a run includes only when `--paths` names them.
-OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_INBAND, NIXL_UCX)
+OPT_IN_PATHS: Final = (NIXL_OOB, NIXL_INBAND, NIXL_UCX, NIXL_CUDA_IPC)
 #: Actor group name and environment of the paths whose actors need their own.
 GROUP_ENV: Final = {
     # Its own actors: the Ray nixl group's actors hold NIXL agents whose
@@ -102,6 +108,7 @@ GROUP_ENV: Final = {
     NIXL_OOB: ("oob", OOB_ENV),
     NIXL_INBAND: ("inband", INBAND_ENV),
     NIXL_UCX: ("ucx", UCX_ENV),
+    NIXL_CUDA_IPC: ("cuda_ipc", CUDA_IPC_ENV),
 }
 
 _ANSI: Final = re.compile(r"\x1b\[[0-9;]*m")

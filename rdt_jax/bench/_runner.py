@@ -225,7 +225,8 @@ def _transport_paths(registered: list[str]) -> list[ActorPath]:
     paths.append(path)
     if name == "jax_nixl":  # the same transport in actors of another environment
       for pid, (label, refs_skip) in _paths.NIXL_VARIANTS.items():
-        variant = ActorPath(pid, f"{label} (jax.Array)", "rdt_jax", "jax", name, ("cpu",), refs_skip=refs_skip)
+        devices = ("cpu", "cuda") if pid == _paths.NIXL_CUDA_IPC else ("cpu",)  # the others are about host reads
+        variant = ActorPath(pid, f"{label} (jax.Array)", "rdt_jax", "jax", name, devices, refs_skip=refs_skip)
         variant.transport_class = cls
         paths.append(variant)
   return paths

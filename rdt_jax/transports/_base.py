@@ -143,11 +143,12 @@ class DlpackTransport(TensorTransportManager):
     reset: `fetches`, `bytes` (payload bytes of every destination),
     `destinations`, `descriptors` (transfer descriptors the backend
     posted, for backends that count them; jax_nixl does), `inline`
-    (fetches of objects that arrived in band, which moved nothing) and
-    `direct` (jax_nixl fetches read node-locally, `rdt_jax._node_local`).
-
-    Args:
-      reset: zero the counters after reading them.
+    (fetches of objects that arrived in band, which moved nothing),
+    `direct` (jax_nixl fetches read node-locally, `rdt_jax._node_local`),
+    `cuda_ipc` (jax_nixl fetches copied through CUDA IPC,
+    `RDT_JAX_NIXL_CUDA_IPC`) and `cuda_ipc_fallback` (fetches that setting
+    sent there but NIXL read, as a warning says once: memory CUDA IPC
+    cannot export or map). `reset` zeroes the counters after reading them.
     """
     return self._stats.read(reset)
 

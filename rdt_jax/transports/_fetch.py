@@ -50,7 +50,10 @@ class ReceiveCounts:
   (`DlpackTransport.receive_stats`), counted under a lock of its own."""
 
   def __init__(self) -> None:
-    self._counts = {"fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0}
+    self._counts = {
+        "fetches": 0, "bytes": 0, "destinations": 0, "descriptors": 0, "inline": 0, "direct": 0, "cuda_ipc": 0,
+        "cuda_ipc_fallback": 0,
+    }
     self._lock = threading.Lock()
 
   def add(self, **counts: int) -> None:

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdt_jax import _dlpack, _faults, _limits, _memory, _process
+from rdt_jax import _dlpack, _faults, _limits, _memory, _process, _settings
 from rdt_jax.transports._destinations import memory_kind
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
 
-__all__ = ["Exports", "LiveSerials", "device_chunks_to_copy"]
+__all__ = ["Exports", "LiveSerials", "device_chunks_to_copy", "ipc_handles"]
 
 
 #: A non-empty chunk to export: (pointer, nbytes, device as NIXL sees it).
@@ -162,6 +162,8 @@ class Exports:
         meta.addresses.append(address)
         meta.device_ids.append(device.index)
         meta.regions.append(region)
+      if _settings.value("RDT_JAX_NIXL_CUDA_IPC"):
+        meta.ipc = ipc_handles(meta, chunks)
       if _faults.ON:
         _faults.hit("nixl.export")
       epochs, agent_meta = self._agent_metadata()
@@ -311,6 +313,49 @@ def device_chunks_to_copy(sizes: list[int], pool_bytes: int) -> list[int]:
   if sum(_memory.aligned(n) for n in sizes) <= pool_bytes:
     return list(range(len(sizes)))
   return [i for i, n in enumerate(sizes) if n <= _limits.PACK_MAX_CHUNK]
+
+
+def ipc_handles(meta: NixlTransportMetadata, chunks: list[_Chunk]) -> list[tuple[int, bytes, int]]:
+  """`NixlTransportMetadata.ipc` of an exported object (`RDT_JAX_NIXL_CUDA_IPC`
+  on): `(region id, handle, offset)` of each device region its chunks lie
+  in, a device staging region (`meta.spans`) or a chunk read in place, in
+  region order. All or nothing: where CUDA IPC cannot export one of them
+  (memory of XLA's allocator, torch with expandable segments; no driver),
+  none, with a warning once per process saying why, and a consumer reads
+  the object through NIXL."""
+  starts: dict[int, tuple[int, int]] = {}  # region id -> (first byte, device index)
+  for (region, start, _) in meta.spans:
+    if region >= 1:  # 0 is the host staging buffer
+      starts[region] = (start, region - 1)
+  for address, region, (_, _, device) in zip(meta.addresses, meta.regions, chunks):
+    if region < 0 and memory_kind(device) == "device":
+      starts[region] = (address, device.index)
+  out = []
+  for region, (start, index) in sorted(starts.items()):
+    try:
+      handle, offset = _memory.ipc_export(start, index)
+    except _memory.IpcError as e:
+      _warn_not_exported(e, region)
+      return []
+    out.append((region, handle, offset))
+  return out
+
+
+_warned_not_exported: list[bool] = []
+
+
+def _warn_not_exported(error: Exception, region: int) -> None:
+  if _warned_not_exported:
+    return
+  _warned_not_exported.append(True)
+  what = "its device staging region" if region >= 0 else "a device chunk read in place (XLA's memory)"
+  warnings.warn(
+      f"rdt_jax (jax_nixl): RDT_JAX_NIXL_CUDA_IPC is on, but CUDA IPC cannot export {what}: {error}. Consumers "
+      "on this host read such objects through NIXL. Objects whose device bytes fit one region of the device pool "
+      "(RDT_JAX_DEVICE_POOL_BYTES) are copied into memory of torch's allocator, which CUDA IPC can map, unless "
+      "torch runs with expandable segments.",
+      RuntimeWarning, stacklevel=3,
+  )
 
 
 _warned_not_ipc = False

@@ -40,6 +40,12 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     spans: `(region id, start address, nbytes)` of each staging region the
       chunks use, as the producer registered it: every chunk of such a region
       lies inside it, and every read stays inside a chunk.
+    ipc: with `RDT_JAX_NIXL_CUDA_IPC` on in the producer, `(region id,
+      handle, offset)` of each device region the chunks lie in (a staging
+      region of `spans`, or a chunk read in place, `-1 - k`): the CUDA IPC
+      handle of the allocation holding it and where in that allocation the
+      region starts. Empty otherwise, or where CUDA IPC cannot map one of
+      them (then a consumer reads the object through NIXL).
     digest: a CRC-32 the producer takes of every other field here and of
       each chunk's size (`where_digest`): a consumer refuses metadata whose
       read locations, serials or agent changed on the way (an accidental
@@ -61,6 +67,7 @@ class NixlTransportMetadata(DlpackTransportMetadata):
   device_ids: list[int] = field(default_factory=list)
   regions: list[int] = field(default_factory=list)
   spans: list[tuple[int, int, int]] = field(default_factory=list)
+  ipc: list[tuple[int, bytes, int]] = field(default_factory=list)
   digest: int = 0
   serial: int = 0
   live: list[tuple[int, int]] = field(default_factory=list)
@@ -113,7 +120,9 @@ class NixlTransportMetadata(DlpackTransportMetadata):
     addresses = check_ints(obj_id, "addresses", self.addresses, n, 1, _limits.NIXL_ADDRESS_LIMIT)
     device_ids = check_ints(obj_id, "device_ids", self.device_ids, n, 0, _limits.NIXL_MAX_DEVICES)
     regions = check_ints(obj_id, "regions", self.regions, n, -n, _limits.NIXL_MAX_DEVICES + 1)
-    self._check_chunks(obj_id, addresses, sizes, device_ids, regions, hosts, self._spans(obj_id))
+    spans = self._spans(obj_id)
+    self._check_chunks(obj_id, addresses, sizes, device_ids, regions, hosts, spans)
+    self._check_ipc(obj_id, regions, hosts, spans)
     serial = check_int(obj_id, "serial", self.serial, 1, 1 << 63)
     self._check_live(obj_id, serial)
     if self.digest != where_digest(self, sizes):
@@ -185,6 +194,31 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       out[span[0]] = (span[1], span[2])
     return out
 
+  def _check_ipc(
+      self, obj_id: str, regions: list[int], hosts: list[bool], spans: dict[int, tuple[int, int]]
+  ) -> None:
+    """Each `ipc` entry names, once, a region of device memory the chunks
+    use, with a handle of CUDA's size and an offset inside user space."""
+    ipc = self.ipc
+    if type(ipc) is not list:
+      raise MetadataError(obj_id, "ipc", f"is a {type(ipc).__name__}, not a list")
+    device_regions = {r for r, host in zip(regions, hosts) if not host}
+    seen: set[int] = set()
+    for i, entry in enumerate(ipc):
+      if not (
+          type(entry) is tuple and len(entry) == 3 and type(entry[0]) is int and type(entry[1]) is bytes
+          and len(entry[1]) == _limits.CUDA_IPC_HANDLE_BYTES and type(entry[2]) is int
+          and 0 <= entry[2] < _limits.NIXL_ADDRESS_LIMIT
+      ):
+        raise MetadataError(obj_id, f"ipc[{i}]", "is not a (region id, 64-byte CUDA IPC handle, offset)")
+      region = entry[0]
+      if region in seen or region not in device_regions or (region >= 0 and region not in spans):
+        raise MetadataError(
+            obj_id, f"ipc[{i}]", f"names region {region}, which is not a device region of the object's chunks "
+            "(or is named twice)",
+        )
+      seen.add(region)
+
   def _check_live(self, obj_id: str, serial: int) -> None:
     live = self.live
     if type(live) is not list or not live:
@@ -211,9 +245,13 @@ def where_digest(meta: NixlTransportMetadata, sizes: list[int]) -> int:
     values.extend(span)
   for r in meta.live:
     values.extend(r)
+  for region, _, offset in meta.ipc:
+    values.extend((region, offset))
   values.extend((meta.serial, meta.agent_version, meta.dereg_epoch, meta.device_dereg_epoch))
   crc = zlib.crc32(values)
   crc = zlib.crc32(f"{meta.agent_name}\x00{meta.origin}".encode(), crc)
+  for _, handle, _ in meta.ipc:
+    crc = zlib.crc32(handle, crc)
   return zlib.crc32(meta.agent_meta or b"", crc)
 
 

@@ -1,4 +1,4 @@
-"""The consumer's read: two strategies behind one interface.
+"""The consumer's read: three strategies behind one interface.
 
 * `NixlRead`: one NIXL READ for the whole object, posted and left in flight
   (`ray.get` of many refs posts every READ before waiting on any); waited for,
@@ -8,6 +8,13 @@
   threads for large objects; the bytes are in place when `start` returns. NIXL
   remains the path for device memory, other hosts, and processes the kernel
   does not let read each other.
+* `CudaIpcRead` (opt-in, `RDT_JAX_NIXL_CUDA_IPC`): a producer on this host
+  that put CUDA IPC handles of its device regions in the metadata
+  (`export.ipc_handles`), read into device memory: each region is mapped
+  once (`rdt_jax._memory.ipc_mapped`, kept per allocation) and the object
+  copied with device-to-device copies on rdt_jax's own stream, ended when
+  `start` returns. Where a handle is missing or cannot be mapped, nothing is
+  read and NIXL reads the object (`cuda_ipc_fallback` in `receive_stats`).
 
 A NIXL READ may still run after its fetch gave up (it is parked with its
 memory, `inflight`), so it never reads into caller memory (`Destination.caller`:
@@ -15,18 +22,20 @@ memory, `inflight`), so it never reads into caller memory (`Destination.caller`:
 with that memory staged in rdt_jax's own buffers); a node-local read has ended
 when `start` returns or raises, so it reads into caller memory directly.
 
-Both call the same staleness check (`staleness.FreedObjects.check`) before
-reading, and both read the same descriptor pairs (`read_pairs`, merged by
+All call the same staleness check (`staleness.FreedObjects.check`) before
+reading, and all read the same descriptor pairs (`read_pairs`, merged by
 `coalesce`). `NixlTransport._read_strategy` picks one per object.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rdt_jax import _dlpack, _faults, _memory
+from rdt_jax import _dlpack, _faults, _memory, _process, _settings
 from rdt_jax import _node_local as node_local
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._destinations import Destination, MemoryKind, StageCallerMemory, memory_kind
@@ -38,9 +47,11 @@ from rdt_jax.transports.nixl.staleness import FreedObjects
 from rdt_jax.transports.nixl.views import DeviceViewBusy, RemoteViews
 
 __all__ = [
-    "READ_FIX", "NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "check_registered", "coalesce",
-    "read_pairs",
+    "READ_FIX", "CudaIpcRead", "NixlRead", "NodeLocalRead", "ReadRefused", "ReadStrategy", "check_registered",
+    "coalesce", "read_pairs",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: What to do after a READ failed to load, prepare or post.
 READ_FIX = (
@@ -323,3 +334,90 @@ class NodeLocalRead:
     except OSError as e:
       raise RuntimeError(f"Node-local read of object {obj_id} from pid {meta.origin[2]} failed: {e}") from None
     self._count(descriptors=len(local), direct=1)
+
+
+class CudaIpcRead:
+  """The CUDA IPC strategy (opt-in): device memory of a producer on this
+  host, mapped and copied on the device (see the module docstring)."""
+
+  def __init__(self, freed: FreedObjects, count: Callable[..., None]):
+    self._freed = freed
+    self._count = count
+    self._warned = False
+
+  @staticmethod
+  def applies(meta: NixlTransportMetadata, kinds: set[MemoryKind]) -> bool:
+    """True if this strategy is the one to try for an object read into
+    receive memory of `kinds`: `RDT_JAX_NIXL_CUDA_IPC` on here, the object's
+    chunks and every destination in device memory, and a producer on this
+    host. `start` may still refuse (no handles, a mapping CUDA refuses)."""
+    if meta.tensor_device is None or memory_kind(_dlpack.Device(meta.tensor_device)) != "device":  # type: ignore[arg-type]
+      return False
+    if kinds != {"device"} or not _settings.value("RDT_JAX_NIXL_CUDA_IPC"):
+      return False
+    return _process.same_host(meta.origin)
+
+  def start(self, obj_id: str, meta: NixlTransportMetadata, dests: list[Destination]) -> None:
+    """Copies the object through CUDA IPC mappings (see `ReadStrategy.start`).
+
+    Raises:
+      ReadRefused: the producer sent no handle for a region read here, or
+        CUDA refused a mapping (nothing was written); counted as
+        `cuda_ipc_fallback`.
+      RuntimeError: a copy failed after the mappings were made.
+    """
+    self._freed.check(obj_id, meta)
+    local, remote, regions = read_pairs(dests, meta, obj_id)
+    check_registered(obj_id, meta, remote)
+    handles = {region: (handle, offset) for region, handle, offset in meta.ipc}
+    missing = sorted({r[1] for r in regions} - handles.keys())
+    if missing:
+      self._refuse(obj_id, f"the producer sent no CUDA IPC handle for region {missing[0]} (see its warning)")
+    starts = region_starts(meta)
+    own = meta.origin == _process.identity()  # this process's own memory: no mapping
+    with contextlib.ExitStack() as stack:
+      bases: dict[tuple[int, int], int] = {}  # (region, local device) -> the region's first byte, here
+      try:
+        for (_, _, device), r in zip(local, regions):
+          key = (r[1], device)
+          if key not in bases:
+            handle, offset = handles[r[1]]
+            bases[key] = (starts[r[1]] if own
+                          else stack.enter_context(_memory.ipc_mapped(handle, device)) + offset)
+      except _memory.IpcError as e:
+        self._refuse(obj_id, f"CUDA refused to map the producer's memory: {e}")
+      mapped = [
+          (bases[(r[1], device)] + address - starts[r[1]], n, device)
+          for (address, n, _), (_, _, device), r in zip(remote, local, regions)
+      ]
+      local, mapped = coalesce(local, mapped, regions)
+      if _faults.ON:
+        _faults.hit("nixl.post")
+      by_device: dict[int, list[tuple[int, int, int]]] = {}
+      for (dst, n, device), (src, _, _) in zip(local, mapped):
+        by_device.setdefault(device, []).append((dst, src, n))
+      try:
+        for device, runs in sorted(by_device.items()):
+          _memory.ipc_copy(runs, device)
+      except _memory.IpcError as e:
+        raise RuntimeError(
+            f"jax_nixl's CUDA IPC copy of object {obj_id} from pid {meta.origin and meta.origin[2]} failed: {e}"
+        ) from None
+    self._count(descriptors=len(local), cuda_ipc=1)
+
+  def _refuse(self, obj_id: str, why: str) -> None:
+    self._count(cuda_ipc_fallback=1)
+    if not self._warned:
+      self._warned = True
+      logger.warning("rdt_jax: jax_nixl reads object %s through NIXL, not CUDA IPC: %s. Later objects that fall "
+                     "back are counted as cuda_ipc_fallback in receive_stats().", obj_id, why)
+    raise ReadRefused(why)
+
+
+def region_starts(meta: NixlTransportMetadata) -> dict[int, int]:
+  """The first byte, in the producer, of every region the object's chunks
+  lie in: each staging region of `meta.spans`, and each chunk read in place
+  (`-1 - k`, the chunk itself)."""
+  starts = {region: start for region, start, _ in meta.spans}
+  starts.update((region, address) for address, region in zip(meta.addresses, meta.regions) if region < 0)
+  return starts

@@ -10,7 +10,8 @@ once. `NixlTransport` composes the package's rooms, each readable alone:
 * `registrations`: the registration cache, pooled buffers, retried
   deregistrations;
 * `export`: the producer's side (packing, in-place registration, serials);
-* `read`: the consumer's two read strategies (NIXL READ, node-local);
+* `read`: the consumer's three read strategies (NIXL READ, node-local, CUDA
+  IPC);
 * `staleness`: the check both strategies make before reading;
 * `views`: the consumer's view of each producer's agent;
 * `inflight`: a posted READ's wait, retirement and parking.
@@ -38,7 +39,7 @@ from rdt_jax.transports.nixl import agent as _agent
 from rdt_jax.transports.nixl.export import Exports
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
 from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
-from rdt_jax.transports.nixl.read import READ_FIX, NixlRead, NodeLocalRead, ReadRefused, ReadStrategy
+from rdt_jax.transports.nixl.read import READ_FIX, CudaIpcRead, NixlRead, NodeLocalRead, ReadRefused, ReadStrategy
 from rdt_jax.transports.nixl.registrations import Registrations, nixl_error
 from rdt_jax.transports.nixl.staleness import FreedObjects, producer_idle_s
 from rdt_jax.transports.nixl.views import RemoteViews
@@ -74,6 +75,8 @@ class NixlTransport(DlpackTransport):
     self._freed = FreedObjects(self._update_poller)
     self._nixl_read = NixlRead(self.agent, self._registrations, self._views, self._inflight, self._freed, self._count)
     self._node_local_read = NodeLocalRead(self._freed, self._count)
+    self._cuda_ipc_read = CudaIpcRead(self._freed, self._count)
+    self._routes = threading.local()  # the route of this thread's last read that ended in `start_receive`
     self._polling = False
     self._next_forget = 0.0
 
@@ -198,22 +201,28 @@ class NixlTransport(DlpackTransport):
   # ---- consumer
 
   def route_of(self, handle: Any) -> str:
-    """"node-local read" for a read done while it started (a process on this
-    host, `NodeLocalRead`), "NIXL READ" for one posted (`NixlRead`)."""
-    return "node-local read" if handle is None else "NIXL READ"
+    """"NIXL READ" for a read posted (`NixlRead`); for one done while it
+    started, "node-local read" (`NodeLocalRead`) or "CUDA IPC"
+    (`CudaIpcRead`), whichever this thread's last read was."""
+    return "NIXL READ" if handle is not None else getattr(self._routes, "last", "node-local read")
 
   def _read_strategy(self, meta: NixlTransportMetadata, dests: list[Destination]) -> ReadStrategy:
     """The one choice of how to read an object: node-local where it applies
-    (`read.NodeLocalRead.applies`), else a NIXL READ."""
-    if NodeLocalRead.applies(meta, {memory_kind(d.device) for d in dests}):
+    (`read.NodeLocalRead.applies`), else CUDA IPC where it applies
+    (`read.CudaIpcRead.applies`, opt-in), else a NIXL READ."""
+    kinds = {memory_kind(d.device) for d in dests}
+    if NodeLocalRead.applies(meta, kinds):
       return self._node_local_read
+    if CudaIpcRead.applies(meta, kinds):
+      return self._cuda_ipc_read
     return self._nixl_read
 
   def receives_synchronously(self, meta: NixlTransportMetadata, kinds: set[MemoryKind]) -> bool:
-    """True where the object is read node-locally (the copy ends inside
-    `start_receive`); a NIXL READ may outlive a fetch given up, so caller
-    memory is staged for it."""
-    return NodeLocalRead.applies(meta, kinds)
+    """True where the object is read node-locally or through CUDA IPC (the
+    copy ends inside `start_receive`); a NIXL READ may outlive a fetch given
+    up, so caller memory is staged for it (and for an object a CUDA IPC read
+    refuses, whose NIXL READ then asks for staging)."""
+    return NodeLocalRead.applies(meta, kinds) or CudaIpcRead.applies(meta, kinds)
 
   def start_receive(
       self,
@@ -226,10 +235,14 @@ class NixlTransport(DlpackTransport):
     if not dests:
       return None
     self.agent()  # a consumer's first read creates its agent and progress thread
+    strategy = self._read_strategy(meta, dests)
     try:
-      return self._read_strategy(meta, dests).start(obj_id, meta, dests)
-    except ReadRefused:  # the kernel refused: node-local reads are off from now on
+      handle = strategy.start(obj_id, meta, dests)
+    except ReadRefused:  # nothing was read (node-local: the kernel refused, and such reads are off from now on)
       return self._nixl_read.start(obj_id, meta, dests)
+    if handle is None:
+      self._routes.last = "CUDA IPC" if strategy is self._cuda_ipc_read else "node-local read"
+    return handle
 
   def wait_receive(self, handle: PostedRead | None, obj_id: str, timeout: float) -> None:
     if handle is None:
