@@ -54,6 +54,89 @@ def test_a_changed_signature_is_reported(monkeypatch):
   assert any("serialize_rdt_objects" in p and "no longer takes" in p for p in problems)
 
 
+def test_rays_own_transports_are_read_from_its_source():
+  from ray.experimental.rdt import util
+
+  found = _ray.registration.ray_default_transports(
+      _ray.wrapping.unwrapped(util._ensure_default_transports_registered)
+  )
+  assert found is not None and sorted(n for n, _, _ in found) == sorted(util.DEFAULT_TRANSPORTS)
+  assert ("NIXL", ["cuda", "cpu"], "NixlTensorTransport") in found
+
+
+def _registers_more():
+  import torch
+  from ray.experimental.rdt.util import NixlTensorTransport, register_tensor_transport
+
+  register_tensor_transport("NIXL", ["cpu"], NixlTensorTransport, torch.Tensor)
+  register_tensor_transport("EXTRA", ["cpu"], NixlTensorTransport, object)
+
+
+def _registers_an_unknown_class():
+  import torch
+  from ray.experimental.rdt.util import register_tensor_transport
+
+  for name in ("NIXL", "GLOO", "NCCL", "CUDA_IPC"):
+    register_tensor_transport(name, ["cpu"], NoSuchClass, torch.Tensor)  # noqa: F821
+
+
+@pytest.mark.parametrize(
+    "ensure", [_registers_more, _registers_an_unknown_class, len], ids=["more", "unknown", "no-source"]
+)
+def test_a_default_registration_rdt_jax_cannot_read_is_left_to_ray(ensure):
+  """Where Ray's default registration registers anything else, or has no
+  source to read, rdt_jax calls it as it is (torch imported), never a guess."""
+  assert _ray.registration.ray_default_transports(ensure) is None
+
+
+def test_ray_s_own_transports_are_registered_without_importing_torch_until_asked():
+  out = run_python(
+      "import sys, rdt_jax; rdt_jax.register()\n"
+      "from ray.experimental.rdt import util\n"
+      "util._ensure_default_transports_registered()\n"
+      "print(sorted(util.transport_manager_info), 'torch' in sys.modules)\n"
+      "print(util.get_transport_data_type('JAX_NIXL').__name__, 'torch' in sys.modules)\n"
+      "import torch\n"
+      "print(util.get_transport_data_type('GLOO') is torch.Tensor,\n"
+      "      util.transport_manager_info['NIXL'].data_type is torch.Tensor)\n"
+  )
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert lines[0].endswith("False") and "'NIXL'" in lines[0] and "'CUDA_IPC'" in lines[0], lines
+  assert lines[1] == "ArrayImpl False"
+  assert lines[2] == "True True"
+
+
+def test_an_actor_that_moves_jax_arrays_never_imports_torch():
+  """Ray imported torch in every worker at its first transport lookup, to
+  register its own transports (about 2 s of CPU per actor); rdt_jax
+  registers them with torch's type looked up only when asked."""
+
+  @ray.remote(enable_tensor_transport=True)
+  class JaxOnly:
+    @ray.method(tensor_transport="jax_nixl")
+    def make(self, n):
+      return {"x": jnp.arange(n, dtype=jnp.float32)}
+
+    def take(self, value):
+      import sys
+
+      return float(value["x"].sum()), "torch" in sys.modules
+
+    def torch_imported(self):
+      import sys
+
+      return "torch" in sys.modules
+
+  producer, consumer = JaxOnly.remote(), JaxOnly.remote()
+  try:
+    assert ray.get(consumer.take.remote(producer.make.remote(4))) == (6.0, False)
+    assert ray.get(producer.torch_imported.remote()) is False
+  finally:
+    ray.kill(producer)
+    ray.kill(consumer)
+
+
 def test_rays_failure_monitor_survives_an_abort_that_raises(monkeypatch):
   """Ray's abort of a failed two-sided transfer kills both actors with
   `ray.kill`; one that raises (the handle already gone) no longer ends Ray's

@@ -99,6 +99,8 @@ def check_ray_shapes() -> list[str]:
   problems = [
       params(util, "register_tensor_transport", ("transport_name", "devices", "transport_manager_class", "data_type")),
       params(util, "_ensure_default_transports_registered", ()),
+      uses(getattr(util, "_ensure_default_transports_registered", None), "util._ensure_default_transports_registered",
+           ("_default_transports_registered", "transport_managers_lock", "register_tensor_transport")),
       params(util, "get_transport_data_type", ("tensor_transport",)),
       params(util, "get_tensor_transport_manager", ("transport_name",)),
       params(util, "normalize_and_validate_tensor_transport", ("tensor_transport",)),
