@@ -114,6 +114,11 @@ def test_an_actor_that_moves_jax_arrays_never_imports_torch():
 
   @ray.remote(enable_tensor_transport=True)
   class JaxOnly:
+    def __init__(self):
+      import sys
+
+      self.torch_at_start = "torch" in sys.modules
+
     @ray.method(tensor_transport="jax_nixl")
     def make(self, n):
       return {"x": jnp.arange(n, dtype=jnp.float32)}
@@ -121,17 +126,20 @@ def test_an_actor_that_moves_jax_arrays_never_imports_torch():
     def take(self, value):
       import sys
 
-      return float(value["x"].sum()), "torch" in sys.modules
+      return float(value["x"].sum()), self.torch_at_start, "torch" in sys.modules
 
     def torch_imported(self):
       import sys
 
-      return "torch" in sys.modules
+      return self.torch_at_start, "torch" in sys.modules
 
-  producer, consumer = JaxOnly.remote(), JaxOnly.remote()
+  # An environment of their own: new worker processes, never ones an earlier
+  # test's tasks ran in (and imported torch in).
+  fresh = {"runtime_env": {"env_vars": {"RDT_JAX_TEST_FRESH_WORKER": "torch-free"}}}
+  producer, consumer = JaxOnly.options(**fresh).remote(), JaxOnly.options(**fresh).remote()
   try:
-    assert ray.get(consumer.take.remote(producer.make.remote(4))) == (6.0, False)
-    assert ray.get(producer.torch_imported.remote()) is False
+    assert ray.get(consumer.take.remote(producer.make.remote(4))) == (6.0, False, False)
+    assert ray.get(producer.torch_imported.remote()) == (False, False)
   finally:
     ray.kill(producer)
     ray.kill(consumer)
