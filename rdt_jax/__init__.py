@@ -64,6 +64,7 @@ if TYPE_CHECKING:
   from rdt_jax.weights import WeightPublisher as WeightPublisher
   from rdt_jax.weights import WeightsHandle as WeightsHandle
   from rdt_jax.weights import WeightSubscriber as WeightSubscriber
+  from rdt_jax.weights import latest_handle as latest_handle
 
 __version__ = "0.1.0"
 
@@ -103,6 +104,7 @@ _EXPORTS: dict[str, str] = {
     "WeightsHandle": "rdt_jax.weights",
     "WholeArrayTransport": "rdt_jax.transports._whole_array",
     "get_async": "rdt_jax._aio",
+    "latest_handle": "rdt_jax.weights",
     "receive_as": "rdt_jax._receive",
     "receive_stats": "rdt_jax._receive",
     "register": "rdt_jax._registry",

@@ -201,6 +201,17 @@ WEIGHTS_COMBINE_ASK_S: Final = 60.0
 #: old mapping is closed once more are open than that.
 IPC_MAPPINGS_KEPT: Final = 16
 
+#: Questions to the board of newest versions one `WeightSubscriber.pull_latest` makes
+#: before a version no longer kept is an error.
+#: Why: each new question finds a newer version, unless the trainer publishes faster than
+#: the subscriber pulls with a small `keep`; three bound the retries of that case.
+LATEST_ATTEMPTS: Final = 3
+
+#: Seconds one question to the board of newest versions waits for its answer.
+#: Why: the board answers from memory in about a Ray actor call; thirty seconds tell a
+#: busy cluster from a board that cannot answer.
+LATEST_ASK_S: Final = 30.0
+
 #: Bytes of a CUDA IPC handle (`sizeof(CUipcMemHandle)`, cuda.h).
 #: Why: CUDA's own size; metadata holding a handle of another size is refused.
 CUDA_IPC_HANDLE_BYTES: Final = 64

@@ -72,8 +72,9 @@ SECTIONS = (
         "([Weight sync](weight_sync.md)).",
         (
             Entry("WeightPublisher", ("publish", "close", "versions", "version", "stats")),
-            Entry("WeightSubscriber", ("pull", "pull_async", "pull_named", "version", "last_pull")),
+            Entry("WeightSubscriber", ("pull", "pull_async", "pull_named", "pull_latest", "version", "last_pull")),
             Entry("WeightsHandle"),
+            Entry("latest_handle"),
             Entry("From"),
             Entry("Fuse"),
             Entry("PullStats"),

@@ -366,6 +366,22 @@ def test_weight_sync_budget_records_the_rows_it_skips(tmp_path):
   assert "Budget: 0.5 s." in md and f"* 1x4KiB x2 store: {reason}" in md
 
 
+def test_weight_sync_measures_asking_for_the_newest_version(tmp_path):
+  """One small row, then the cost of `rdt_jax.latest_handle` from a
+  generator and of an announced publish, in both outputs."""
+  proc = _bench(
+      tmp_path, "--weight-sync", "--weight-sync-leaves", "", "--weight-sync-big-mb", "0",
+      "--weight-sync-generators", "1", "--weight-sync-paths", "rdt", "--reps", "1",
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  doc = json.loads((tmp_path / "bench-weight-sync.json").read_text())
+  latest = doc["latest"]
+  assert latest["asks"] == 3 * 30 and 0 < latest["ask_min_ms"] <= latest["ask_ms"] <= latest["ask_max_ms"]
+  assert latest["announced_publish_ms"] > 0
+  md = (tmp_path / "bench-weight-sync.md").read_text()
+  assert f"median {latest['ask_ms']} ms" in md and "## The newest version" in md
+
+
 def test_weight_sync_budget_cuts_off_a_wait():
   """A wait still going at the deadline ends with the row's cut-off, not a hang."""
   import time

@@ -77,6 +77,10 @@ GPU_KINDS = ("torch",)
 TWO_DEVICES = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
 #: The share of the one GPU each actor holds with `--device gpu`.
 GPU_SHARE = 0.1
+#: The announced stream whose asking cost a run measures (`_latest_cost`).
+LATEST_STREAM = "bench-latest"
+#: Questions for the newest handle per run, after versions announced.
+LATEST_ASKS = 30
 GPU_ENV = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NIXL_LOG_LEVEL": "WARN"}}
 
 
@@ -147,6 +151,23 @@ class _Trainer:
     return out, t1 - t0, t2 - t1, sums
 
 
+  def announce(self, version: int) -> float:
+    """Publishes a small version on the announced stream `LATEST_STREAM`
+    (`announce=True`); the seconds that publish took."""
+    import jax.numpy as jnp
+
+    if getattr(self, "announcer", None) is None:
+      self.announcer: Any = rdt_jax.WeightPublisher(keep=2, name=LATEST_STREAM, announce=True)
+    t0 = time.perf_counter()
+    self.announcer.publish({"w": jnp.zeros(16, jnp.float32)}, version=version)
+    return time.perf_counter() - t0
+
+  def close_announcer(self) -> None:
+    if getattr(self, "announcer", None) is not None:
+      self.announcer.close()
+      self.announcer = None
+
+
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class _Generator:
   def ready(self, device: str) -> None:
@@ -197,6 +218,24 @@ class _Generator:
     self._settle(leaves)
     dt = time.perf_counter() - t0
     return dt, self._sum(leaves if self.kind == "jax" else self.tensors)
+
+  def ask_latest(self, version: int, asks: int) -> list[float]:
+    """Seconds of each of `asks` questions for `LATEST_STREAM`'s newest
+    handle (`rdt_jax.latest_handle`), once the board answers `version`."""
+    deadline = time.monotonic() + 30
+    while True:
+      handle = rdt_jax.latest_handle(LATEST_STREAM)
+      if handle is not None and handle.version == version:
+        break
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"the board never announced version {version} of {LATEST_STREAM}")
+      time.sleep(0.01)
+    out = []
+    for _ in range(asks):
+      t0 = time.perf_counter()
+      rdt_jax.latest_handle(LATEST_STREAM)
+      out.append(time.perf_counter() - t0)
+    return out
 
   def get_copy(self, refs: list) -> tuple[float, tuple[str, str]]:
     t0 = time.perf_counter()
@@ -333,6 +372,25 @@ def _get(refs: Any, deadline: float | None, what: str) -> Any:
     raise _CutOff(f"cut off by the budget during {what}") from None
 
 
+def _latest_cost(trainer: Any, generator: Any, deadline: float | None) -> dict[str, Any]:
+  """What asking for the newest version costs: a generator's
+  `rdt_jax.latest_handle` (one actor call to the board), `LATEST_ASKS`
+  times after each of three announced versions, and the trainer's publish
+  of a 64-byte version with `announce=True` (the announcement's call is not
+  waited for)."""
+  asks: list[float] = []
+  publishes: list[float] = []
+  for version in (1, 2, 3):
+    publishes.append(_get(trainer.announce.remote(version), deadline, "the newest-version question"))
+    asks += _get(generator.ask_latest.remote(version, LATEST_ASKS), deadline, "the newest-version question")
+  _get(trainer.close_announcer.remote(), deadline, "the newest-version question")
+  ordered = sorted(asks)
+  return {
+      "asks": len(asks), "ask_ms": _ms(statistics.median(asks)), "ask_min_ms": _ms(ordered[0]),
+      "ask_max_ms": _ms(ordered[-1]), "announced_publish_ms": _ms(statistics.median(publishes)),
+  }
+
+
 def _run_row(
     trainer: Any, gens: list[Any], kinds: list[str], case: str, path: str, device: str, steps: int,
     deadline: float | None,
@@ -403,8 +461,11 @@ def run(args: Any) -> dict[str, Any]:
       case: _memcpy_ms(sum(int(np.prod(s)) * 4 for s in _leaf_shapes(case))) for case in cases
   }
 
+  latest: dict[str, Any] | None = None
+
   def write() -> dict[str, Any]:  # after every row: a run cut short keeps its rows
-    return _write(args, device, rows, steps, t_start, memcpy, skipped=skipped, budget_s=budget, ucx=ucx)
+    return _write(args, device, rows, steps, t_start, memcpy, skipped=skipped, budget_s=budget, ucx=ucx,
+                  latest=latest)
 
   try:
     trainer = _Trainer.options(**_actor_options(device, False)).remote()  # type: ignore[attr-defined]
@@ -441,6 +502,14 @@ def run(args: Any) -> dict[str, Any]:
         skipped.append({**names, "reason": reason})
         print(f"{case:>12} x{n} {path:<10} skipped: {reason}", flush=True)
       write()
+    if stopped is None:
+      try:
+        latest = _latest_cost(trainer, gens[0], deadline)
+      except _CutOff as e:
+        latest = {"skipped": f"{e} (--budget {budget:g} s)"}
+      except Exception as e:
+        latest = {"skipped": f"failed: {_paths.first_line(e)}"}
+      print(f"newest version: {latest}", flush=True)
   finally:
     if started:
       ray.shutdown()
@@ -459,10 +528,12 @@ def _write(
     skipped: list[dict[str, Any]] | None = None,
     budget_s: float | None = None,
     ucx: dict[str, Any] | None = None,
+    latest: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Writes the rows so far as `bench-weight-sync[-gpu].{json,md}` under
   `args.out`; returns the result written (with `skipped` rows and their
-  reasons, the `budget_s` and the `ucx` settings where given)."""
+  reasons, the `budget_s`, the `ucx` settings and the `latest` question's
+  cost where given)."""
   result: dict[str, Any] = {
       "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "host": {"platform": platform.platform(), "python": platform.python_version()},
@@ -474,6 +545,8 @@ def _write(
     result["skipped"] = skipped
   if ucx is not None:
     result["ucx"] = ucx
+  if latest is not None:
+    result["latest"] = latest
   if device == "gpu":
     result["device"] = _gpu_name()
   out_dir = pathlib.Path(args.out)
@@ -608,6 +681,17 @@ def markdown(result: dict[str, Any]) -> str:
         f"{f'{against:.2f}x' if against is not None else '-'} | {goal} | {met} | "
         f"{copy if copy is not None else '-'} | {fixed} |"
     )
+  latest = result.get("latest")
+  if latest is not None:
+    lines += ["", "## The newest version (`rdt_jax.latest_handle`)", ""]
+    if "skipped" in latest:
+      lines.append(f"Not measured: {latest['skipped']}.")
+    else:
+      lines.append(
+          f"A generator's question for the newest handle: median {latest['ask_ms']} ms "
+          f"({latest['ask_min_ms']}-{latest['ask_max_ms']} ms, {latest['asks']} questions); the trainer's "
+          f"publish of a 64-byte version with `announce=True`: median {latest['announced_publish_ms']} ms."
+      )
   if result.get("skipped"):
     lines += ["", "## Skipped", ""]
     lines += [f"* {r['case']} x{r['generators']} {r['path']}: {r['reason']}" for r in result["skipped"]]

@@ -60,6 +60,8 @@ The wing's rooms, each readable alone (no cycles; a pull moves down them):
   route;
 * `_protocol`: the subscriber's questions to the publisher and their typed
   answers;
+* `_latest`: the board of each announced stream's newest handle
+  (`latest_handle`);
 * `_kept`: a publisher's kept versions and its end, by one rule;
 * `_publisher`: `WeightPublisher` and its kept versions;
 * `_routes`: the read routes (node-local, buckets through Ray, pytree,
@@ -80,6 +82,7 @@ from rdt_jax.weights._handle import MappingError as MappingError
 from rdt_jax.weights._handle import StaleWeightsError as StaleWeightsError
 from rdt_jax.weights._handle import TemplateError as TemplateError
 from rdt_jax.weights._handle import WeightsHandle as WeightsHandle
+from rdt_jax.weights._latest import latest_handle as latest_handle
 from rdt_jax.weights._mapping import From as From
 from rdt_jax.weights._mapping import Fuse as Fuse
 from rdt_jax.weights._publisher import WeightPublisher as WeightPublisher
@@ -89,5 +92,5 @@ from rdt_jax.weights._subscriber import WeightSubscriber as WeightSubscriber
 
 __all__ = [
     "From", "Fuse", "MappingError", "PublishStats", "PullStats", "StaleWeightsError", "TemplateError",
-    "WeightPublisher", "WeightSubscriber", "WeightsHandle",
+    "WeightPublisher", "WeightSubscriber", "WeightsHandle", "latest_handle",
 ]

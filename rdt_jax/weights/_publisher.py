@@ -25,6 +25,7 @@ import numpy as np
 import ray
 
 from rdt_jax import _dlpack, _layout, _limits, _memory, _metrics, _ray, _settings
+from rdt_jax.weights import _latest
 from rdt_jax.weights._device import DeviceBuffer, DeviceBuffers, device_arrays
 from rdt_jax.weights._handle import STREAM_NAME, LeafEntry, WeightsHandle, array_paths, structure_of
 from rdt_jax.weights._handle import digest as structure_digest
@@ -129,8 +130,17 @@ class WeightPublisher:
       pytree. None (default): the setting `RDT_JAX_WEIGHT_DEVICE_PACK` (on
       unless set to 0), read here.
 
-  Both are this stream's own: publishers in one process may differ. The
-  values in use are the attributes `bucket_bytes` and `device_pack`.
+    announce: tell rdt_jax's board of newest versions each version
+      published (one Ray actor call, not waited for), so that any process
+      of this Ray namespace gets the stream's newest handle by its `name`
+      (`rdt_jax.latest_handle`, `WeightSubscriber.pull_latest`) without the
+      trainer routing handles to it; `close()` withdraws it. Give each
+      announcing stream of a namespace its own `name` (the processes of one
+      multi-process trainer share theirs). Default False.
+
+  Both `bucket_bytes` and `device_pack` are this stream's own: publishers in
+  one process may differ. The values in use are the attributes
+  `bucket_bytes` and `device_pack`.
 
   A publisher checks at construction that its process can serve every
   subscriber, on its own host and on others: it registers rdt_jax's
@@ -141,8 +151,8 @@ class WeightPublisher:
   Raises:
     ValueError: for `keep` < 1, a two-sided transport, another `name`, or
       `bucket_bytes` outside its range; the message names the argument.
-    TypeError: a `bucket_bytes` that is not an int, a `device_pack` that is
-      not a bool.
+    TypeError: a `bucket_bytes` that is not an int, a `device_pack` or
+      `announce` that is not a bool.
     SettingError: an argument left out whose setting holds a bad value.
     SetupError: (a `RuntimeError`) outside a Ray actor, or in an actor
       created without `@ray.remote(enable_tensor_transport=True)`; the
@@ -152,7 +162,7 @@ class WeightPublisher:
   """
 
   def __init__(self, transport: str = "jax_nixl", keep: int = 2, pack: bool = True, name: str = "weights",
-               bucket_bytes: int | None = None, device_pack: bool | None = None):
+               bucket_bytes: int | None = None, device_pack: bool | None = None, announce: bool = False):
     # jax is imported here, once, rather than at the first publish: the first
     # import of jax from two threads at once (a threaded actor publishing from
     # several) can fail inside jax's own circular imports (`_DeadlockError`).
@@ -163,6 +173,8 @@ class WeightPublisher:
       raise ValueError(f"keep={keep}: a publisher keeps at least one version readable.")
     if not (isinstance(name, str) and STREAM_NAME.fullmatch(name)):
       raise ValueError(f"name={name!r}: a stream's name is 1 to 64 letters, digits, '_', '.' or '-'.")
+    if type(announce) is not bool:
+      raise TypeError(f"announce={announce!r}: give True or False.")
     if transport in ("jax_gloo", "jax_nccl"):
       raise ValueError(
           f"transport={transport!r} is two-sided: its bytes move only as a task's argument, so a subscriber "
@@ -178,6 +190,8 @@ class WeightPublisher:
     self.bucket_bytes = bucket
     #: Whether versions on one CUDA device are packed in device memory.
     self.device_pack = on_device
+    #: Whether each version is announced as the stream's newest (`rdt_jax.latest_handle`).
+    self.announce = announce
     self._actor = actor
     self._id = uuid.uuid4().hex
     self._lock = threading.Lock()
@@ -336,7 +350,10 @@ class WeightPublisher:
     free_objects(dropped)
     self._reuse(dropped)
     _metrics.count_publish(self.name, kind, nbytes, time.perf_counter() - started)
-    return WeightsHandle(version, ref, self._id, self._actor, digest, packed, self.name, shards)
+    handle = WeightsHandle(version, ref, self._id, self._actor, digest, packed, self.name, shards)
+    if self.announce:
+      _latest.announce(handle)
+    return handle
 
   def _count(self, answered: int = 0, objects: int = 0) -> None:
     """Adds to `stats` (lock held)."""
@@ -441,7 +458,10 @@ class WeightPublisher:
     bytes. Closing says when.
     """
     with self._lock:
+      already = self._closed
       self._closed = True
+    if self.announce and not already:
+      _latest.withdraw(self.name, self._id)
     ending = self._finalizer.detach()
     if ending is not None:  # not ended yet
       args: tuple[Any, ...] = ending[2]

@@ -25,8 +25,9 @@ import ray
 from rdt_jax import _faults, _limits
 from rdt_jax.weights._handle import StaleWeightsError, WeightsHandle, stale_error
 from rdt_jax.weights._protocol import Published, ask_kept
+from rdt_jax.weights._stats import count_failed
 
-__all__ = ["Pull", "PullCancelled", "PullLock", "committing", "pull_threads", "torn"]
+__all__ = ["Pull", "PullCancelled", "PullLock", "committing", "locked_pull", "pull_threads", "torn"]
 
 
 class PullCancelled(Exception):
@@ -185,3 +186,22 @@ def committing(pull: Pull, writes: bool = True) -> Iterator[None]:
 def torn(error: BaseException, version: int, while_: str) -> None:
   error.add_note(f"rdt_jax: the pull of version {version} failed {while_}: the template may hold some of its "
                  "bytes, and the subscriber's version is None until the next successful pull.")
+
+
+@contextlib.contextmanager
+def locked_pull(lock: PullLock, handle: WeightsHandle, deadline: float | None,
+                cancel: threading.Event | None = None) -> Iterator[None]:
+  """Holds a subscriber's pull lock (`PullLock`) for one pull; a pull that
+  raises is counted in rdt_jax's metrics as stale or failed. A `pull_named`
+  iteration the engine stops early (`GeneratorExit`) is neither; a
+  successful pull is counted by the caller, lock released."""
+  lock.acquire(handle.version, deadline, cancel)
+  try:
+    yield
+  except GeneratorExit:
+    raise
+  except BaseException as e:
+    count_failed(handle, e)
+    raise
+  finally:
+    lock.release()

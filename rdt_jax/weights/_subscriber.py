@@ -9,7 +9,6 @@ subscriber run one at a time, whoever calls them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -19,7 +18,7 @@ from typing import Any
 import ray
 
 from rdt_jax import _memory, _ray, _targets
-from rdt_jax.weights import _routes
+from rdt_jax.weights import _latest, _routes
 from rdt_jax.weights._device import DevicePlan
 from rdt_jax.weights._device_route import pull_device_local
 from rdt_jax.weights._handle import (
@@ -39,10 +38,10 @@ from rdt_jax.weights._packed_plan import PackedPlan, unflatten
 from rdt_jax.weights._plans import PlanKey, Plans
 from rdt_jax.weights._protocol import ask_object, publishers
 from rdt_jax.weights._publisher import WeightPublisher, bucket_size
-from rdt_jax.weights._pull import Pull, PullCancelled, PullLock, committing, pull_threads
+from rdt_jax.weights._pull import Pull, PullCancelled, PullLock, committing, locked_pull, pull_threads
 from rdt_jax.weights._sharded_route import MappedShardedPlan, pull_sharded, pull_sharded_mapped, sharded_plan
 from rdt_jax.weights._staging import commit_staged, staged_tree
-from rdt_jax.weights._stats import PullStats, count_failed, count_pulled, lag_of, version_bytes
+from rdt_jax.weights._stats import PullStats, count_pulled, lag_of, version_bytes
 
 __all__ = ["WeightSubscriber"]
 
@@ -193,6 +192,24 @@ class WeightSubscriber:
     deadline = None if timeout is None else time.monotonic() + timeout
     return self._serialized(handle, deadline, None)
 
+  def pull_latest(self, stream: str = "weights", timeout: float | None = None) -> WeightsHandle | None:
+    """`pull` of the newest version announced on `stream` (by a
+    `WeightPublisher(name=stream, announce=True)` in this Ray namespace),
+    if newer than the newest this subscriber reached: one question to
+    rdt_jax's board (`rdt_jax.latest_handle`); a version no longer kept is
+    skipped (three questions in all). `timeout`: seconds for it all.
+
+    Returns:
+      The handle pulled, or None where nothing newer was announced.
+
+    Raises:
+      ValueError: no template (pull by name:
+        `pull_named(rdt_jax.latest_handle(stream))`), or `stream` not a str.
+      StaleWeightsError: three versions in a row no longer kept.
+      TemplateError, MetadataError, ray.exceptions.RayError: as `pull`.
+    """
+    return _latest.pull_latest(self, stream, timeout)
+
   async def pull_async(self, handle: WeightsHandle, timeout: float | None = None) -> Any:
     """`pull`, awaitable: for async actors and drivers, whose event loop it
     does not block (the pull runs in a worker thread). Same arguments,
@@ -287,7 +304,7 @@ class WeightSubscriber:
 
   def _named(self, handle: WeightsHandle, deadline: float | None, rename: Callable[[str], str | None] | None,
              framework: str) -> Iterator[tuple[str, Any]]:
-    with self._counted(handle, deadline):
+    with locked_pull(self._lock, handle, deadline):
       check_newer(handle, self._version, self._reached)
       started = time.perf_counter()
       pull = Pull(handle, label(handle), deadline, self._version, None, self._set_version, self.bucket_bytes)
@@ -307,24 +324,6 @@ class WeightSubscriber:
                                           pull.objects, lag_of(handle.version, pull.kept))
     count_pulled(handle, stats)
 
-  @contextlib.contextmanager
-  def _counted(self, handle: WeightsHandle, deadline: float | None,
-               cancel: threading.Event | None = None) -> Iterator[None]:
-    """Holds this subscriber's pull lock (`PullLock`) for one pull; a pull
-    that raises is counted in rdt_jax's metrics as stale or failed. A
-    `pull_named` iteration the engine stops early (`GeneratorExit`) is
-    neither; a successful pull is counted by the caller, lock released."""
-    self._lock.acquire(handle.version, deadline, cancel)
-    try:
-      yield
-    except GeneratorExit:
-      raise
-    except BaseException as e:
-      count_failed(handle, e)
-      raise
-    finally:
-      self._lock.release()
-
   def _reach(self, version: int) -> None:
     """Records that a pull reached `version` (see `pull`)."""
     self._reached = version if self._reached is None else max(self._reached, version)
@@ -338,7 +337,7 @@ class WeightSubscriber:
 
   def _serialized(self, handle: WeightsHandle, deadline: float | None, cancel: threading.Event | None) -> Any:
     """Runs one pull once no other pull of this subscriber runs."""
-    with self._counted(handle, deadline, cancel):
+    with locked_pull(self._lock, handle, deadline, cancel):
       if cancel is not None and cancel.is_set():
         raise PullCancelled(f"The pull of version {handle.version} was cancelled.")
       value = self._pull(handle, deadline, cancel)
