@@ -374,7 +374,7 @@ class CudaIpcRead:
     if missing:
       self._refuse(obj_id, f"the producer sent no CUDA IPC handle for region {missing[0]} (see its warning)")
     starts = region_starts(meta)
-    own = meta.origin == _process.identity()  # this process's own memory: no mapping
+    own = tuple(meta.origin or ()) == _process.identity()  # this process's own memory: no mapping
     with contextlib.ExitStack() as stack:
       bases: dict[tuple[int, int], int] = {}  # (region, local device) -> the region's first byte, here
       try:
