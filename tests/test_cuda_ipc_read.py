@@ -173,6 +173,8 @@ def test_the_transport_picks_it_reads_synchronously_and_names_the_route(ipc_on, 
   assert t.route_of(None) == "CUDA IPC"
   assert all(np.array_equal(received(buffer, i), producer.chunk(i)) for i in range(3))
   assert t.receive_stats()["cuda_ipc"] == 1 and len(driver.copies) == 1
+  # Without the producer's handles the read will be NIXL's: caller memory is staged for it.
+  assert not t.receives_synchronously(Producer(ipc=False).meta, {"device"})
 
 
 def test_a_refusal_reads_through_nixl_and_is_counted(ipc_on, monkeypatch):

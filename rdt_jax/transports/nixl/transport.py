@@ -12,7 +12,7 @@ once. `NixlTransport` composes the package's rooms, each readable alone:
 * `export`: the producer's side (packing, in-place registration, serials);
 * `read`: the consumer's three read strategies (NIXL READ, node-local, CUDA
   IPC);
-* `staleness`: the check both strategies make before reading;
+* `staleness`: the check every strategy makes before reading;
 * `views`: the consumer's view of each producer's agent;
 * `inflight`: a posted READ's wait, retirement and parking.
 
@@ -218,11 +218,12 @@ class NixlTransport(DlpackTransport):
     return self._nixl_read
 
   def receives_synchronously(self, meta: NixlTransportMetadata, kinds: set[MemoryKind]) -> bool:
-    """True where the object is read node-locally or through CUDA IPC (the
-    copy ends inside `start_receive`); a NIXL READ may outlive a fetch given
-    up, so caller memory is staged for it (and for an object a CUDA IPC read
-    refuses, whose NIXL READ then asks for staging)."""
-    return NodeLocalRead.applies(meta, kinds) or CudaIpcRead.applies(meta, kinds)
+    """True where the object is read node-locally, or through CUDA IPC with
+    the producer's handles in hand (the copy ends inside `start_receive`); a
+    NIXL READ may outlive a fetch given up, so caller memory is staged for
+    it (and for an object a CUDA IPC read then refuses, whose NIXL READ asks
+    for staging)."""
+    return NodeLocalRead.applies(meta, kinds) or (bool(meta.ipc) and CudaIpcRead.applies(meta, kinds))
 
   def start_receive(
       self,
