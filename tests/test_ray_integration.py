@@ -110,39 +110,16 @@ def test_ray_s_own_transports_are_registered_without_importing_torch_until_asked
 def test_an_actor_that_moves_jax_arrays_never_imports_torch():
   """Ray imported torch in every worker at its first transport lookup, to
   register its own transports (about 2 s of CPU per actor); rdt_jax
-  registers them with torch's type looked up only when asked."""
-
-  @ray.remote(enable_tensor_transport=True)
-  class JaxOnly:
-    def __init__(self):
-      import sys
-
-      self.torch_at_start = "torch" in sys.modules
-
-    @ray.method(tensor_transport="jax_nixl")
-    def make(self, n):
-      return {"x": jnp.arange(n, dtype=jnp.float32)}
-
-    def take(self, value):
-      import sys
-
-      return float(value["x"].sum()), self.torch_at_start, "torch" in sys.modules
-
-    def torch_imported(self):
-      import sys
-
-      return self.torch_at_start, "torch" in sys.modules
-
-  # An environment of their own: new worker processes, never ones an earlier
-  # test's tasks ran in (and imported torch in).
-  fresh = {"runtime_env": {"env_vars": {"RDT_JAX_TEST_FRESH_WORKER": "torch-free"}}}
-  producer, consumer = JaxOnly.options(**fresh).remote(), JaxOnly.options(**fresh).remote()
-  try:
-    assert ray.get(consumer.take.remote(producer.make.remote(4))) == (6.0, False, False)
-    assert ray.get(producer.torch_imported.remote()) == (False, False)
-  finally:
-    ray.kill(producer)
-    ray.kill(consumer)
+  registers them with torch's type looked up only when asked. Run in a Ray
+  of its own: a custom transport of torch tensors registered in a driver
+  (this session's tests register some) rightly brings torch to its actors."""
+  script = conftest.REPO / "scripts" / "actor_start_cpu.py"
+  out = subprocess.run(
+      [sys.executable, str(script), "--pairs", "1"], capture_output=True, text=True, timeout=300,
+      env={**os.environ, "PYTHONPATH": str(conftest.REPO)}, cwd=conftest.TESTS_DIR.parent,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "torch imported in a worker: [False]" in out.stdout, out.stdout
 
 
 def test_rays_failure_monitor_survives_an_abort_that_raises(monkeypatch):
