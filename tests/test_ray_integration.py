@@ -111,8 +111,9 @@ def test_an_actor_that_moves_jax_arrays_never_imports_torch():
   """Ray imported torch in every worker at its first transport lookup, to
   register its own transports (about 2 s of CPU per actor); rdt_jax
   registers them with torch's type looked up only when asked. Run in a Ray
-  of its own: a custom transport of torch tensors registered in a driver
-  (this session's tests register some) rightly brings torch to its actors."""
+  of its own: in the full suite's shared session a fresh actor did import
+  torch when it received (likely through a custom transport an earlier
+  test registered, whose class is sent to every new actor; not confirmed)."""
   script = conftest.REPO / "scripts" / "actor_start_cpu.py"
   out = subprocess.run(
       [sys.executable, str(script), "--pairs", "1"], capture_output=True, text=True, timeout=300,
