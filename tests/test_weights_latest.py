@@ -8,6 +8,8 @@ died; the board's rules alone (no Ray); the errors each call documents.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -58,15 +60,26 @@ class Generator:
     return None if handle is None else handle.version
 
 
-def _wait_for(generator, stream: str, version: int) -> None:
+def _wait_for(generator, stream: str, version: int | None) -> None:
   """Until the board answers `version` (announcements are not waited for)."""
   for _ in range(200):
     if ray.get(generator.latest_version.remote(stream)) == version:
       return
-    import time
-
     time.sleep(0.05)
   raise AssertionError(f"the board never announced version {version} of {stream}")
+
+
+def _a_new_publisher_is_found(generator, stream: str, version: int) -> None:
+  """Once `stream`'s publisher is gone (the board answers None), a new one
+  publishing `version` is found and pulled."""
+  _wait_for(generator, stream, None)
+  again = Trainer.remote(stream)
+  try:
+    ray.get(again.publish.remote(version))
+    _wait_for(generator, stream, version)
+    assert ray.get(generator.pull_latest.remote(stream)) == (version, version, True)
+  finally:
+    ray.kill(again)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +100,7 @@ def test_a_dead_board_is_none_until_the_next_announcement(ray_session):
     ray.get(trainer.publish.remote(1))
     _wait_for(generator, "dying", 1)
     ray.kill(trainer)
-    _wait_for(generator, "dying", None)
-    again = Trainer.remote("dying")
-    ray.get(again.publish.remote(2))
-    _wait_for(generator, "dying", 2)
-    assert ray.get(generator.pull_latest.remote("dying")) == (2, 2, True)
-    ray.kill(again)
+    _a_new_publisher_is_found(generator, "dying", 2)
   finally:
     ray.kill(generator)
 
@@ -123,11 +131,7 @@ def test_a_closed_stream_answers_none_and_a_new_publisher_is_found(ray_session):
     ray.get(trainer.close.remote())
     _wait_for(generator, "closing", None)
     assert ray.get(generator.pull_latest.remote("closing")) == (None, None, True)
-    again = Trainer.remote("closing")
-    ray.get(again.publish.remote(6))
-    _wait_for(generator, "closing", 6)
-    assert ray.get(generator.pull_latest.remote("closing")) == (6, 6, True)
-    ray.kill(again)
+    _a_new_publisher_is_found(generator, "closing", 6)
   finally:
     ray.kill(trainer)
     ray.kill(generator)
