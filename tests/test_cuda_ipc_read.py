@@ -23,8 +23,8 @@ from rdt_jax import _limits, _memory, _process
 from rdt_jax._dlpack import ChunkSpec, Device, LeafSpec
 from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._destinations import Destination
-from rdt_jax.transports.nixl import export, read
-from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
+from rdt_jax.transports.nixl import export
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, region_starts, where_digest
 from rdt_jax.transports.nixl.read import CudaIpcRead, ReadRefused
 from rdt_jax.transports.nixl.staleness import FreedObjects
 
@@ -392,4 +392,4 @@ def test_handles_survive_pickling():
 
 def test_region_starts_name_staging_regions_and_chunks_read_in_place():
   producer = Producer()
-  assert read.region_starts(producer.meta) == {1: producer.staging.ctypes.data, -3: producer.in_place.ctypes.data}
+  assert region_starts(producer.meta) == {1: producer.staging.ctypes.data, -3: producer.in_place.ctypes.data}

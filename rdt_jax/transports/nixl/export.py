@@ -35,7 +35,7 @@ from typing import Any
 
 from rdt_jax import _dlpack, _faults, _limits, _memory, _process, _settings
 from rdt_jax.transports._destinations import memory_kind
-from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, where_digest
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, region_starts, where_digest
 from rdt_jax.transports.nixl.registrations import Key, Registrations, nixl_memory
 
 __all__ = ["Exports", "LiveSerials", "device_chunks_to_copy", "ipc_handles"]
@@ -323,15 +323,17 @@ def ipc_handles(meta: NixlTransportMetadata, chunks: list[_Chunk]) -> list[tuple
   (memory of XLA's allocator, torch with expandable segments; no driver),
   none, with a warning once per process saying why, and a consumer reads
   the object through NIXL."""
-  starts: dict[int, tuple[int, int]] = {}  # region id -> (first byte, device index)
-  for (region, start, _) in meta.spans:
-    if region >= 1:  # 0 is the host staging buffer
-      starts[region] = (start, region - 1)
-  for address, region, (_, _, device) in zip(meta.addresses, meta.regions, chunks):
-    if region < 0 and memory_kind(device) == "device":
-      starts[region] = (address, device.index)
   out = []
-  for region, (start, index) in sorted(starts.items()):
+  for region, start in sorted(region_starts(meta).items()):
+    if region >= 0:  # a staging region: 0 in host memory, 1 + device index on a device
+      if region == 0:
+        continue
+      index = region - 1
+    else:  # the in-place chunk -1 - region
+      device = chunks[-1 - region][2]
+      if memory_kind(device) != "device":
+        continue
+      index = device.index
     try:
       handle, offset = _memory.ipc_export(start, index)
     except _memory.IpcError as e:

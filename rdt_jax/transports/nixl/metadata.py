@@ -13,7 +13,7 @@ import numpy as np
 from rdt_jax import _limits
 from rdt_jax._metadata import DlpackTransportMetadata, MetadataError, check_int, check_ints
 
-__all__ = ["NixlTransportMetadata", "where_digest"]
+__all__ = ["NixlTransportMetadata", "region_starts", "where_digest"]
 
 
 @dataclass
@@ -230,6 +230,16 @@ class NixlTransportMetadata(DlpackTransportMetadata):
       last = r[1]
     if not any(a <= serial <= b for a, b in live):
       raise MetadataError(obj_id, "live", f"does not hold the object's own serial {serial}")
+
+
+def region_starts(meta: NixlTransportMetadata) -> dict[int, int]:
+  """The first byte, in the producer, of every region the object's chunks
+  lie in: each staging region of `meta.spans` (0 for host memory, `1 +
+  device index` on a device), and each chunk read in place (`-1 - k`, the
+  chunk itself)."""
+  starts = {region: start for region, start, _ in meta.spans}
+  starts.update((region, address) for address, region in zip(meta.addresses, meta.regions) if region < 0)
+  return starts
 
 
 def where_digest(meta: NixlTransportMetadata, sizes: list[int]) -> int:

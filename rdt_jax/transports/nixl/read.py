@@ -41,7 +41,7 @@ from rdt_jax._metadata import MetadataError
 from rdt_jax.transports._destinations import Destination, MemoryKind, StageCallerMemory, memory_kind
 from rdt_jax.transports.nixl.agent import READ_NOTIF
 from rdt_jax.transports.nixl.inflight import InFlight, PostedRead
-from rdt_jax.transports.nixl.metadata import NixlTransportMetadata
+from rdt_jax.transports.nixl.metadata import NixlTransportMetadata, region_starts
 from rdt_jax.transports.nixl.registrations import Key, NixlError, Registrations, nixl_error, nixl_memory
 from rdt_jax.transports.nixl.staleness import FreedObjects
 from rdt_jax.transports.nixl.views import DeviceViewBusy, RemoteViews
@@ -413,11 +413,3 @@ class CudaIpcRead:
                      "back are counted as cuda_ipc_fallback in receive_stats().", obj_id, why)
     raise ReadRefused(why)
 
-
-def region_starts(meta: NixlTransportMetadata) -> dict[int, int]:
-  """The first byte, in the producer, of every region the object's chunks
-  lie in: each staging region of `meta.spans`, and each chunk read in place
-  (`-1 - k`, the chunk itself)."""
-  starts = {region: start for region, start, _ in meta.spans}
-  starts.update((region, address) for address, region in zip(meta.addresses, meta.regions) if region < 0)
-  return starts
